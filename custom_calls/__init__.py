@@ -1,1 +1,23 @@
-"""placeholder"""
+"""MoE ops behind one name each: pure-JAX references (run everywhere) and accelerated
+implementations (DeepGEMM, Triton) selected through the backend registry.
+
+Importing this package imports no GPU dependency and probes no device.
+"""
+
+from custom_calls.act_quant import quantize_activation
+from custom_calls.activation import (ActivationSpec, activation_quant_contig,
+                                     activation_quant_masked, gated_activation)
+from custom_calls.backends import (AUTO, REFERENCE, Implementation, backends, get_default_backend,
+                                   register, register_lazy, resolve, use_backend)
+from custom_calls.grouped_gemm import (dequantize_lhs, dequantize_rhs, m_grouped_gemm_contig,
+                                       m_grouped_gemm_masked)
+from custom_calls.permute import permute_contig, permute_masked, scatter_rows
+from custom_calls.unpermute import unpermute
+
+__all__ = [
+    "AUTO", "REFERENCE", "ActivationSpec", "Implementation", "activation_quant_contig",
+    "activation_quant_masked", "backends", "dequantize_lhs", "dequantize_rhs", "gated_activation",
+    "get_default_backend", "m_grouped_gemm_contig", "m_grouped_gemm_masked", "permute_contig",
+    "permute_masked", "quantize_activation", "register", "register_lazy", "resolve",
+    "scatter_rows", "unpermute", "use_backend",
+]

@@ -1,0 +1,77 @@
+"""Pre-permute (SPEC §3): place each (token, k) route at its row of the grouped layout and quantize
+the activations for GEMM1 in the same step (the scale image the GEMM consumes).
+
+The placement itself (`src2dst`) is computed by the dispatcher (moe_jax.dispatch); these ops
+move the data. Rows no route lands on are zero (so GEMM1's padding rows are zero too).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from custom_calls._checks import check_dtype, check_rank, check_recipe_arch
+from custom_calls.act_quant import quantize_activation
+from custom_calls.backends import REFERENCE, register, resolve
+
+OP_CONTIG = "permute_contig"
+OP_MASKED = "permute_masked"
+_FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def scatter_rows(x: jax.Array, src2dst: jax.Array, num_rows: int) -> jax.Array:
+    """x: (M, H), src2dst: (M, k) int32 (row of route (m, j), -1 = none; rows distinct)
+    -> (num_rows, H) same dtype, row src2dst[m, j] = x[m], all other rows 0. Differentiable in x."""
+    m, k = src2dst.shape
+    dst = jnp.where(src2dst >= 0, src2dst, num_rows).reshape(-1)  # num_rows: dropped
+    vals = jnp.broadcast_to(x[:, None, :], (m, k, x.shape[1])).reshape(m * k, -1)
+    return jnp.zeros((num_rows, x.shape[1]), x.dtype).at[dst].set(vals, mode="drop",
+                                                                   unique_indices=True)
+
+
+def _contig_reference(x, src2dst, *, num_rows, recipe, arch):
+    return quantize_activation(scatter_rows(x, src2dst, num_rows), recipe, arch)
+
+
+def _masked_reference(x, src2dst, *, num_groups, m_pad, recipe, arch):
+    rows = scatter_rows(x, src2dst, num_groups * m_pad).reshape(num_groups, m_pad, x.shape[1])
+    return quantize_activation(rows, recipe, arch)
+
+
+register(OP_CONTIG, REFERENCE, jax.jit(_contig_reference, static_argnames=("num_rows", "recipe", "arch")))
+register(OP_MASKED, REFERENCE, jax.jit(_masked_reference,
+                                      static_argnames=("num_groups", "m_pad", "recipe", "arch")))
+
+
+def _check(x, src2dst, recipe, arch):
+    check_recipe_arch(recipe, arch)
+    check_rank("x", x, 2, "(M, H)")
+    check_dtype("x", x, _FLOATS)
+    check_rank("src2dst", src2dst, 2, "(M, top_k)")
+    if src2dst.shape[0] != x.shape[0]:
+        raise ValueError(f"src2dst: expected {x.shape[0]} rows (tokens of x), got shape {tuple(src2dst.shape)}")
+    check_dtype("src2dst", src2dst, (jnp.int32,))
+
+
+def permute_contig(x: jax.Array, src2dst: jax.Array, *, num_rows: int, recipe: str, arch: int,
+                   backend: str | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """x: (M, H) float, src2dst: (M, k) int32 rows in [0, num_rows) or -1
+    -> (lhs (num_rows, H) bf16 | e4m3, lhs_scale image (see act_quant) | None).
+    num_rows = M_cap, the static contig capacity (a multiple of the alignment)."""
+    _check(x, src2dst, recipe, arch)
+    impl = resolve(OP_CONTIG, backend, num_tokens=x.shape[0], hidden=x.shape[1],
+                   top_k=src2dst.shape[1], num_rows=num_rows, recipe=recipe, arch=arch, dtype=x.dtype)
+    return impl.impl(x, src2dst, num_rows=num_rows, recipe=recipe, arch=arch)
+
+
+def permute_masked(x: jax.Array, src2dst: jax.Array, *, num_groups: int, m_pad: int, recipe: str,
+                   arch: int, backend: str | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """x: (M, H) float, src2dst: (M, k) int32 flat slab rows g*m_pad + r, or -1
+    -> (lhs (G, m_pad, H) bf16 | e4m3, lhs_scale (G, ...) image | None)."""
+    _check(x, src2dst, recipe, arch)
+    if m_pad % 128:
+        raise ValueError(f"m_pad: expected a multiple of 128, got {m_pad}")
+    impl = resolve(OP_MASKED, backend, num_tokens=x.shape[0], hidden=x.shape[1],
+                   top_k=src2dst.shape[1], num_groups=num_groups, m_pad=m_pad, recipe=recipe,
+                   arch=arch, dtype=x.dtype)
+    return impl.impl(x, src2dst, num_groups=num_groups, m_pad=m_pad, recipe=recipe, arch=arch)

@@ -1,0 +1,43 @@
+"""Post-permute (SPEC §5, standard path): weighted gather-sum over top-k via src2dst, in fp32,
+times routed_scaling_factor, in one pass."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from custom_calls._checks import check_dtype, check_rank
+from custom_calls.backends import REFERENCE, register, resolve
+
+OP = "unpermute"
+
+
+def _reference(d, src2dst, topk_weights, *, routed_scaling_factor, out_dtype):
+    rows = d[jnp.clip(src2dst, 0, d.shape[0] - 1)].astype(jnp.float32)  # (M, k, H)
+    w = jnp.where(src2dst >= 0, topk_weights.astype(jnp.float32), 0.0)
+    # a -1 route must contribute exactly nothing, even if its gathered row holds inf/nan
+    rows = jnp.where((src2dst >= 0)[..., None], rows, 0.0)
+    out = jnp.einsum("mkh,mk->mh", rows, w, precision=jax.lax.Precision.HIGHEST)
+    return (out * jnp.float32(routed_scaling_factor)).astype(out_dtype)
+
+
+register(OP, REFERENCE, jax.jit(_reference, static_argnames=("routed_scaling_factor", "out_dtype")))
+
+
+def unpermute(d: jax.Array, src2dst: jax.Array, topk_weights: jax.Array, *,
+              routed_scaling_factor: float = 1.0, out_dtype=jnp.bfloat16,
+              backend: str | None = None) -> jax.Array:
+    """d: (R, H) GEMM2 output rows (masked slabs flattened to (G*m_pad, H)), src2dst: (M, k) int32
+    (-1 = route not here), topk_weights: (M, k) f32
+    -> (M, H) out_dtype: out[m] = scaling * sum_j w[m, j] * d[src2dst[m, j]], accumulated in fp32."""
+    check_rank("d", d, 2, "(R, H)")
+    check_rank("src2dst", src2dst, 2, "(M, top_k)")
+    check_dtype("src2dst", src2dst, (jnp.int32,))
+    if topk_weights.shape != src2dst.shape:
+        raise ValueError(f"topk_weights: expected shape {tuple(src2dst.shape)} (as src2dst), got "
+                         f"{tuple(topk_weights.shape)}")
+    out_dtype = jnp.dtype(out_dtype)
+    impl = resolve(OP, backend, num_rows=d.shape[0], hidden=d.shape[1], num_tokens=src2dst.shape[0],
+                   top_k=src2dst.shape[1], out_dtype=out_dtype)
+    return impl.impl(d, src2dst, topk_weights, routed_scaling_factor=float(routed_scaling_factor),
+                     out_dtype=out_dtype)

@@ -1,0 +1,213 @@
+"""`MoEConfig`: the static description of one MoE layer (SPEC §1-§5).
+
+A frozen, hashable dataclass: pass it as a static argument to `jax.jit`. Sizes here are the model's
+(global) sizes; the sharded paths read per-rank sizes (E_local, I_local) from the parameter shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+RECIPES = ("bf16", "fp8_block", "mxfp8", "mxfp4")
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
+ACTIVATIONS = ("silu", "swiglu_oai", "situ")
+LAYOUTS = ("auto", "contig", "masked")
+ARCHS = (90, 100)
+
+# Recipes the GEMMs of each GPU family consume (SPEC §8). mxfp4 runs on 90 through the load-time
+# FP4 -> FP8 path (SPEC §2.1 B); mxfp8 needs UE8M0 GEMMs, i.e. 100.
+RECIPE_ARCHS = {"bf16": (90, 100), "fp8_block": (90, 100), "mxfp8": (100,), "mxfp4": (90, 100)}
+
+# Quantized recipes: H and I must be multiples of this (128x128 weight blocks, 128-wide activation
+# groups, and the FP4 -> FP8 re-grouping to 128 on SM90).
+QUANT_SIZE_MULTIPLE = 128
+# Row alignment of contig segments for quantized GEMMs (DeepGEMM's M block on SM90 and SM100).
+QUANT_ALIGNMENT_MULTIPLE = 128
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Static configuration of a DeepSeek-style MoE layer.
+
+    Routing: `scoring` ("softmax" | "sigmoid" | "sqrtsoftplus"), optional additive
+    `use_correction_bias` (selection only), grouped top-k (`use_grouped_topk`, `n_group`,
+    `topk_group`), `norm_topk_prob` renormalizes the chosen weights, `routed_scaling_factor`
+    multiplies the routed output once. `hash_routing` marks a hash-routed layer (params carry
+    `tid2eid (vocab_size, top_k)`; `route` needs token ids).
+
+    Experts: `activation` "silu" (`swiglu_limit` clamps up to [-l, l], gate above only),
+    "swiglu_oai" (gate*sigmoid(gemm1_alpha*gate)*(up+1), same clamps), "situ"
+    (situ_beta*tanh(gate/situ_beta)*sigmoid(gate) * situ_linear_beta*tanh(up/situ_linear_beta)).
+    `silu_mul_keep_fp32` quantizes SiLU*up from fp32 instead of rounding to bf16 first (FP8 expert
+    weights, silu only).
+
+    Core: `recipe` ("bf16" | "fp8_block" | "mxfp8" | "mxfp4"), `arch` (90 | 100 | None: which GPU
+    family's GEMM scale formats the core produces; None -> 90 unless the recipe needs 100),
+    `layout` ("auto" | "contig" | "masked"), contig `alignment` (rows per expert segment block),
+    `masked_m_pad` (static rows per masked slab; None -> round_up(M, 256)),
+    `masked_memory_budget_bytes` (auto layout: masked only if its estimated peak fits; None ->
+    contig, the choice that needs no memory query).
+    """
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    n_shared_experts: int = 0
+    scoring: str = "softmax"
+    use_correction_bias: bool = False
+    use_grouped_topk: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    hash_routing: bool = False
+    vocab_size: int | None = None
+    activation: str = "silu"
+    swiglu_limit: float | None = None
+    gemm1_alpha: float | None = None
+    situ_beta: float = 1.0
+    situ_linear_beta: float = 1.0
+    silu_mul_keep_fp32: bool = False
+    recipe: str = "bf16"
+    arch: int | None = None
+    layout: str = "auto"
+    alignment: int = 128
+    masked_m_pad: int | None = None
+    masked_memory_budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # -- derived static properties ---------------------------------------------------------------
+    @property
+    def gemm_arch(self) -> int:
+        """GPU family whose GEMM formats the core produces: `arch`, or 90 unless the recipe needs 100."""
+        if self.arch is not None:
+            return self.arch
+        return 90 if 90 in RECIPE_ARCHS[self.recipe] else 100
+
+    @property
+    def gemm_recipe(self) -> str:
+        """Recipe the GEMMs actually run: mxfp4 on 90 is converted to fp8_block at load time."""
+        if self.recipe == "mxfp4" and self.gemm_arch == 90:
+            return "fp8_block"
+        return self.recipe
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.intermediate_size * self.n_shared_experts
+
+    def scaled(self, **overrides) -> "MoEConfig":
+        """A copy with some fields replaced, e.g. `scaled(num_experts=16, hidden_size=256,
+        intermediate_size=128)`. Grouped top-k keeps `n_group` when it still divides the expert
+        count, else uses the largest divisor not above it; `topk_group`/`top_k` are clipped to fit."""
+        fields = dataclasses.asdict(self)
+        fields.update(overrides)
+        e = fields["num_experts"]
+        if fields["use_grouped_topk"] and "n_group" not in overrides:
+            g = min(fields["n_group"], e)
+            while e % g:
+                g -= 1
+            fields["n_group"] = g
+        if fields["use_grouped_topk"] and "topk_group" not in overrides:
+            fields["topk_group"] = min(fields["topk_group"], fields["n_group"])
+        if "top_k" not in overrides:
+            cap = e
+            if fields["use_grouped_topk"]:
+                cap = fields["topk_group"] * (e // fields["n_group"])
+            fields["top_k"] = min(fields["top_k"], cap)
+        return MoEConfig(**fields)
+
+    # -- presets ---------------------------------------------------------------------------------
+    @classmethod
+    def deepseek_v3(cls, **overrides) -> "MoEConfig":
+        """DeepSeek-V3: 256 experts, top-8 of 8 groups / top-4 groups, sigmoid + correction bias,
+        scaling 2.5, H 7168, I 2048, one shared expert, block-FP8 weights."""
+        base = dict(
+            num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048, n_shared_experts=1,
+            scoring="sigmoid", use_correction_bias=True, use_grouped_topk=True, n_group=8,
+            topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, activation="silu",
+            recipe="fp8_block",
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def deepseek_v4(cls, **overrides) -> "MoEConfig":
+        """DeepSeek-V4: 256 experts, top-6, sqrtsoftplus + correction bias without grouping,
+        weights renormalized, scaling 1.5, swiglu_limit 10 on routed and shared experts, one shared
+        expert, MXFP4 experts (W4A8), H 4096, I 2048. Pass `hash_routing=True` for the first,
+        hash-routed layers (vocab 129280)."""
+        base = dict(
+            num_experts=256, top_k=6, hidden_size=4096, intermediate_size=2048, n_shared_experts=1,
+            scoring="sqrtsoftplus", use_correction_bias=True, use_grouped_topk=False,
+            norm_topk_prob=True, routed_scaling_factor=1.5, activation="silu", swiglu_limit=10.0,
+            recipe="mxfp4", vocab_size=129280,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _validate(c: MoEConfig) -> None:
+    for name in ("num_experts", "top_k", "hidden_size", "intermediate_size", "alignment"):
+        v = getattr(c, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"MoEConfig.{name} must be a positive int, got {v!r}")
+    _check(c.n_shared_experts >= 0, f"MoEConfig.n_shared_experts must be >= 0, got {c.n_shared_experts}")
+    _check(c.recipe in RECIPES, f"MoEConfig.recipe must be one of {RECIPES}, got {c.recipe!r}")
+    _check(c.scoring in SCORINGS, f"MoEConfig.scoring must be one of {SCORINGS}, got {c.scoring!r}")
+    _check(c.activation in ACTIVATIONS,
+           f"MoEConfig.activation must be one of {ACTIVATIONS}, got {c.activation!r}")
+    _check(c.layout in LAYOUTS, f"MoEConfig.layout must be one of {LAYOUTS}, got {c.layout!r}")
+    _check(c.top_k <= c.num_experts,
+           f"MoEConfig.top_k={c.top_k} exceeds num_experts={c.num_experts}")
+    if c.use_grouped_topk:
+        _check(c.n_group >= 1 and c.num_experts % c.n_group == 0,
+               f"MoEConfig.n_group={c.n_group} must divide num_experts={c.num_experts}")
+        _check(1 <= c.topk_group <= c.n_group,
+               f"MoEConfig.topk_group={c.topk_group} must be in [1, n_group={c.n_group}]")
+        kept = c.topk_group * (c.num_experts // c.n_group)
+        _check(c.top_k <= kept, f"MoEConfig.top_k={c.top_k} exceeds the {kept} experts left by "
+               f"topk_group={c.topk_group} of n_group={c.n_group} groups")
+    if c.hash_routing:
+        _check(c.vocab_size is not None and c.vocab_size >= 1,
+               f"MoEConfig.hash_routing needs a positive vocab_size, got {c.vocab_size!r}")
+    if c.arch is not None:
+        _check(c.arch in ARCHS, f"MoEConfig.arch must be one of {ARCHS} or None, got {c.arch!r}")
+        _check(c.arch in RECIPE_ARCHS[c.recipe],
+               f"MoEConfig.recipe={c.recipe!r} does not run on arch {c.arch} "
+               f"(supported: {RECIPE_ARCHS[c.recipe]})")
+    if c.recipe != "bf16":
+        for name in ("hidden_size", "intermediate_size"):
+            v = getattr(c, name)
+            _check(v % QUANT_SIZE_MULTIPLE == 0, f"MoEConfig.{name}={v} must be a multiple of "
+                   f"{QUANT_SIZE_MULTIPLE} for recipe {c.recipe!r}")
+        _check(c.alignment % QUANT_ALIGNMENT_MULTIPLE == 0,
+               f"MoEConfig.alignment={c.alignment} must be a multiple of "
+               f"{QUANT_ALIGNMENT_MULTIPLE} for recipe {c.recipe!r}")
+    if c.activation == "swiglu_oai":
+        _check(c.gemm1_alpha is not None, "MoEConfig.activation='swiglu_oai' needs gemm1_alpha")
+    else:
+        _check(c.gemm1_alpha is None,
+               f"MoEConfig.gemm1_alpha is only used by activation='swiglu_oai', got "
+               f"activation={c.activation!r} with gemm1_alpha={c.gemm1_alpha}")
+    if c.activation == "situ":
+        _check(c.swiglu_limit is None, "MoEConfig.swiglu_limit does not apply to activation='situ'")
+        _check(c.situ_beta > 0 and c.situ_linear_beta > 0,
+               f"MoEConfig.situ_beta/situ_linear_beta must be > 0, got {c.situ_beta}, {c.situ_linear_beta}")
+    if c.swiglu_limit is not None:
+        _check(c.swiglu_limit > 0, f"MoEConfig.swiglu_limit must be > 0, got {c.swiglu_limit}")
+    if c.silu_mul_keep_fp32:
+        _check(c.activation == "silu" and c.recipe in ("fp8_block", "mxfp8"),
+               "MoEConfig.silu_mul_keep_fp32 needs activation='silu' and FP8 expert weights "
+               f"(fp8_block or mxfp8), got activation={c.activation!r}, recipe={c.recipe!r}")
+    if c.masked_m_pad is not None:
+        _check(c.masked_m_pad >= 1 and c.masked_m_pad % 128 == 0,
+               f"MoEConfig.masked_m_pad must be a positive multiple of 128, got {c.masked_m_pad}")

@@ -1,0 +1,49 @@
+"""The expert core (SPEC §4): GEMM1 (w13) -> gated activation + quantization -> GEMM2 (w2), on the
+contig or masked layout, for weights in GEMM form (`prepare_params`)."""
+
+from __future__ import annotations
+
+import jax
+
+from custom_calls import (ActivationSpec, activation_quant_contig, activation_quant_masked,
+                          m_grouped_gemm_contig, m_grouped_gemm_masked)
+from moe_jax.config import MoEConfig
+from moe_jax.dispatch import ContigDispatch, MaskedDispatch
+from moe_jax.params import MoEParams
+
+
+def activation_spec(config: MoEConfig) -> ActivationSpec:
+    return ActivationSpec(kind=config.activation, swiglu_limit=config.swiglu_limit,
+                          gemm1_alpha=config.gemm1_alpha, situ_beta=config.situ_beta,
+                          situ_linear_beta=config.situ_linear_beta,
+                          keep_fp32=config.silu_mul_keep_fp32)
+
+
+def expert_core_contig(lhs: jax.Array, lhs_scale: jax.Array | None, disp: ContigDispatch,
+                       params: MoEParams, act: ActivationSpec, *, gemm_backend=None,
+                       act_backend=None) -> jax.Array:
+    """lhs: (M_cap, H) bf16 | e4m3 (+ scale image) -> (M_cap, H) bf16, padding rows 0."""
+    recipe, arch = params.gemm_recipe, params.gemm_arch
+    gateup = m_grouped_gemm_contig(lhs, params.w13, disp.m_indices, lhs_scale=lhs_scale,
+                                   rhs_scale=params.w13_scale, recipe=recipe, arch=arch,
+                                   alignment=disp.alignment, backend=gemm_backend)
+    a, a_scale = activation_quant_contig(gateup, act=act, recipe=recipe, arch=arch, backend=act_backend)
+    return m_grouped_gemm_contig(a, params.w2, disp.m_indices, lhs_scale=a_scale,
+                                 rhs_scale=params.w2_scale, recipe=recipe, arch=arch,
+                                 alignment=disp.alignment, backend=gemm_backend)
+
+
+def expert_core_masked(lhs: jax.Array, lhs_scale: jax.Array | None, disp: MaskedDispatch,
+                       params: MoEParams, act: ActivationSpec, *, gemm_backend=None,
+                       act_backend=None) -> jax.Array:
+    """lhs: (E_local, m_pad, H) bf16 | e4m3 (+ scale image) -> (E_local, m_pad, H) bf16; rows
+    >= masked_m[e] unspecified."""
+    recipe, arch = params.gemm_recipe, params.gemm_arch
+    gateup = m_grouped_gemm_masked(lhs, params.w13, disp.masked_m, expected_m=disp.expected_m,
+                                   lhs_scale=lhs_scale, rhs_scale=params.w13_scale, recipe=recipe,
+                                   arch=arch, backend=gemm_backend)
+    a, a_scale = activation_quant_masked(gateup, disp.masked_m, act=act, recipe=recipe, arch=arch,
+                                         backend=act_backend)
+    return m_grouped_gemm_masked(a, params.w2, disp.masked_m, expected_m=disp.expected_m,
+                                 lhs_scale=a_scale, rhs_scale=params.w2_scale, recipe=recipe,
+                                 arch=arch, backend=gemm_backend)

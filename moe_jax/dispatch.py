@@ -1,0 +1,203 @@
+"""Dispatch (SPEC §3): where each (token, k) route goes in the grouped layout, with static
+capacities, plus the auto layout choice. The data movement + activation quantization is the
+permute op (custom_calls.permute).
+
+Contig capacity (rows of the (M_cap, H) buffer). R = M*k routes, E_local experts, alignment a.
+Expert e's segment holds c_e rows padded up to a multiple of a, so the buffer needs
+a * sum_e ceil(c_e / a) rows with sum_e c_e <= R. With n non-empty experts,
+sum_e ceil(c_e / a) = sum_e floor((c_e + a - 1) / a) <= floor((R + n(a-1)) / a) = n + floor((R - n) / a),
+which is attained (n-1 experts with one row, one with the rest) and grows with n, so
+    M_cap = a * (n + floor((R - n) / a)),  n = min(E_local, R)
+is the smallest bound that can never overflow (the seed's "block x (non-empty experts + blocks of
+the remaining rows)"). It holds for any ids, duplicates included.
+
+Masked capacity: m_pad rows per expert slab, a multiple of 128, default round_up(M, 256) (the
+seed's rule). Routes of one token go to distinct experts (route() guarantees it), so no slab gets
+more than M rows: m_pad >= M can never overflow, and a smaller static m_pad is rejected at trace
+time. Should a caller pass ids with duplicates in a token's row, routes past m_pad are dropped and
+COUNTED in `MaskedDispatch.num_dropped`, and `routed_experts` returns NaN rows for the tokens that
+lost a route: reported, never silent.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax.validate import ceil_div, round_up
+
+MASKED_M_PAD_MULTIPLE = 256
+DEFAULT_MASKED_BUDGET_FRACTION = 0.25
+
+
+def contig_capacity(num_tokens: int, top_k: int, num_local_experts: int, alignment: int) -> int:
+    """Static row count M_cap of the contig layout (module docstring for the derivation)."""
+    r = num_tokens * top_k
+    n = min(num_local_experts, r)
+    return alignment * (n + (r - n) // alignment)
+
+
+def default_masked_m_pad(num_tokens: int) -> int:
+    return round_up(max(num_tokens, 1), MASKED_M_PAD_MULTIPLE)
+
+
+def expected_m(num_tokens: int, top_k: int, num_experts_global: int) -> int:
+    """Masked GEMM tuning hint: ceil(M * top_k / E_global)."""
+    return ceil_div(num_tokens * top_k, num_experts_global)
+
+
+def local_expert_ids(topk_ids: jax.Array, expert_offset, num_local_experts: int) -> jax.Array:
+    """Global ids (M, k) -> local ids in [0, E_local), or E_local for routes not held here
+    (outside [offset, offset + E_local), or -1). expert_offset: python int or traced int32 scalar."""
+    local = topk_ids.astype(jnp.int32) - jnp.asarray(expert_offset, jnp.int32)
+    here = (topk_ids >= 0) & (local >= 0) & (local < num_local_experts)
+    return jnp.where(here, local, num_local_experts)
+
+
+def _rank_within_expert(e_flat: jax.Array, num_local_experts: int):
+    """e_flat (R,) in [0, E_local] -> (counts (E_local,), rank (R,) position of each route among the
+    routes of its expert, in (token, k) order)."""
+    r = e_flat.shape[0]
+    order = jnp.argsort(e_flat, stable=True)
+    counts_all = jnp.zeros((num_local_experts + 1,), jnp.int32).at[e_flat].add(1)
+    starts = jnp.cumsum(counts_all) - counts_all
+    sorted_e = e_flat[order]
+    rank_sorted = jnp.arange(r, dtype=jnp.int32) - starts[sorted_e]
+    rank = jnp.zeros((r,), jnp.int32).at[order].set(rank_sorted, unique_indices=True)
+    return counts_all[:num_local_experts], rank
+
+
+@dataclass(frozen=True)
+class ContigDispatch:
+    """src2dst (M, k) int32 row of each route or -1; m_indices (M_cap,) int32 expert per row, -1 =
+    padding; num_rows () int32 rows in use (sum of padded segments); num_rows_cap: static M_cap;
+    counts (E_local,) int32 routes per expert."""
+
+    src2dst: jax.Array
+    m_indices: jax.Array
+    num_rows: jax.Array
+    counts: jax.Array
+    num_rows_cap: int
+    alignment: int
+
+
+jax.tree_util.register_dataclass(ContigDispatch, data_fields=["src2dst", "m_indices", "num_rows", "counts"],
+                                 meta_fields=["num_rows_cap", "alignment"])
+
+
+@dataclass(frozen=True)
+class MaskedDispatch:
+    """src2dst (M, k) int32 flat slab row g*m_pad + r or -1; masked_m (E_local,) int32 real rows per
+    slab; num_dropped () int32 routes beyond m_pad (0 unless a token repeats an expert);
+    m_pad and expected_m static."""
+
+    src2dst: jax.Array
+    masked_m: jax.Array
+    num_dropped: jax.Array
+    m_pad: int
+    expected_m: int
+
+
+jax.tree_util.register_dataclass(MaskedDispatch, data_fields=["src2dst", "masked_m", "num_dropped"],
+                                 meta_fields=["m_pad", "expected_m"])
+
+
+@functools.partial(jax.jit, static_argnames=("num_local_experts", "alignment"))
+def dispatch_contig(topk_ids: jax.Array, *, num_local_experts: int, alignment: int,
+                    expert_offset=0) -> ContigDispatch:
+    """topk_ids (M, k) global int ids -> ContigDispatch. Segments in expert order, each starting at
+    a multiple of `alignment`; within a segment routes keep (token, k) order."""
+    m, k = topk_ids.shape
+    e_loc = num_local_experts
+    cap = contig_capacity(m, k, e_loc, alignment)
+    e_flat = local_expert_ids(topk_ids, expert_offset, e_loc).reshape(-1)
+    counts, rank = _rank_within_expert(e_flat, e_loc)
+    padded = (counts + alignment - 1) // alignment * alignment
+    seg_start = jnp.cumsum(padded) - padded
+    here = e_flat < e_loc
+    dst = jnp.where(here, seg_start[jnp.minimum(e_flat, e_loc - 1)] + rank, -1)
+    m_indices = jnp.full((cap,), -1, jnp.int32).at[jnp.where(here, dst, cap)].set(
+        e_flat, mode="drop", unique_indices=True)
+    return ContigDispatch(src2dst=dst.reshape(m, k).astype(jnp.int32), m_indices=m_indices,
+                          num_rows=jnp.sum(padded).astype(jnp.int32), counts=counts,
+                          num_rows_cap=cap, alignment=alignment)
+
+
+@functools.partial(jax.jit, static_argnames=("num_local_experts", "m_pad", "num_experts_global"))
+def dispatch_masked(topk_ids: jax.Array, *, num_local_experts: int, m_pad: int,
+                    num_experts_global: int, expert_offset=0) -> MaskedDispatch:
+    """topk_ids (M, k) global int ids -> MaskedDispatch with (E_local, m_pad) slabs."""
+    m, k = topk_ids.shape
+    if not isinstance(m_pad, int) or m_pad < 1 or m_pad % 128:
+        raise ValueError(f"m_pad: expected a positive multiple of 128, got {m_pad!r}")
+    if m_pad < m:
+        raise ValueError(f"m_pad={m_pad} is too small for the static worst case: one expert can "
+                         f"receive every one of the M={m} tokens (need m_pad >= {m}, e.g. "
+                         f"{default_masked_m_pad(m)})")
+    e_loc = num_local_experts
+    e_flat = local_expert_ids(topk_ids, expert_offset, e_loc).reshape(-1)
+    counts, rank = _rank_within_expert(e_flat, e_loc)
+    fits = (e_flat < e_loc) & (rank < m_pad)
+    dst = jnp.where(fits, e_flat * m_pad + rank, -1)
+    return MaskedDispatch(src2dst=dst.reshape(m, k).astype(jnp.int32),
+                          masked_m=jnp.minimum(counts, m_pad).astype(jnp.int32),
+                          num_dropped=jnp.sum(jnp.maximum(counts - m_pad, 0)).astype(jnp.int32),
+                          m_pad=m_pad, expected_m=expected_m(m, k, num_experts_global))
+
+
+# -- layout choice (SPEC §3, seed App. B) ---------------------------------------------------------
+
+def masked_activation_unsupported_reason(*, intermediate_size: int, num_local_experts: int,
+                                         act_group_size: int | None, clamped: bool) -> str | None:
+    """The clamped (swiglu_limit) masked activation kernel needs D//8 >= E_local, group 128 and
+    D % (4*group) == 0 (D = I, the activation's output width); None when masked is fine."""
+    if not clamped:
+        return None
+    d = intermediate_size
+    group = act_group_size or 128
+    if d // 8 < num_local_experts:
+        return f"clamped masked activation needs I//8 >= E_local, got I={d}, E_local={num_local_experts}"
+    if group != 128:
+        return f"clamped masked activation needs activation group 128, got {group}"
+    if d % (4 * group):
+        return f"clamped masked activation needs I % {4 * group} == 0, got I={d}"
+    return None
+
+
+def masked_peak_bytes(*, num_local_experts: int, m_pad: int, hidden_size: int,
+                      intermediate_size: int, quantized: bool) -> int:
+    """Estimated peak of the masked path: E_local * m_pad * (largest per-row footprint among
+    GEMM1 (input + 2I bf16 output), activation (2I bf16 + I input of GEMM2) and GEMM2 (I input +
+    H bf16 output)); quantized inputs count 1 byte per value plus 4 bytes per 32 values of scales."""
+    def act_bytes(k: int) -> int:
+        return k + 4 * ceil_div(k, 32) if quantized else 2 * k
+
+    h, i = hidden_size, intermediate_size
+    per_row = max(act_bytes(h) + 4 * i, 4 * i + act_bytes(i), act_bytes(i) + 2 * h)
+    return num_local_experts * m_pad * per_row
+
+
+def choose_layout(*, num_tokens: int, num_local_experts: int, hidden_size: int,
+                  intermediate_size: int, recipe: str, act_group_size: int | None,
+                  swiglu_limit: float | None, m_pad: int | None = None,
+                  memory_budget_bytes: int | None = None,
+                  budget_fraction: float = DEFAULT_MASKED_BUDGET_FRACTION) -> str:
+    """"contig" or "masked" from static sizes: contig when the clamped masked activation cannot run
+    (`masked_activation_unsupported_reason`); else masked only if `masked_peak_bytes` fits
+    budget_fraction * memory_budget_bytes (free device memory, queried by the caller outside jit);
+    with no budget given, contig (like the seed's graph-capture case, which cannot query memory)."""
+    if masked_activation_unsupported_reason(intermediate_size=intermediate_size,
+                                            num_local_experts=num_local_experts,
+                                            act_group_size=act_group_size,
+                                            clamped=swiglu_limit is not None):
+        return "contig"
+    if memory_budget_bytes is None:
+        return "contig"
+    m_pad = default_masked_m_pad(num_tokens) if m_pad is None else m_pad
+    peak = masked_peak_bytes(num_local_experts=num_local_experts, m_pad=m_pad,
+                             hidden_size=hidden_size, intermediate_size=intermediate_size,
+                             quantized=recipe != "bf16")
+    return "masked" if peak <= budget_fraction * memory_budget_bytes else "contig"

@@ -1,0 +1,168 @@
+"""`MoEParams`: the layer's weights as a pytree, `init_params`, and the load-time conversion
+`prepare_params` from checkpoint form to the form the grouped GEMMs consume (SPEC §2, §2.1).
+
+Checkpoint form, by recipe (E experts, I intermediate, H hidden):
+    bf16       w13 (E, 2I, H) bf16, w2 (E, H, I) bf16, no scales
+    fp8_block  w13 e4m3, w13_scale (E, ceil(2I/128), ceil(H/128)) f32 (128x128 blocks); w2 alike
+    mxfp8      w13 e4m3, w13_scale (E, 2I, H/32) f32 powers of two; w2 alike
+    mxfp4      w13 (E, 2I, H/2) int8 (two e2m1 per byte), w13_scale (E, 2I, H/32) f32 powers of two
+w13 rows 0..I-1 are the gate projection, I..2I-1 the up projection. The router `gate_weight (E, H)`,
+`e_score_correction_bias (E,)`, the shared expert `shared_w13 (2*I_s, H)` / `shared_w2 (H, I_s)`
+(I_s = I * n_shared_experts, gate rows then up rows) and `tid2eid (vocab, top_k) int32` are not
+quantized (the shared expert is a dense bf16 MLP here).
+
+GEMM form (after `prepare_params(params, config)`, see custom_calls.grouped_gemm for the formats):
+    bf16                 unchanged
+    fp8_block, arch 90   unchanged (rhs_scale is the checkpoint's block scale)
+    fp8_block, arch 100  UE8M0 requant (SPEC §2.1 C), scales packed MN-major (E, ceil(K/512), align(N,4)) int32
+    mxfp8, arch 100      scales packed MN-major (E, ceil(K/128), align(N,4)) int32 (§2.1 D)
+    mxfp4, arch 100      values stay int8-packed; scales packed MN-major (§2.1 A)
+    mxfp4, arch 90       FP4 -> FP8 dequant to fp8_block (§2.1 B); the GEMMs then run fp8_block/90
+`params.gemm_recipe` / `params.gemm_arch` (static pytree metadata) say which form the params are in
+(None: checkpoint form).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax.config import RECIPE_ARCHS, MoEConfig
+
+
+@dataclass(frozen=True)
+class MoEParams:
+    gate_weight: jax.Array
+    w13: jax.Array
+    w2: jax.Array
+    e_score_correction_bias: jax.Array | None = None
+    w13_scale: jax.Array | None = None
+    w2_scale: jax.Array | None = None
+    shared_w13: jax.Array | None = None
+    shared_w2: jax.Array | None = None
+    tid2eid: jax.Array | None = None
+    gemm_recipe: str | None = field(default=None, metadata=dict(static=True))
+    gemm_arch: int | None = field(default=None, metadata=dict(static=True))
+
+    @property
+    def is_prepared(self) -> bool:
+        return self.gemm_recipe is not None
+
+    @property
+    def num_local_experts(self) -> int:
+        return int(self.w13.shape[0])
+
+    @property
+    def local_intermediate_size(self) -> int:
+        """I held by these params (I/tp under tensor-parallel experts), from w2's last axis."""
+        i = int(self.w2.shape[-1])
+        # mxfp4 checkpoint/GEMM form packs two values per byte along K
+        packed = self.w2.dtype == jnp.int8
+        return 2 * i if packed else i
+
+    def replace(self, **kw) -> "MoEParams":
+        return dataclasses.replace(self, **kw)
+
+
+jax.tree_util.register_dataclass(
+    MoEParams,
+    data_fields=["gate_weight", "w13", "w2", "e_score_correction_bias", "w13_scale", "w2_scale",
+                 "shared_w13", "shared_w2", "tid2eid"],
+    meta_fields=["gemm_recipe", "gemm_arch"],
+)
+
+
+def _quantize_checkpoint(w: jax.Array, recipe: str) -> tuple[jax.Array, jax.Array | None]:
+    """w: (E, N, K) f32 -> checkpoint-form (values, scale) of `recipe`."""
+    if recipe == "bf16":
+        return w.astype(jnp.bfloat16), None
+    import layouts
+
+    if recipe == "fp8_block":
+        return layouts.quantize_fp8_per_block(w, block_size=128, ue8m0=False)
+    if recipe == "mxfp8":
+        return layouts.quantize_mxfp8(w, group_size=32)
+    if recipe == "mxfp4":
+        return layouts.quantize_mxfp4(w, group_size=32)
+    raise ValueError(f"recipe: expected one of bf16/fp8_block/mxfp8/mxfp4, got {recipe!r}")
+
+
+def init_params(key: jax.Array, config: MoEConfig, *, num_local_experts: int | None = None,
+                tp_size: int = 1) -> MoEParams:
+    """Random parameters in checkpoint form for `config` (any recipe).
+
+    w13 ~ N(0, 1/H), w2 ~ N(0, 1/I), gate_weight ~ N(0, 1/H) f32, correction bias ~ N(0, 0.1)
+    when `config.use_correction_bias`, shared expert bf16 when `n_shared_experts > 0`, and a
+    random `tid2eid` with distinct experts per token when `config.hash_routing`.
+    `num_local_experts` / `tp_size` make a shard's shapes directly (E_local experts, I/tp).
+    """
+    e = config.num_experts
+    e_loc = e if num_local_experts is None else num_local_experts
+    h = config.hidden_size
+    if config.intermediate_size % tp_size:
+        raise ValueError(f"tp_size={tp_size} must divide intermediate_size={config.intermediate_size}")
+    i = config.intermediate_size // tp_size
+    i_s = config.shared_intermediate_size // tp_size
+    shapes = {"w13": (e_loc, 2 * i, h), "w2": (e_loc, h, i), "gate": (e, h), "bias": (e,),
+              "s13": (2 * i_s, h), "s2": (h, i_s)}
+    sizes = [math.prod(s) for s in shapes.values()]
+    # one draw, sliced: a single random-number kernel keeps compile time low
+    k_normal, kt = jax.random.split(key)
+    flat = jax.random.normal(k_normal, (sum(sizes),), jnp.float32)
+    offsets = [0, *itertools.accumulate(sizes)]
+    z = {name: flat[o:o + n].reshape(shp)
+         for (name, shp), o, n in zip(shapes.items(), offsets, sizes)}
+    w13_q, w13_s = _quantize_checkpoint(z["w13"] * h**-0.5, config.recipe)
+    w2_q, w2_s = _quantize_checkpoint(z["w2"] * i**-0.5, config.recipe)
+    bias = 0.1 * z["bias"] if config.use_correction_bias else None
+    shared_w13 = shared_w2 = None
+    if config.n_shared_experts:
+        shared_w13 = (z["s13"] * h**-0.5).astype(jnp.bfloat16)
+        shared_w2 = (z["s2"] * i_s**-0.5).astype(jnp.bfloat16)
+    tid2eid = None
+    if config.hash_routing:
+        # distinct experts per token: the first top_k of a random permutation of E
+        u = jax.random.uniform(kt, (config.vocab_size, e))
+        tid2eid = jnp.argsort(u, axis=1)[:, : config.top_k].astype(jnp.int32)
+    return MoEParams(
+        gate_weight=z["gate"] * h**-0.5,
+        w13=w13_q, w2=w2_q, e_score_correction_bias=bias, w13_scale=w13_s, w2_scale=w2_s,
+        shared_w13=shared_w13, shared_w2=shared_w2, tid2eid=tid2eid,
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))  # one compiled conversion, not op-by-op
+def _prepare_weight(w: jax.Array, sf: jax.Array | None, recipe: str, arch: int):
+    """One expert weight (E, N, K[/2]) from checkpoint form to GEMM form (SPEC §2.1 paths A-D)."""
+    if recipe == "bf16":
+        return w, None
+    import layouts
+
+    return layouts.prepare_expert_weights(w, sf, recipe=recipe, arch=arch)
+
+
+def prepare_params(params: MoEParams, config: MoEConfig, arch: int | None = None) -> MoEParams:
+    """Convert checkpoint-form expert weights to the GEMM form of (config.recipe, arch) — once, at
+    load time (SPEC §2.1). arch None -> `config.gemm_arch`. Already prepared params for the same
+    arch are returned unchanged; prepared params for another arch raise ValueError."""
+    arch = config.gemm_arch if arch is None else arch
+    if arch not in RECIPE_ARCHS[config.recipe]:
+        raise ValueError(f"arch: recipe {config.recipe!r} runs on arch {RECIPE_ARCHS[config.recipe]}, "
+                         f"got {arch!r}")
+    if params.is_prepared:
+        if params.gemm_arch != arch:
+            raise ValueError(f"params: already prepared for arch {params.gemm_arch}, asked for arch {arch}")
+        return params
+    from moe_jax.validate import check_params
+
+    check_params(params, config)
+    w13, s13 = _prepare_weight(params.w13, params.w13_scale, config.recipe, arch)
+    w2, s2 = _prepare_weight(params.w2, params.w2_scale, config.recipe, arch)
+    gr = "fp8_block" if (config.recipe == "mxfp4" and arch == 90) else config.recipe
+    return params.replace(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, gemm_recipe=gr, gemm_arch=arch)

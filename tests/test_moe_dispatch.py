@@ -1,0 +1,170 @@
+"""Dispatch (contig / masked placement, static capacities, auto layout) and the permute /
+un-permute round trip, against numpy models written here."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import custom_calls as cc
+import moe_jax as mj
+
+
+def np_counts(ids, e_loc, offset):
+    loc = ids - offset
+    ok = (ids >= 0) & (loc >= 0) & (loc < e_loc)
+    return np.bincount(loc[ok], minlength=e_loc)
+
+
+def random_ids(key, m, k, e):
+    """(m, k) distinct ids per row in [0, e)."""
+    u = jax.random.uniform(key, (m, e))
+    return np.array(jnp.argsort(u, axis=1)[:, :k], np.int32)  # writable copy
+
+
+def test_contig_capacity_is_the_exact_worst_case():
+    for a, e_loc, r in itertools.product((1, 2, 4), (1, 2, 3), (1, 2, 3, 5)):
+        worst = 0
+        for counts in itertools.product(range(r + 1), repeat=e_loc):  # every split of <= r routes
+            if sum(counts) <= r:
+                worst = max(worst, sum(-(-c // a) * a for c in counts))
+        assert mj.contig_capacity(r, 1, e_loc, a) == worst, (a, e_loc, r)
+    assert mj.contig_capacity(29, 4, 16, 128) == 128 * (16 + (116 - 16) // 128)
+
+
+@pytest.mark.parametrize("m,k,e_loc,offset,align", [(13, 4, 16, 0, 8), (29, 3, 5, 4, 128),
+                                                    (7, 2, 3, 6, 4)])
+def test_dispatch_contig_invariants(m, k, e_loc, offset, align):
+    ids = random_ids(jax.random.key(m), m, k, 12)
+    ids[1, 0] = -1
+    d = jax.jit(mj.dispatch_contig, static_argnames=("num_local_experts", "alignment"))(
+        jnp.asarray(ids), num_local_experts=e_loc, alignment=align, expert_offset=jnp.int32(offset))
+    s2d, mi = np.asarray(d.src2dst), np.asarray(d.m_indices)
+    cap = mj.contig_capacity(m, k, e_loc, align)
+    assert mi.shape == (cap,) and d.num_rows_cap == cap and cap % align == 0
+    counts = np_counts(ids, e_loc, offset)
+    np.testing.assert_array_equal(np.asarray(d.counts), counts)
+    padded = -(-counts // align) * align
+    assert int(d.num_rows) == padded.sum()
+    starts = np.concatenate([[0], np.cumsum(padded)[:-1]])
+    expect_mi = np.full(cap, -1)
+    for e in range(e_loc):
+        expect_mi[starts[e]:starts[e] + counts[e]] = e
+    np.testing.assert_array_equal(mi, expect_mi)
+    # each local route at its expert's segment, in (token, k) order; others -1
+    nxt = starts.copy()
+    for t, j in itertools.product(range(m), range(k)):
+        loc = ids[t, j] - offset
+        if ids[t, j] >= 0 and 0 <= loc < e_loc:
+            assert s2d[t, j] == nxt[loc]
+            nxt[loc] += 1
+        else:
+            assert s2d[t, j] == -1
+
+
+def test_dispatch_masked_and_overflow_reported():
+    ids = random_ids(jax.random.key(3), 37, 4, 8)
+    d = mj.dispatch_masked(jnp.asarray(ids), num_local_experts=8, m_pad=128, num_experts_global=8)
+    np.testing.assert_array_equal(np.asarray(d.masked_m), np_counts(ids, 8, 0))
+    assert d.expected_m == -(-37 * 4 // 8) and int(d.num_dropped) == 0
+    s2d = np.asarray(d.src2dst)
+    for e in range(8):
+        rows = np.sort(s2d[ids == e])
+        np.testing.assert_array_equal(rows, e * 128 + np.arange(len(rows)))
+    # a caller's ids with a repeated expert can exceed m_pad: dropped and counted, never silent
+    dup = np.zeros((130, 2), np.int32)
+    d = mj.dispatch_masked(jnp.asarray(dup), num_local_experts=2, m_pad=256, num_experts_global=2)
+    assert int(d.num_dropped) == 260 - 256 and int(d.masked_m[0]) == 256
+    assert int((np.asarray(d.src2dst) >= 0).sum()) == 256
+    with pytest.raises(ValueError, match="m_pad=128 is too small"):
+        mj.dispatch_masked(jnp.asarray(dup), num_local_experts=2, m_pad=128, num_experts_global=2)
+    with pytest.raises(ValueError, match="m_pad: expected a positive multiple of 128"):
+        mj.dispatch_masked(jnp.asarray(ids), num_local_experts=8, m_pad=100, num_experts_global=8)
+
+
+def test_choose_layout_rules():
+    kw = dict(num_tokens=100, num_local_experts=16, hidden_size=512, intermediate_size=256,
+              recipe="fp8_block", act_group_size=128)
+    assert mj.choose_layout(**kw, swiglu_limit=None) == "contig"  # no budget given
+    assert mj.choose_layout(**kw, swiglu_limit=None, memory_budget_bytes=1 << 30) == "masked"
+    peak = mj.masked_peak_bytes(num_local_experts=16, m_pad=256, hidden_size=512,
+                                intermediate_size=256, quantized=True)
+    assert mj.choose_layout(**kw, swiglu_limit=None, memory_budget_bytes=4 * peak) == "masked"
+    assert mj.choose_layout(**kw, swiglu_limit=None, memory_budget_bytes=4 * peak - 4) == "contig"
+    # clamped activation on masked needs I//8 >= E_local, group 128, I % 512 == 0
+    assert mj.masked_activation_unsupported_reason(intermediate_size=256, num_local_experts=16,
+                                                   act_group_size=128, clamped=True)
+    assert mj.choose_layout(**kw, swiglu_limit=7.0, memory_budget_bytes=1 << 40) == "contig"
+    assert mj.masked_activation_unsupported_reason(intermediate_size=512, num_local_experts=16,
+                                                   act_group_size=128, clamped=True) is None
+    assert "group 128" in mj.masked_activation_unsupported_reason(
+        intermediate_size=1024, num_local_experts=4, act_group_size=32, clamped=True)
+
+
+@pytest.mark.parametrize("layout", ["contig", "masked"])
+def test_permute_unpermute_round_trip_identity_experts(layout):
+    m, k, e, h = 23, 3, 6, 40
+    x = jax.random.normal(jax.random.key(0), (m, h), jnp.float32)
+    ids = random_ids(jax.random.key(1), m, k, e)
+    ids[4] = -1
+    ids[9, 2] = -1
+    w = np.asarray(jax.random.uniform(jax.random.key(2), (m, k), jnp.float32, 0.1, 1.0))
+    if layout == "contig":
+        d = mj.dispatch_contig(jnp.asarray(ids), num_local_experts=e, alignment=8)
+        rows, scale = cc.permute_contig(x, d.src2dst, num_rows=d.num_rows_cap, recipe="bf16", arch=90)
+        used = np.asarray(d.m_indices) >= 0
+    else:
+        d = mj.dispatch_masked(jnp.asarray(ids), num_local_experts=e, m_pad=128, num_experts_global=e)
+        rows, scale = cc.permute_masked(x, d.src2dst, num_groups=e, m_pad=128, recipe="bf16", arch=90)
+        rows = rows.reshape(e * 128, h)
+        used = (np.arange(128)[None] < np.asarray(d.masked_m)[:, None]).reshape(-1)
+    assert scale is None and rows.dtype == jnp.bfloat16
+    r = np.asarray(rows.astype(jnp.float32))
+    assert np.all(r[~used] == 0)  # every padding row is zero
+    assert used.sum() == (ids >= 0).sum()
+    y = cc.unpermute(rows, d.src2dst, jnp.asarray(w), routed_scaling_factor=2.5, out_dtype=jnp.float32)
+    xb = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    expect = xb * (np.where(ids >= 0, w, 0).sum(1) * 2.5)[:, None]
+    np.testing.assert_allclose(np.asarray(y), expect, rtol=1e-6, atol=1e-6)
+    assert np.all(np.asarray(y)[4] == 0)
+
+
+@pytest.mark.parametrize("recipe,arch", [("fp8_block", 90), ("fp8_block", 100), ("mxfp8", 100)])
+def test_permute_quantizes_into_the_gemm_image(recipe, arch):
+    m, k, e, h = 9, 2, 4, 256
+    x = jax.random.normal(jax.random.key(5), (m, h), jnp.float32) * 3
+    ids = random_ids(jax.random.key(6), m, k, e)
+    d = mj.dispatch_contig(jnp.asarray(ids), num_local_experts=e, alignment=128)
+    q, sf = cc.permute_contig(x, d.src2dst, num_rows=d.num_rows_cap, recipe=recipe, arch=arch)
+    assert q.dtype == jnp.float8_e4m3fn and q.shape == (d.num_rows_cap, h)
+    gk = 32 if recipe == "mxfp8" else 128
+    if arch == 90:
+        assert sf.shape == (h // gk, d.num_rows_cap) and sf.dtype == jnp.float32
+    else:
+        assert sf.shape == (-(-(h // gk) // 4), d.num_rows_cap) and sf.dtype == jnp.int32
+    deq = np.asarray(cc.dequantize_lhs(q, sf, recipe, arch))
+    s2d = np.asarray(d.src2dst)
+    for t, j in itertools.product(range(m), range(k)):
+        # e4m3: 2^-4 relative for normals; the subnormal step 2^-9 of a (<= 2x amax/448) scale
+        xt = np.asarray(x[t])
+        np.testing.assert_allclose(deq[s2d[t, j]], xt, rtol=2**-4, atol=np.abs(xt).max() / 448 * 2**-8)
+    assert np.all(deq[np.asarray(d.m_indices) < 0] == 0)
+
+
+def test_masked_overflow_poisons_the_tokens_that_lost_a_route():
+    cfg = mj.MoEConfig(num_experts=2, top_k=2, hidden_size=16, intermediate_size=8,
+                       masked_m_pad=128)
+    p = mj.init_params(jax.random.key(0), cfg)
+    x = jax.random.normal(jax.random.key(1), (100, 16), jnp.float32).astype(jnp.bfloat16)
+    ids = jnp.zeros((100, 2), jnp.int32)  # every token repeats expert 0: 200 routes, 128 rows
+    w = jnp.full((100, 2), 0.5, jnp.float32)
+    y = np.asarray(mj.routed_experts(x, ids, w, p, cfg, layout="masked").astype(jnp.float32))
+    lost = np.isnan(y).any(1)
+    assert lost.sum() == 100 - 64 and not np.isnan(y[:64]).any()  # routes of tokens >= 64 dropped
+    yc = np.asarray(mj.routed_experts(x, ids, w, p, cfg, layout="contig").astype(jnp.float32))
+    assert np.isfinite(yc).all()  # contig capacity covers any ids
+    np.testing.assert_allclose(y[:64], yc[:64], rtol=1e-2, atol=1e-3)

@@ -1,0 +1,430 @@
+"""The whole layer against an independent float64 numpy model (a per-token loop over the chosen
+experts), for every recipe / arch / layout, activation and scoring; routing ids exactly; contig ==
+masked; padding rows; expert subsets (EP) and intermediate shards (TP); jit; grad; bad inputs."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_jax as mj
+from moe_jax import MoEConfig
+
+# ------------------------------------------------------------------------------------------------
+# float64 numpy model
+# ------------------------------------------------------------------------------------------------
+_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
+
+
+def np_e2m1_unpack(packed: np.ndarray) -> np.ndarray:
+    b = packed.view(np.uint8).astype(np.int64)
+    codes = np.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)  # low nibble first
+    mag = _E2M1[codes & 7]
+    return np.where(codes & 8, -mag, mag)
+
+
+def np_dequant_weight(w, sf, recipe: str) -> np.ndarray:
+    """Checkpoint-form expert weight -> (E, N, K) float64."""
+    w = np.asarray(w)
+    if recipe == "bf16":
+        return w.astype(np.float64)
+    sf = np.asarray(sf, np.float64)
+    if recipe == "fp8_block":
+        n, k = w.shape[-2:]
+        full = np.repeat(np.repeat(sf, 128, axis=-2), 128, axis=-1)[..., :n, :k]
+        return w.astype(np.float64) * full
+    vals = np_e2m1_unpack(w) if recipe == "mxfp4" else w.astype(np.float64)
+    return vals * np.repeat(sf, 32, axis=-1)
+
+
+def np_scores(logits: np.ndarray, scoring: str) -> np.ndarray:
+    if scoring == "softmax":
+        z = np.exp(logits - logits.max(-1, keepdims=True))
+        return z / z.sum(-1, keepdims=True)
+    if scoring == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-logits))
+    softplus = np.maximum(logits, 0) + np.log1p(np.exp(-np.abs(logits)))
+    return np.sqrt(softplus)
+
+
+def _topk_desc(values: np.ndarray, k: int) -> list[int]:
+    """Indices of the k largest values, ties to the lower index."""
+    return sorted(range(len(values)), key=lambda i: (-values[i], i))[:k]
+
+
+def np_route(x, gate_weight, bias, cfg: MoEConfig, tid2eid=None, token_ids=None):
+    logits = np.asarray(x, np.float64) @ np.asarray(gate_weight, np.float64).T
+    scores = np_scores(logits, cfg.scoring)
+    m, e = scores.shape
+    ids = np.zeros((m, cfg.top_k), np.int64)
+    for t in range(m):
+        if tid2eid is not None:
+            ids[t] = np.asarray(tid2eid)[int(token_ids[t])]
+            continue
+        sel = scores[t] + (0.0 if bias is None else np.asarray(bias, np.float64))
+        if cfg.use_grouped_topk and cfg.n_group > 1:
+            gs = e // cfg.n_group
+            gscore = [sum(sorted(sel[g * gs:(g + 1) * gs])[-2:]) for g in range(cfg.n_group)]
+            keep = _topk_desc(np.array(gscore), cfg.topk_group)
+            sel = np.array([sel[i] if i // gs in keep else -np.inf for i in range(e)])
+        ids[t] = _topk_desc(sel, cfg.top_k)
+    w = np.take_along_axis(scores, ids, axis=1)
+    if cfg.norm_topk_prob:
+        w = w / w.sum(-1, keepdims=True)
+    return ids, w
+
+
+def np_act(gateup: np.ndarray, cfg: MoEConfig) -> np.ndarray:
+    i = gateup.shape[-1] // 2
+    gate, up = gateup[..., :i], gateup[..., i:]
+    if cfg.activation == "situ":
+        bs, bl = cfg.situ_beta, cfg.situ_linear_beta
+        return bs * np.tanh(gate / bs) / (1 + np.exp(-gate)) * bl * np.tanh(up / bl)
+    if cfg.swiglu_limit is not None:
+        gate = np.minimum(gate, cfg.swiglu_limit)
+        up = np.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+    if cfg.activation == "swiglu_oai":
+        return gate / (1 + np.exp(-cfg.gemm1_alpha * gate)) * (up + 1)
+    return gate / (1 + np.exp(-gate)) * up
+
+
+def np_moe(x, params, cfg: MoEConfig, token_ids=None, ids=None, weights=None):
+    """Per-token loop: out[t] = scaling * sum_j w_j * W2[e_j] act(W13[e_j] x_t) + shared(x_t)."""
+    x64 = np.asarray(x, np.float64)
+    if ids is None:
+        ids, weights = np_route(x64, params.gate_weight, params.e_score_correction_bias, cfg,
+                                params.tid2eid, token_ids)
+    w13 = np_dequant_weight(params.w13, params.w13_scale, cfg.recipe)
+    w2 = np_dequant_weight(params.w2, params.w2_scale, cfg.recipe)
+    out = np.zeros_like(x64)
+    for t in range(x64.shape[0]):
+        for e, wt in zip(ids[t], weights[t]):
+            if e < 0:
+                continue
+            out[t] += wt * (w2[e] @ np_act(w13[e] @ x64[t], cfg))
+        out[t] *= cfg.routed_scaling_factor
+        if cfg.n_shared_experts:
+            s13 = np.asarray(params.shared_w13, np.float64)
+            s2 = np.asarray(params.shared_w2, np.float64)
+            out[t] += s2 @ np_act(s13 @ x64[t], cfg)
+    return out
+
+
+def rel_err(y, ref) -> float:
+    y = np.asarray(y, np.float64)
+    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
+# ------------------------------------------------------------------------------------------------
+# cached fixtures (jit compilations are the cost; reuse them)
+# ------------------------------------------------------------------------------------------------
+BASE = MoEConfig.deepseek_v3(recipe="bf16").scaled(num_experts=16, top_k=4, hidden_size=256,
+                                      intermediate_size=128)
+V4 = MoEConfig.deepseek_v4().scaled(num_experts=16, hidden_size=256, intermediate_size=128,
+                                    vocab_size=97)
+M = 29
+
+_init = jax.jit(mj.init_params, static_argnames=("config", "num_local_experts", "tp_size"))
+_prepare = jax.jit(mj.prepare_params, static_argnames=("config", "arch"))
+_forward = jax.jit(mj.moe_forward, static_argnames=("config", "layout", "backend"))
+
+
+@functools.lru_cache(maxsize=None)
+def _params(init_cfg: MoEConfig, arch: int, seed: int):
+    p = _init(jax.random.key(seed), config=init_cfg)
+    return p, _prepare(p, config=init_cfg, arch=arch)
+
+
+def params_for(cfg: MoEConfig, seed: int = 0):
+    """(checkpoint form, GEMM form) params; configs differing only in fields init_params ignores
+    share them (and the compilations)."""
+    init_cfg = MoEConfig(num_experts=cfg.num_experts, top_k=cfg.top_k, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size, recipe=cfg.recipe,
+                         n_shared_experts=cfg.n_shared_experts,
+                         use_correction_bias=cfg.use_correction_bias,
+                         hash_routing=cfg.hash_routing, vocab_size=cfg.vocab_size)
+    return _params(init_cfg, cfg.gemm_arch, seed)
+
+
+def inputs(m: int = M, seed: int = 1, h: int = 256):
+    return jax.random.normal(jax.random.key(seed), (m, h), jnp.float32).astype(jnp.bfloat16)
+
+
+# Tolerance (relative Frobenius error vs the float64 model on the checkpoint's dequantized weights):
+#  bf16: bf16 rounding of GEMM1 output and of the activation (2^-9 relative each) -> 1e-2.
+#  fp8 activations (e4m3, 3 mantissa bits: <= 2^-4 relative per element, ~2% RMS), quantized twice
+#  (GEMM1 and GEMM2 inputs): 5e-2; arch 100 adds power-of-two scales (up to 2x coarser steps) and
+#  the UE8M0 requant of block-FP8 weights: 8e-2. The measured errors are about half of these.
+TOL = {("bf16", 90): 1e-2, ("fp8_block", 90): 5e-2, ("fp8_block", 100): 8e-2,
+       ("mxfp8", 100): 8e-2, ("mxfp4", 100): 8e-2, ("mxfp4", 90): 8e-2}
+
+RECIPE_ARCH = list(TOL)
+
+
+@pytest.mark.parametrize("layout", ["contig", "masked"])
+@pytest.mark.parametrize("recipe,arch", RECIPE_ARCH)
+def test_layer_matches_numpy_model_every_recipe(recipe, arch, layout):
+    cfg = BASE.scaled(recipe=recipe, arch=arch)
+    p, pp = params_for(cfg)
+    x = inputs()
+    y = np.asarray(_forward(x, pp, config=cfg, layout=layout).astype(jnp.float32))
+    assert y.shape == (M, 256) and np.all(np.isfinite(y))
+    assert np.all(np.abs(y).sum(-1) > 0)  # every token row written
+    ref = np_moe(x.astype(jnp.float32), p, cfg)
+    err = rel_err(y, ref)
+    assert err < TOL[(recipe, arch)], err
+    # a quantized recipe must not accidentally compute in high precision: error above bf16's
+    if recipe != "bf16":
+        assert err > 1e-3
+
+
+@pytest.mark.parametrize("recipe,arch", RECIPE_ARCH)
+def test_contig_and_masked_identical(recipe, arch):
+    cfg = BASE.scaled(recipe=recipe, arch=arch)
+    _, pp = params_for(cfg)
+    x = inputs()
+    yc = np.asarray(_forward(x, pp, config=cfg, layout="contig").astype(jnp.float32))
+    ym = np.asarray(_forward(x, pp, config=cfg, layout="masked").astype(jnp.float32))
+    np.testing.assert_array_equal(yc, ym)
+
+
+ACT_CASES = {
+    "silu_limit": dict(swiglu_limit=0.3),
+    "swiglu_oai": dict(activation="swiglu_oai", gemm1_alpha=1.702, swiglu_limit=0.4),
+    "situ": dict(activation="situ", situ_beta=0.5, situ_linear_beta=0.25),
+    "softmax_flat": dict(scoring="softmax", use_correction_bias=False, use_grouped_topk=False,
+                         norm_topk_prob=False, routed_scaling_factor=1.0, n_shared_experts=0),
+    "sigmoid_nobias": dict(use_correction_bias=False, n_shared_experts=2),
+}
+
+
+@pytest.mark.parametrize("case", list(ACT_CASES))
+def test_activation_and_scoring_variants_bf16(case):
+    cfg = BASE.scaled(**ACT_CASES[case])
+    p, pp = params_for(cfg)
+    x = inputs()
+    y = np.asarray(_forward(x, pp, config=cfg, layout="contig").astype(jnp.float32))
+    ref = np_moe(x.astype(jnp.float32), p, cfg)
+    assert rel_err(y, ref) < 1e-2
+    if cfg.swiglu_limit is not None:  # the clamp is active on these inputs
+        h = np.asarray(x, np.float64) @ np_dequant_weight(p.w13, None, "bf16")[0].T
+        assert np.abs(h).max() > cfg.swiglu_limit
+
+
+@pytest.mark.parametrize("recipe,arch,layout,extra", [
+    ("fp8_block", 100, "masked", dict(silu_mul_keep_fp32=True)),
+    ("fp8_block", 90, "contig", dict(activation="swiglu_oai", gemm1_alpha=1.702, swiglu_limit=0.4)),
+    ("mxfp8", 100, "masked", dict(activation="situ", situ_beta=0.5, situ_linear_beta=0.25)),
+])
+def test_activation_variants_quantized(recipe, arch, layout, extra):
+    cfg = BASE.scaled(recipe=recipe, arch=arch, **extra)
+    p, pp = params_for(cfg)
+    x = inputs()
+    y = np.asarray(_forward(x, pp, config=cfg, layout=layout).astype(jnp.float32))
+    assert rel_err(y, np_moe(x.astype(jnp.float32), p, cfg)) < TOL[(recipe, arch)]
+
+
+@pytest.mark.parametrize("arch,hashed", [(100, False), (90, True)])
+def test_deepseek_v4_score_and_hash_routed(arch, hashed):
+    x = inputs(17, seed=3)
+    tok = jax.random.randint(jax.random.key(4), (17,), 0, V4.vocab_size, jnp.int32)
+    cfg = V4.scaled(arch=arch, hash_routing=hashed)
+    p, pp = params_for(cfg)
+    y = np.asarray(_forward(x, pp, config=cfg, token_ids=tok if hashed else None).astype(jnp.float32))
+    ref = np_moe(x.astype(jnp.float32), p, cfg, token_ids=np.asarray(tok))
+    assert rel_err(y, ref) < TOL[("mxfp4", arch)]
+
+
+_route = jax.jit(mj.route, static_argnames=("config",))
+
+
+@pytest.mark.parametrize("cfg", [
+    BASE,
+    BASE.scaled(scoring="softmax", use_correction_bias=False, use_grouped_topk=False),
+    BASE.scaled(n_group=4, topk_group=1, top_k=3),
+    V4,
+])
+def test_routing_ids_exact_and_weights(cfg):
+    p, _ = params_for(cfg.scaled(recipe="bf16", arch=None))
+    x = inputs(41, seed=5)
+    ids, w = _route(x, p, config=cfg)
+    assert ids.dtype == jnp.int32 and w.dtype == jnp.float32
+    rid, rw = np_route(np.asarray(x.astype(jnp.float32)), p.gate_weight, p.e_score_correction_bias, cfg)
+    np.testing.assert_array_equal(np.asarray(ids), rid)
+    np.testing.assert_allclose(np.asarray(w), rw, rtol=1e-5, atol=1e-6)
+    assert np.all(np.sort(np.asarray(ids), 1)[:, 1:] != np.sort(np.asarray(ids), 1)[:, :-1])
+
+
+def test_routing_hash_uses_tid2eid():
+    cfg = V4.scaled(recipe="bf16", hash_routing=True)
+    p, _ = params_for(cfg)
+    tok = jnp.array([5, 96, 0, 5, 41], jnp.int32)
+    x = inputs(5, seed=6)
+    ids, w = _route(x, p, config=cfg, token_ids=tok)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(p.tid2eid)[np.asarray(tok)])
+    rid, rw = np_route(np.asarray(x.astype(jnp.float32)), p.gate_weight, None, cfg, p.tid2eid, np.asarray(tok))
+    np.testing.assert_allclose(np.asarray(w), rw, rtol=1e-5)
+
+
+def test_routing_ties_lower_id_and_stable_sqrtsoftplus():
+    cfg = MoEConfig(num_experts=8, top_k=3, hidden_size=4, intermediate_size=8,
+                    scoring="sqrtsoftplus", norm_topk_prob=False)
+    gate = jnp.zeros((8, 4), jnp.float32).at[:, 0].set(jnp.array([1, 3, 3, 0, 3, 2, 0, 3.0]))
+    p = mj.MoEParams(gate_weight=gate, w13=jnp.zeros((8, 16, 4), jnp.bfloat16),
+                     w2=jnp.zeros((8, 4, 8), jnp.bfloat16))
+    x = jnp.array([[1, 0, 0, 0], [200, 0, 0, 0], [-200, 0, 0, 0]], jnp.float32)
+    ids, w = _route(x, p, config=cfg)
+    np.testing.assert_array_equal(np.asarray(ids[0]), [1, 2, 4])  # ties -> lower ids
+    assert np.all(np.isfinite(np.asarray(w)))
+    np.testing.assert_allclose(np.asarray(w[1]), np.sqrt(600.0), rtol=1e-6)  # softplus(600) = 600
+    np.testing.assert_array_equal(np.asarray(ids[2]), [3, 6, 0])
+    np.testing.assert_allclose(np.asarray(w[2, :2]), np.sqrt(np.log(2.0)), rtol=1e-6)
+    assert 0 <= float(w[2, 2]) < 1e-37  # exp(-100): tiny or flushed, never nan
+    # gradients stay finite where softplus underflows (renormalized weights too)
+    g = jax.jit(jax.grad(lambda x: jnp.sum(mj.route(x, p, cfg.scaled(norm_topk_prob=True))[1])))(
+        x.at[2, 0].set(-2000.0))
+    assert np.all(np.isfinite(np.asarray(g)))
+
+
+def test_padding_rows_and_foreign_ids_contribute_nothing():
+    cfg = BASE.scaled(recipe="fp8_block", arch=90, n_shared_experts=0)
+    p, pp = params_for(cfg)
+    x = inputs()
+    ids, w = _route(x, pp, config=cfg)
+    ids = ids.at[3].set(-1).at[7, 1:].set(-1)  # a padding row, and a partly excluded row
+    ref = np_moe(x.astype(jnp.float32), p, cfg, ids=np.asarray(ids), weights=np.asarray(w))
+    rexp = jax.jit(mj.routed_experts, static_argnames=("config", "layout", "backend", "out_dtype"))
+    for layout in ("contig", "masked"):
+        y = np.asarray(rexp(x, ids, w, pp, config=cfg, layout=layout, out_dtype=jnp.float32))
+        assert np.all(y[3] == 0)
+        assert rel_err(y, ref) < TOL[("fp8_block", 90)]
+
+
+def test_expert_shards_sum_to_the_whole():
+    """EP: experts split over 2 'ranks' (offset python int and traced), masked layout;
+    TP: I split in 2, contig layout."""
+    cfg = BASE.scaled(recipe="bf16", n_shared_experts=0)
+    p, pp = params_for(cfg)
+    x = inputs()
+    ids, w = _route(x, pp, config=cfg)
+    rexp = jax.jit(mj.routed_experts, static_argnames=("config", "layout", "backend", "out_dtype"))
+    full = {lay: np.asarray(rexp(x, ids, w, pp, config=cfg, layout=lay, out_dtype=jnp.float32))
+            for lay in ("contig", "masked")}
+    half = cfg.num_experts // 2
+    parts = []
+    for r in range(2):
+        pr = pp.replace(w13=pp.w13[r * half:(r + 1) * half], w2=pp.w2[r * half:(r + 1) * half])
+        off = jnp.int32(r * half) if r else 0
+        parts.append(np.asarray(rexp(x, ids, w, pr, config=cfg, layout="masked", expert_offset=off,
+                                     out_dtype=jnp.float32)))
+    np.testing.assert_allclose(parts[0] + parts[1], full["masked"], rtol=1e-5, atol=1e-5)
+    assert np.abs(parts[0]).sum() > 0 and np.abs(parts[1]).sum() > 0
+    i, big_i = cfg.intermediate_size // 2, cfg.intermediate_size
+    tp = []
+    for r in range(2):
+        rows = np.r_[r * i:(r + 1) * i, big_i + r * i:big_i + (r + 1) * i]  # its gate and up rows
+        pr = pp.replace(w13=pp.w13[:, rows], w2=pp.w2[:, :, r * i:(r + 1) * i])
+        tp.append(np.asarray(rexp(x, ids, w, pr, config=cfg, layout="contig", out_dtype=jnp.float32)))
+    assert rel_err(tp[0] + tp[1], full["contig"]) < 1e-2  # bf16 rounding of GEMM2 partials differs
+
+
+def test_grad_through_bf16_path():
+    cfg = BASE.scaled(recipe="bf16", use_correction_bias=False)
+    _, pp = params_for(cfg)
+    x = inputs(11, seed=8)
+    r = jax.random.normal(jax.random.key(9), (11, 256), jnp.float32)
+    ids, _ = _route(x, pp, config=cfg)
+
+    def loss_layer(x, p):
+        return jnp.sum(mj.moe_forward(x, p, cfg, layout="masked").astype(jnp.float32) * r)
+
+    def loss_dense(x, p):  # independent dense f32 formulation with the same (fixed) expert choice
+        xf = x.astype(jnp.float32)
+        sc = jax.nn.sigmoid(xf @ p.gate_weight.T)
+        wsel = jnp.take_along_axis(sc, ids, 1)
+        wsel = wsel / wsel.sum(1, keepdims=True)
+        h = jnp.einsum("mh,mknh->mkn", xf, p.w13.astype(jnp.float32)[ids])
+        i = h.shape[-1] // 2
+        a = jax.nn.silu(h[..., :i]) * h[..., i:]
+        y = jnp.einsum("mki,mkhi->mkh", a, p.w2.astype(jnp.float32)[ids])
+        y = cfg.routed_scaling_factor * jnp.einsum("mkh,mk->mh", y, wsel)
+        hs = xf @ p.shared_w13.astype(jnp.float32).T
+        y = y + (jax.nn.silu(hs[:, :i]) * hs[:, i:]) @ p.shared_w2.astype(jnp.float32).T
+        return jnp.sum(y * r)
+
+    g = jax.jit(jax.grad(loss_layer, argnums=(0, 1)))(x, pp)
+    gd = jax.jit(jax.grad(loss_dense, argnums=(0, 1)))(x, pp)
+    for a, b in [(g[0], gd[0]), (g[1].w13, gd[1].w13), (g[1].w2, gd[1].w2),
+                 (g[1].gate_weight, gd[1].gate_weight), (g[1].shared_w13, gd[1].shared_w13)]:
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.all(np.isfinite(a)) and np.abs(b).sum() > 0
+        assert rel_err(a, b) < 3e-2
+
+
+def test_jit_and_auto_layout_budget():
+    cfg = BASE.scaled(recipe="bf16", masked_memory_budget_bytes=1 << 40)
+    assert mj.resolve_layout("auto", cfg, num_tokens=M, num_local_experts=16,
+                             local_intermediate_size=128) == "masked"
+    assert mj.resolve_layout("auto", cfg.scaled(masked_memory_budget_bytes=1000), num_tokens=M,
+                             num_local_experts=16, local_intermediate_size=128) == "contig"
+    assert mj.resolve_layout("contig", cfg, num_tokens=M, num_local_experts=16,
+                             local_intermediate_size=128) == "contig"
+    p, pp = params_for(BASE.scaled(recipe="bf16"))
+    x = inputs()
+    eager = np.asarray(mj.moe_forward(x, p, cfg).astype(jnp.float32))  # checkpoint form, eager
+    jitted = np.asarray(_forward(x, pp, config=cfg).astype(jnp.float32))
+    assert rel_err(eager, jitted) < 2e-3  # op fusion may move a bf16 rounding by one ulp
+
+
+# ------------------------------------------------------------------------------------------------
+# bad inputs: each a clear error at trace time
+# ------------------------------------------------------------------------------------------------
+def test_bad_x_rank_dtype_hidden():
+    cfg = BASE.scaled(recipe="bf16")
+    _, pp = params_for(cfg)
+    with pytest.raises(ValueError, match="x: expected rank 2"):
+        mj.moe_forward(jnp.zeros((2, 3, 256), jnp.bfloat16), pp, cfg)
+    with pytest.raises(TypeError, match="x: expected dtype"):
+        mj.moe_forward(jnp.zeros((4, 256), jnp.int32), pp, cfg)
+    with pytest.raises(ValueError, match="x: expected hidden size 256"):
+        mj.moe_forward(jnp.ones((4, 128), jnp.bfloat16), pp, cfg)
+
+
+def test_bad_params_inconsistent_with_config():
+    cfg = BASE.scaled(recipe="bf16")
+    _, pp = params_for(cfg)
+    x = inputs(4)
+    with pytest.raises(ValueError, match=r"params.gate_weight: expected shape \(16, 256\)"):
+        mj.moe_forward(x, pp.replace(gate_weight=pp.gate_weight[:8]), cfg)
+    with pytest.raises(ValueError, match="params.w13"):
+        mj.moe_forward(x, pp.replace(w13=pp.w13[:, :100]), cfg)
+    with pytest.raises(ValueError, match="params.shared_w13"):
+        mj.moe_forward(x, pp.replace(shared_w13=None), cfg)
+    fp8 = BASE.scaled(recipe="fp8_block", arch=90)
+    with pytest.raises(TypeError, match="params.w13: expected dtype in \\(float8_e4m3fn\\)"):
+        mj.moe_forward(x, params_for(cfg)[0], fp8)
+    with pytest.raises(ValueError, match="prepared as 'bf16'"):
+        mj.moe_forward(x, pp, fp8)
+
+
+def test_bad_hash_routing_without_token_ids():
+    cfg = V4.scaled(recipe="bf16", hash_routing=True)
+    p, _ = params_for(cfg)
+    with pytest.raises(ValueError, match="token_ids: required for a hash-routed layer"):
+        mj.route(inputs(4), p, cfg)
+
+
+def test_bad_masked_capacity_too_small():
+    cfg = BASE.scaled(recipe="bf16", masked_m_pad=128)
+    _, pp = params_for(cfg)
+    with pytest.raises(ValueError, match="m_pad=128 is too small for the static worst case"):
+        mj.moe_forward(inputs(130), pp, cfg, layout="masked")
+
+
+def test_bad_alignment_for_recipe():
+    with pytest.raises(ValueError, match="alignment=64 must be a multiple of 128 for recipe 'fp8_block'"):
+        BASE.scaled(recipe="fp8_block", alignment=64)
