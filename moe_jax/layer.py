@@ -1,8 +1,9 @@
 """The whole layer (SPEC §1): route -> dispatch/permute -> core -> un-permute, plus the shared
 experts and the tail rule (routed + shared).
 
-Backends: `backend` is a name applied to every stage ("reference", "auto", or an implementation
-name every stage has), or a dict {stage: name} over the stages "permute", "gemm", "activation",
+Backends: `backend` is a name applied to every stage ("reference", "auto"), the name of an
+accelerated backend that implements some stages (`BACKEND_STAGES`: "deep_gemm" runs the GEMMs,
+"triton" the permute/activation/un-permute; the other stages use the reference), or a dict {stage: name} over the stages "permute", "gemm", "activation",
 "unpermute" (missing stages -> "reference"; as a tuple of (stage, name) pairs it is hashable, for
 static jit arguments). None -> the `custom_calls.use_backend` default.
 Resolution happens at trace time.
@@ -25,10 +26,15 @@ from moe_jax.routing import route
 from moe_jax.validate import check_params, check_shared, check_x
 
 STAGES = ("permute", "gemm", "activation", "unpermute")
+# Accelerated backends that implement only some stages: a bare name runs those stages on it and the
+# others on the reference (backend="deep_gemm" = DeepGEMM GEMMs around reference permute/activation).
+BACKEND_STAGES = {"deep_gemm": ("gemm",), "triton": ("permute", "activation", "unpermute")}
 _ACT_GROUP = {"bf16": None, "fp8_block": 128, "mxfp8": 32, "mxfp4": 128}
 
 
 def _stage_backends(backend) -> dict[str, str | None]:
+    if isinstance(backend, str) and backend in BACKEND_STAGES:
+        return {s: backend if s in BACKEND_STAGES[backend] else "reference" for s in STAGES}
     if backend is None or isinstance(backend, str):
         return {s: backend for s in STAGES}
     if isinstance(backend, tuple):  # hashable form for static jit arguments: (("gemm", name), ...)

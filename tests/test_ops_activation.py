@@ -159,7 +159,24 @@ def test_layer_stage_backends():
     from moe_jax.layer import _stage_backends
 
     assert _stage_backends("auto") == dict.fromkeys(("permute", "gemm", "activation", "unpermute"), "auto")
+    assert _stage_backends("deep_gemm") == {"permute": "reference", "gemm": "deep_gemm",
+                                            "activation": "reference", "unpermute": "reference"}
+    assert _stage_backends("triton") == {"permute": "triton", "gemm": "reference",
+                                         "activation": "triton", "unpermute": "triton"}
     got = _stage_backends((("gemm", "deep_gemm"),))
     assert got["gemm"] == "deep_gemm" and got["permute"] == "reference"
     with pytest.raises(ValueError, match="unknown stage\\(s\\) \\['gemmm'\\]"):
         _stage_backends({"gemmm": "x"})
+
+
+@pytest.mark.parametrize("backend", ["deep_gemm", "triton"])
+def test_layer_with_gpu_backend_off_gpu_is_an_error(backend):
+    import moe_jax as mj
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("checks the CPU behaviour")
+    config = mj.MoEConfig.deepseek_v3().scaled(num_experts=8, hidden_size=128, intermediate_size=128)
+    params = mj.init_params(jax.random.key(0), config)
+    x = jax.random.normal(jax.random.key(1), (4, 128)).astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"backend '{backend}' for op '.*': runs on platform"):
+        mj.moe_forward(x, params, config, backend=backend)
