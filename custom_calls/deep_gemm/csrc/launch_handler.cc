@@ -1,0 +1,268 @@
+// XLA FFI handler that launches one precompiled DeepGEMM kernel on the call's CUDA stream.
+//
+// Everything shape-dependent arrives as static attributes (see launch_plan.py): the cubin path,
+// grid/block/cluster/shared memory, the kernel's argument list and the TMA descriptors, whose base
+// addresses are taken from the call's buffers at every launch (XLA may place them anywhere).
+// Driver entry points come from libcuda.so.1 at run time, so nothing links against a stub library.
+
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <cuda.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kArgPtr = 0, kArgU32 = 1, kArgTmap = 2, kArgNull = 3, kArgBytes = 4;
+constexpr size_t kTmapWords = 19;
+
+struct Driver {
+  CUresult (*GetErrorString)(CUresult, const char**) = nullptr;
+  CUresult (*LibraryLoadFromFile)(CUlibrary*, const char*, CUjit_option*, void**, unsigned int,
+                                  CUlibraryOption*, void**, unsigned int) = nullptr;
+  CUresult (*LibraryGetKernelCount)(unsigned int*, CUlibrary) = nullptr;
+  CUresult (*LibraryEnumerateKernels)(CUkernel*, unsigned int, CUlibrary) = nullptr;
+  CUresult (*KernelGetFunction)(CUfunction*, CUkernel) = nullptr;
+  CUresult (*FuncSetAttribute)(CUfunction, CUfunction_attribute, int) = nullptr;
+  CUresult (*LaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**) = nullptr;
+  CUresult (*TensorMapEncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*,
+                                   CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
+                                   CUtensorMapFloatOOBfill) = nullptr;
+  CUresult (*StreamGetCtx)(CUstream, CUcontext*) = nullptr;
+  CUresult (*CtxGetCurrent)(CUcontext*) = nullptr;
+  CUresult (*CtxPushCurrent)(CUcontext) = nullptr;
+  CUresult (*CtxPopCurrent)(CUcontext*) = nullptr;
+  std::string error;
+};
+
+template <typename T>
+bool Load(void* lib, const char* name, T* fn, std::string* error) {
+  *fn = reinterpret_cast<T>(dlsym(lib, name));
+  if (*fn == nullptr) *error += std::string("missing driver symbol ") + name + "; ";
+  return *fn != nullptr;
+}
+
+const Driver& GetDriver() {
+  static Driver d = [] {
+    Driver d;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      d.error = std::string("cannot dlopen libcuda.so.1: ") + dlerror();
+      return d;
+    }
+    Load(lib, "cuGetErrorString", &d.GetErrorString, &d.error);
+    Load(lib, "cuLibraryLoadFromFile", &d.LibraryLoadFromFile, &d.error);
+    Load(lib, "cuLibraryGetKernelCount", &d.LibraryGetKernelCount, &d.error);
+    Load(lib, "cuLibraryEnumerateKernels", &d.LibraryEnumerateKernels, &d.error);
+    Load(lib, "cuKernelGetFunction", &d.KernelGetFunction, &d.error);
+    Load(lib, "cuFuncSetAttribute", &d.FuncSetAttribute, &d.error);
+    Load(lib, "cuLaunchKernelEx", &d.LaunchKernelEx, &d.error);
+    Load(lib, "cuTensorMapEncodeTiled", &d.TensorMapEncodeTiled, &d.error);
+    Load(lib, "cuStreamGetCtx", &d.StreamGetCtx, &d.error);
+    Load(lib, "cuCtxGetCurrent", &d.CtxGetCurrent, &d.error);
+    Load(lib, "cuCtxPushCurrent_v2", &d.CtxPushCurrent, &d.error);
+    Load(lib, "cuCtxPopCurrent_v2", &d.CtxPopCurrent, &d.error);
+    return d;
+  }();
+  return d;
+}
+
+std::string CuError(const Driver& d, CUresult r, const char* what) {
+  const char* s = nullptr;
+  if (d.GetErrorString) d.GetErrorString(r, &s);
+  return std::string(what) + " failed: " + (s ? s : "unknown CUDA error") + " (" + std::to_string(r) + ")";
+}
+
+struct LoadedKernel {
+  CUfunction fn = nullptr;
+  int smem = -1;
+};
+
+std::mutex g_mu;
+std::map<std::pair<std::string, CUcontext>, LoadedKernel> g_kernels;
+std::map<std::string, CUlibrary> g_libraries;
+
+// Loads (once per cubin and context) the single kernel of a cubin and raises its dynamic
+// shared-memory limit (the attribute persists on the function).
+ffi::Error GetKernel(const Driver& d, const std::string& path, CUcontext ctx, int smem, CUfunction* out) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto key = std::make_pair(path, ctx);
+  auto it = g_kernels.find(key);
+  if (it == g_kernels.end()) {
+    CUlibrary lib;
+    auto lit = g_libraries.find(path);
+    if (lit == g_libraries.end()) {
+      CUresult r = d.LibraryLoadFromFile(&lib, path.c_str(), nullptr, nullptr, 0, nullptr, nullptr, 0);
+      if (r != CUDA_SUCCESS) return ffi::Error::Internal(CuError(d, r, "cuLibraryLoadFromFile") + ": " + path);
+      g_libraries[path] = lib;
+    } else {
+      lib = lit->second;
+    }
+    unsigned int count = 0;
+    CUresult r = d.LibraryGetKernelCount(&count, lib);
+    if (r != CUDA_SUCCESS) return ffi::Error::Internal(CuError(d, r, "cuLibraryGetKernelCount"));
+    if (count != 1)
+      return ffi::Error::Internal("cubin " + path + " holds " + std::to_string(count) + " kernels, expected 1");
+    CUkernel kernel;
+    r = d.LibraryEnumerateKernels(&kernel, 1, lib);
+    if (r != CUDA_SUCCESS) return ffi::Error::Internal(CuError(d, r, "cuLibraryEnumerateKernels"));
+    CUfunction fn;
+    r = d.KernelGetFunction(&fn, kernel);
+    if (r != CUDA_SUCCESS) return ffi::Error::Internal(CuError(d, r, "cuKernelGetFunction"));
+    it = g_kernels.emplace(key, LoadedKernel{fn, -1}).first;
+  }
+  if (smem > 0 && it->second.smem != smem) {
+    CUresult r = d.FuncSetAttribute(it->second.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem);
+    if (r != CUDA_SUCCESS) return ffi::Error::Internal(CuError(d, r, "cuFuncSetAttribute(max dynamic smem)"));
+    it->second.smem = smem;
+  }
+  *out = it->second.fn;
+  return ffi::Error::Success();
+}
+
+ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64_t> launch,
+                  ffi::Span<const int64_t> args, ffi::Span<const int64_t> tmaps, ffi::Span<const int64_t> blob,
+                  ffi::RemainingArgs ins, ffi::RemainingRets outs) {
+  const Driver& d = GetDriver();
+  if (!d.error.empty()) return ffi::Error::Internal(d.error);
+  if (launch.size() != 4) return ffi::Error::InvalidArgument("launch attribute must hold 4 values");
+  if (args.size() % 3 != 0) return ffi::Error::InvalidArgument("args attribute must hold triples");
+
+  // Operand addresses: inputs first, then outputs.
+  std::vector<void*> buffers;
+  for (size_t i = 0; i < ins.size(); ++i) {
+    auto b = ins.get<ffi::AnyBuffer>(i);
+    if (b.has_error()) return b.error();
+    buffers.push_back(b->untyped_data());
+  }
+  for (size_t i = 0; i < outs.size(); ++i) {
+    auto b = outs.get<ffi::AnyBuffer>(i);
+    if (b.has_error()) return b.error();
+    buffers.push_back((*b)->untyped_data());
+  }
+
+  // Tensor maps: encoded for the current addresses, 64-byte aligned, passed by value.
+  const size_t num_maps = tmaps.size() / kTmapWords;
+  std::vector<CUtensorMap> maps(num_maps);
+  for (size_t m = 0; m < num_maps; ++m) {
+    const int64_t* w = tmaps.begin() + m * kTmapWords;
+    const int64_t operand = w[0], offset = w[1], dtype = w[2], rank = w[3];
+    if (operand < 0 || operand >= static_cast<int64_t>(buffers.size()) || rank < 1 || rank > 5)
+      return ffi::Error::InvalidArgument("bad tensor map operand or rank");
+    cuuint64_t dims[5], strides[4];
+    cuuint32_t box[5], estrides[5];
+    for (int i = 0; i < rank; ++i) {
+      dims[i] = static_cast<cuuint64_t>(w[4 + i]);
+      box[i] = static_cast<cuuint32_t>(w[13 + i]);
+      estrides[i] = 1;
+      if (i + 1 < rank) strides[i] = static_cast<cuuint64_t>(w[9 + i]);
+    }
+    void* base = static_cast<char*>(buffers[operand]) + offset;
+    CUresult r = d.TensorMapEncodeTiled(&maps[m], static_cast<CUtensorMapDataType>(dtype),
+                                        static_cast<cuuint32_t>(rank), base, dims, strides, box, estrides,
+                                        CU_TENSOR_MAP_INTERLEAVE_NONE, static_cast<CUtensorMapSwizzle>(w[18]),
+                                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+      return ffi::Error::Internal(CuError(d, r, "cuTensorMapEncodeTiled") + " for map " + std::to_string(m));
+  }
+
+  // Kernel arguments: kernelParams[i] points at the i-th argument's value.
+  const size_t num_args = args.size() / 3;
+  std::vector<void*> ptr_values(num_args, nullptr);
+  std::vector<uint32_t> u32_values(num_args, 0);
+  std::vector<void*> params(num_args, nullptr);
+  const char* blob_bytes = reinterpret_cast<const char*>(blob.begin());
+  for (size_t i = 0; i < num_args; ++i) {
+    const int64_t kind = args[3 * i], value = args[3 * i + 1], extra = args[3 * i + 2];
+    switch (kind) {
+      case kArgPtr:
+        if (value < 0 || value >= static_cast<int64_t>(buffers.size()))
+          return ffi::Error::InvalidArgument("pointer argument refers to a missing operand");
+        ptr_values[i] = buffers[value];
+        params[i] = &ptr_values[i];
+        break;
+      case kArgNull:
+        params[i] = &ptr_values[i];
+        break;
+      case kArgU32:
+        u32_values[i] = static_cast<uint32_t>(value);
+        params[i] = &u32_values[i];
+        break;
+      case kArgTmap:
+        if (value < 0 || value >= static_cast<int64_t>(num_maps))
+          return ffi::Error::InvalidArgument("tensor map argument out of range");
+        params[i] = &maps[value];
+        break;
+      case kArgBytes:
+        if (value < 0 || value + extra > static_cast<int64_t>(blob.size() * 8))
+          return ffi::Error::InvalidArgument("by-value argument outside the blob");
+        params[i] = const_cast<char*>(blob_bytes + value);
+        break;
+      default:
+        return ffi::Error::InvalidArgument("unknown kernel argument kind");
+    }
+  }
+
+  // Kernels and tensor maps belong to the stream's context; make it current for the calls.
+  CUcontext ctx = nullptr, current = nullptr;
+  CUresult r = d.StreamGetCtx(stream, &ctx);
+  if (r != CUDA_SUCCESS) return ffi::Error::Internal(CuError(d, r, "cuStreamGetCtx"));
+  d.CtxGetCurrent(&current);
+  const bool pushed = current != ctx;
+  if (pushed) d.CtxPushCurrent(ctx);
+
+  const int smem = static_cast<int>(launch[3]);
+  CUfunction fn = nullptr;
+  ffi::Error err = GetKernel(d, std::string(cubin), ctx, smem, &fn);
+  if (err.success()) {
+    CUlaunchAttribute attr;
+    std::memset(&attr, 0, sizeof(attr));
+    CUlaunchConfig cfg;
+    std::memset(&cfg, 0, sizeof(cfg));
+    cfg.gridDimX = static_cast<unsigned>(launch[0]);
+    cfg.gridDimY = cfg.gridDimZ = 1;
+    cfg.blockDimX = static_cast<unsigned>(launch[1]);
+    cfg.blockDimY = cfg.blockDimZ = 1;
+    cfg.sharedMemBytes = static_cast<unsigned>(smem);
+    cfg.hStream = stream;
+    if (launch[2] > 1) {
+      attr.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+      attr.value.clusterDim.x = static_cast<unsigned>(launch[2]);
+      attr.value.clusterDim.y = attr.value.clusterDim.z = 1;
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+    }
+    r = d.LaunchKernelEx(&cfg, fn, params.data(), nullptr);
+    if (r != CUDA_SUCCESS) err = ffi::Error::Internal(CuError(d, r, "cuLaunchKernelEx") + " for " + std::string(cubin));
+  }
+  if (pushed) {
+    CUcontext popped;
+    d.CtxPopCurrent(&popped);
+  }
+  return err;
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxDeepGemmLaunch, Launch,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Attr<std::string_view>("cubin")
+                                  .Attr<ffi::Span<const int64_t>>("launch")
+                                  .Attr<ffi::Span<const int64_t>>("args")
+                                  .Attr<ffi::Span<const int64_t>>("tmaps")
+                                  .Attr<ffi::Span<const int64_t>>("blob")
+                                  .RemainingArgs()
+                                  .RemainingRets());

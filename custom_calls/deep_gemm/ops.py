@@ -1,0 +1,400 @@
+"""DeepGEMM GEMMs as jit-able ops: grouped contiguous / masked (FP8 1D2D and BF16 on SM90; FP8/FP4
+1D1D on SM100), dense FP8 / BF16 ``gemm_nt`` and the TF32 prenorm GEMM.
+
+At trace time an op checks its operands, picks a tile (heuristics.py), compiles the instantiation
+once (compiler.py, disk-cached) and emits one XLA custom call (launch.py). Each op has a
+``supports_*`` twin returning ``(ok, reason)`` for the backend registry; an op that cannot run raises
+ValueError with that reason.
+
+Output contracts:
+* contig: rows whose ``m_indices`` is -1 are computed from lhs's rows there (or stored as zeros by
+  the FP8 kernel when a whole 64-row slice is padding); with zero lhs padding rows, which the permute
+  op guarantees, they come out 0. No extra pass zeroes them.
+* masked: rows >= masked_m[g] are unspecified. ``masked_m`` is clamped to [0, m_pad] on the device
+  before the launch, so an out-of-range count can never make the kernel touch another group's slab.
+* SM100 (arch 100): instantiations are generated and compiled for sm_100a and their launch geometry
+  is unit-tested, but this project has not run them on SM100 hardware; on an SM100 device they run
+  only with MOE_JAX_DEEP_GEMM_SM100=1.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from custom_calls._checks import check_dtype, check_rank, check_shape
+
+from . import compiler, launch_plan, toolchain
+from .heuristics import (CONTIG_ALIGNMENT, ceil_div, align, sm90_gemm_config, sm90_prenorm_config,
+                         sm100_mgrouped_config)
+from .codegen import sm90_gemm_source, sm90_prenorm_source, sm100_gemm_source
+from .launch import launch
+
+BACKEND = "deep_gemm"
+_ARCH_RECIPES = {90: ("bf16", "fp8_block"), 100: ("bf16", "fp8_block", "mxfp8", "mxfp4")}
+SM100_NOTE = "arch 100 kernels are compiled for sm_100a but have not been run on SM100 hardware by this project"
+
+
+# --- environment --------------------------------------------------------------------------------
+
+@functools.cache
+def detected_device() -> tuple[str, int | None, int | None]:
+    """(platform, arch, num_sms) of the first jax device; arch = 10·major + minor (9.0 → 90)."""
+    try:
+        devs = jax.devices("gpu")
+    except RuntimeError:
+        return jax.default_backend(), None, None
+    d = devs[0]
+    cc = getattr(d, "compute_capability", None)
+    arch = None
+    if cc:
+        major, minor = (int(x) for x in str(cc).split(".")[:2])
+        arch = 10 * major + minor
+    sms = os.environ.get("MOE_JAX_NUM_SMS") or getattr(d, "core_count", None)
+    return "gpu", arch, int(sms) if sms else None
+
+
+def _environment_reason(arch: int) -> str | None:
+    """Why the DeepGEMM kernels cannot run here for ``arch``; None when they can."""
+    if arch not in _ARCH_RECIPES:
+        return f"arch must be 90 or 100, got {arch!r}"
+    try:
+        toolchain.deep_gemm_include_dir()
+        toolchain.find_nvcc()
+    except toolchain.ToolchainError as e:
+        return str(e)
+    platform, detected, sms = detected_device()
+    if detected is None:
+        return f"no CUDA device (jax platform {platform!r}); the DeepGEMM kernels need an SM90 GPU"
+    if detected // 10 != arch // 10:
+        extra = f"; {SM100_NOTE}" if arch == 100 else ""
+        return (f"arch {arch} requested but the detected device has compute capability "
+                f"{detected // 10}.{detected % 10}{extra}")
+    if not sms:
+        return "the device does not report its SM count (set MOE_JAX_NUM_SMS)"
+    if arch // 10 == 10 and os.environ.get("MOE_JAX_DEEP_GEMM_SM100") != "1":
+        return f"{SM100_NOTE}; set MOE_JAX_DEEP_GEMM_SM100=1 to run them anyway"
+    return None
+
+
+def _num_sms() -> int:
+    return detected_device()[2]
+
+
+def _check_backend(backend: str | None) -> None:
+    if backend not in (None, BACKEND):
+        raise ValueError(f"backend: this module implements {BACKEND!r}, got {backend!r} "
+                         "(use custom_calls.m_grouped_gemm_* to choose a backend)")
+
+
+def _raise_unless(ok_reason: tuple[bool, str]) -> None:
+    ok, reason = ok_reason
+    if not ok:
+        raise ValueError(f"backend 'deep_gemm' cannot run this GEMM: {reason}")
+
+
+# --- static shape rules (shared by supports_* and the ops) -----------------------------------
+
+def _grouped_reason(kind: str, rows: int, n: int, k: int, num_groups: int, recipe: str, arch: int,
+                    alignment: int = CONTIG_ALIGNMENT) -> str | None:
+    if arch not in _ARCH_RECIPES:
+        return f"arch must be 90 or 100, got {arch!r}"
+    if recipe not in _ARCH_RECIPES[arch]:
+        return f"recipe {recipe!r} has no DeepGEMM kernel on arch {arch} (supported: {_ARCH_RECIPES[arch]})"
+    if arch == 100 and recipe == "bf16":
+        return "recipe 'bf16' on arch 100 is not wired to a kernel here (SM100 BF16 uses another template)"
+    if kind == "contig" and alignment != CONTIG_ALIGNMENT:
+        return f"alignment must be {CONTIG_ALIGNMENT} (the kernels' BLOCK_M), got {alignment}"
+    if kind == "contig" and rows % CONTIG_ALIGNMENT:
+        return f"M_cap must be a multiple of {CONTIG_ALIGNMENT}, got {rows}"
+    if kind == "masked" and rows % 128:
+        return f"m_pad must be a multiple of 128, got {rows}"
+    if num_groups < 1:
+        return f"num_groups must be >= 1, got {num_groups}"
+    if n <= 0 or n % 64:
+        return f"N must be a positive multiple of 64, got {n}"
+    kb = 64 if recipe == "bf16" else 128
+    if k <= 0 or k % kb:
+        return f"K must be a positive multiple of {kb} for recipe {recipe!r}, got {k}"
+    return None
+
+
+def supports_m_grouped_gemm_contig(*, m_cap: int, n: int, k: int, num_groups: int, recipe: str, arch: int,
+                                   alignment: int = CONTIG_ALIGNMENT, platform: str | None = None,
+                                   **_unused: Any) -> tuple[bool, str]:
+    """(ok, reason) for ``m_grouped_gemm_contig`` with these static arguments on this machine."""
+    reason = _grouped_reason("contig", m_cap, n, k, num_groups, recipe, arch, alignment) or _environment_reason(arch)
+    return (reason is None, reason or "")
+
+
+def supports_m_grouped_gemm_masked(*, m_pad: int, n: int, k: int, num_groups: int, recipe: str, arch: int,
+                                   expected_m: int = 1, platform: str | None = None,
+                                   **_unused: Any) -> tuple[bool, str]:
+    """(ok, reason) for ``m_grouped_gemm_masked`` with these static arguments on this machine."""
+    reason = _grouped_reason("masked", m_pad, n, k, num_groups, recipe, arch)
+    if reason is None and (not isinstance(expected_m, int) or expected_m < 0):
+        reason = f"expected_m must be a static int >= 0, got {expected_m!r}"
+    reason = reason or _environment_reason(arch)
+    return (reason is None, reason or "")
+
+
+def supports_gemm_nt(*, n: int, k: int, recipe: str, arch: int = 90, out_dtype: Any = jnp.bfloat16,
+                     **_unused: Any) -> tuple[bool, str]:
+    """(ok, reason) for the dense ``gemm_nt_fp8`` (recipe 'fp8_block') / ``gemm_nt_bf16`` ('bf16')."""
+    reason = None
+    if arch != 90:
+        reason = f"dense GEMMs are wired for arch 90 only, got {arch}"
+    elif recipe not in ("bf16", "fp8_block"):
+        reason = f"recipe must be 'bf16' or 'fp8_block', got {recipe!r}"
+    elif n <= 0 or n % 64:
+        reason = f"N must be a positive multiple of 64, got {n}"
+    elif k <= 0 or k % (64 if recipe == "bf16" else 128):
+        reason = f"K must be a positive multiple of {64 if recipe == 'bf16' else 128}, got {k}"
+    elif recipe == "fp8_block" and jnp.dtype(out_dtype) != jnp.bfloat16:
+        reason = f"the FP8 kernel writes bf16 only, got out_dtype={jnp.dtype(out_dtype).name}"
+    elif jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        reason = f"out_dtype must be bf16 or f32, got {jnp.dtype(out_dtype).name}"
+    reason = reason or _environment_reason(arch)
+    return (reason is None, reason or "")
+
+
+def supports_tf32_prenorm_gemm(*, n: int, k: int, num_splits: int = 1, arch: int = 90,
+                               **_unused: Any) -> tuple[bool, str]:
+    reason = None
+    if arch != 90:
+        reason = f"the prenorm GEMM is wired for arch 90 only, got {arch}"
+    else:
+        try:
+            sm90_prenorm_config(n, k, num_splits)
+        except ValueError as e:
+            reason = str(e)
+    reason = reason or _environment_reason(arch)
+    return (reason is None, reason or "")
+
+
+# --- kernel selection (also used by warmup) -----------------------------------------------------
+
+def grouped_kernel(kind: str, rows: int, n: int, k: int, num_groups: int, recipe: str, arch: int,
+                   num_sms: int, expected_m: int | None = None):
+    """(name, source, plan_fn) for a grouped GEMM; plan_fn(cubin_path) -> LaunchPlan."""
+    if arch == 90:
+        kernel = "bf16" if recipe == "bf16" else "fp8_1d2d"
+        cfg = sm90_gemm_config(kernel, kind, rows, n, k, num_groups, num_sms,
+                               expected_m=expected_m if kind == "masked" else None)
+        src = sm90_gemm_source(cfg, n, k)
+        builder = launch_plan.sm90_bf16_plan if kernel == "bf16" else launch_plan.sm90_fp8_plan
+        plan_fn = functools.partial(_plan, builder, cfg, m=rows, n=n, k=k, num_groups=num_groups)
+        name = f"sm90_{kernel}_{kind}_n{n}_k{k}_g{num_groups}_{cfg.block_m}x{cfg.block_n}"
+        return name, src, plan_fn
+    cfg = sm100_mgrouped_config(recipe, kind, n, k, num_groups, num_sms)
+    src = sm100_gemm_source(cfg, n, k)
+    plan_fn = functools.partial(_plan, launch_plan.sm100_plan, cfg, m=rows, n=n, k=k)
+    return f"sm100_{recipe}_{kind}_n{n}_k{k}_g{num_groups}", src, plan_fn
+
+
+def dense_kernel(m: int, n: int, k: int, recipe: str, out_dtype: Any, num_sms: int):
+    kernel = "bf16" if recipe == "bf16" else "fp8_1d2d"
+    cd = "bf16" if jnp.dtype(out_dtype) == jnp.bfloat16 else "f32"
+    cfg = sm90_gemm_config(kernel, "normal", m, n, k, 1, num_sms, cd_dtype=cd)
+    src = sm90_gemm_source(cfg, n, k)
+    builder = launch_plan.sm90_bf16_plan if kernel == "bf16" else launch_plan.sm90_fp8_plan
+    plan_fn = functools.partial(_plan, builder, cfg, m=m, n=n, k=k, num_groups=1)
+    return f"sm90_{kernel}_dense_{cd}_n{n}_k{k}_{cfg.block_m}x{cfg.block_n}", src, plan_fn
+
+
+def prenorm_kernel(m: int, n: int, k: int, num_splits: int):
+    cfg = sm90_prenorm_config(n, k, num_splits)
+    plan_fn = functools.partial(_plan, launch_plan.sm90_prenorm_plan, cfg, m=m)
+    return f"sm90_tf32_prenorm_n{n}_k{k}_s{num_splits}", sm90_prenorm_source(cfg), plan_fn
+
+
+def _plan(builder, cfg, cubin: str, **kw):
+    return builder(cfg, cubin, **kw)
+
+
+def _run(kernel, arch: int, inputs, outputs):
+    name, src, plan_fn = kernel
+    cubin = compiler.compile_cubin(name, src, arch)
+    return launch(plan_fn(str(cubin.path)), inputs, outputs)
+
+
+# --- operand checks ---------------------------------------------------------------------------
+
+def _check_grouped_operands(lhs, rhs, lhs_scale, rhs_scale, recipe: str, arch: int, rows: int, k: int,
+                            batch: tuple[int, ...]) -> tuple[int, int]:
+    """Checks rhs and the scales against the (recipe, arch) formats; returns (G, N)."""
+    check_rank("rhs", rhs, 3, "(G, N, K)")
+    g, n, kb = rhs.shape
+    packed = recipe == "mxfp4"
+    if kb != (k // 2 if packed else k):
+        raise ValueError(f"rhs: expected shape (G, N, {k // 2 if packed else k}) for lhs K={k}, got {tuple(rhs.shape)}")
+    if recipe == "bf16":
+        check_dtype("lhs", lhs, (jnp.bfloat16,))
+        check_dtype("rhs", rhs, (jnp.bfloat16,))
+        if lhs_scale is not None or rhs_scale is not None:
+            raise ValueError("lhs_scale/rhs_scale: recipe 'bf16' takes no scales, got an array")
+        return g, n
+    check_dtype("lhs", lhs, (jnp.float8_e4m3fn,))
+    check_dtype("rhs", rhs, (jnp.int8,) if packed else (jnp.float8_e4m3fn,))
+    if arch == 90:
+        check_shape("lhs_scale", lhs_scale, (*batch, ceil_div(k, 128), align(rows, 4)))
+        check_dtype("lhs_scale", lhs_scale, (jnp.float32,))
+        check_shape("rhs_scale", rhs_scale, (g, ceil_div(n, 128), ceil_div(k, 128)))
+        check_dtype("rhs_scale", rhs_scale, (jnp.float32,))
+    else:
+        gka, gkb = {"fp8_block": (128, 128), "mxfp8": (32, 32), "mxfp4": (128, 32)}[recipe]
+        check_shape("lhs_scale", lhs_scale, (*batch, ceil_div(ceil_div(k, gka), 4), align(rows, 4)))
+        check_dtype("lhs_scale", lhs_scale, (jnp.int32,))
+        check_shape("rhs_scale", rhs_scale, (g, ceil_div(ceil_div(k, gkb), 4), align(n, 4)))
+        check_dtype("rhs_scale", rhs_scale, (jnp.int32,))
+    return g, n
+
+
+def _check_recipe_arch(recipe: str, arch: int) -> None:
+    if arch not in _ARCH_RECIPES:
+        raise ValueError(f"arch must be 90 or 100, got {arch!r}")
+    if recipe not in _ARCH_RECIPES[arch]:
+        raise ValueError(f"recipe {recipe!r} has no DeepGEMM kernel on arch {arch} "
+                         f"(supported: {_ARCH_RECIPES[arch]})")
+
+
+def _operands(lhs, rhs, lhs_scale, rhs_scale, layout_arr, recipe):
+    if recipe == "bf16":
+        return [lhs, rhs, layout_arr]
+    return [lhs, rhs, lhs_scale, rhs_scale, layout_arr]
+
+
+# --- public ops -------------------------------------------------------------------------------
+
+def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, *,
+                          lhs_scale: jax.Array | None = None, rhs_scale: jax.Array | None = None,
+                          recipe: str, arch: int, alignment: int = CONTIG_ALIGNMENT,
+                          backend: str | None = None) -> jax.Array:
+    """Contiguous grouped GEMM D[r] = lhs[r] · rhs[m_indices[r]]ᵀ on DeepGEMM's kernels.
+
+    lhs: (M_cap, K) e4m3 | bf16, M_cap % 128 == 0, every expert segment starting at a multiple of 128;
+    rhs: (G, N, K) e4m3 | bf16 [(G, N, K//2) int8 e2m1 pairs for mxfp4]; m_indices: (M_cap,) int32,
+    -1 = padding; scales per the (recipe, arch) formats of custom_calls.grouped_gemm -> (M_cap, N) bf16.
+    """
+    _check_backend(backend)
+    _check_recipe_arch(recipe, arch)
+    check_rank("lhs", lhs, 2, "(M_cap, K)")
+    m_cap, k = lhs.shape
+    g, n = _check_grouped_operands(lhs, rhs, lhs_scale, rhs_scale, recipe, arch, m_cap, k, ())
+    check_shape("m_indices", m_indices, (m_cap,))
+    check_dtype("m_indices", m_indices, (jnp.int32,))
+    _raise_unless(supports_m_grouped_gemm_contig(m_cap=m_cap, n=n, k=k, num_groups=g, recipe=recipe,
+                                                 arch=arch, alignment=alignment))
+    if m_cap == 0:
+        return jnp.zeros((0, n), jnp.bfloat16)
+    kern = grouped_kernel("contig", m_cap, n, k, g, recipe, arch, _num_sms())
+    (out,) = _run(kern, arch, _operands(lhs, rhs, lhs_scale, rhs_scale, m_indices, recipe),
+                  [jax.ShapeDtypeStruct((m_cap, n), jnp.bfloat16)])
+    return out
+
+
+def m_grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *, expected_m: int,
+                          lhs_scale: jax.Array | None = None, rhs_scale: jax.Array | None = None,
+                          recipe: str, arch: int, backend: str | None = None) -> jax.Array:
+    """Masked grouped GEMM D[g, r] = lhs[g, r] · rhs[g]ᵀ for r < masked_m[g] on DeepGEMM's kernels.
+
+    lhs: (G, m_pad, K) e4m3 | bf16, m_pad % 128 == 0; rhs: (G, N, K); masked_m: (G,) int32 (clamped to
+    [0, m_pad]); expected_m: static hint for the tile choice -> (G, m_pad, N) bf16, rows >= masked_m[g]
+    unspecified.
+    """
+    _check_backend(backend)
+    _check_recipe_arch(recipe, arch)
+    check_rank("lhs", lhs, 3, "(G, m_pad, K)")
+    g_l, m_pad, k = lhs.shape
+    g, n = _check_grouped_operands(lhs, rhs, lhs_scale, rhs_scale, recipe, arch, m_pad, k, (g_l,))
+    if g != g_l:
+        raise ValueError(f"rhs: expected {g_l} groups (lhs axis 0), got shape {tuple(rhs.shape)}")
+    check_shape("masked_m", masked_m, (g,))
+    check_dtype("masked_m", masked_m, (jnp.int32,))
+    if not isinstance(expected_m, int) or isinstance(expected_m, bool) or expected_m < 0:
+        raise ValueError(f"expected_m: expected a static int >= 0, got {expected_m!r}")
+    _raise_unless(supports_m_grouped_gemm_masked(m_pad=m_pad, n=n, k=k, num_groups=g, recipe=recipe,
+                                                 arch=arch, expected_m=expected_m))
+    if m_pad == 0:
+        return jnp.zeros((g, 0, n), jnp.bfloat16)
+    kern = grouped_kernel("masked", m_pad, n, k, g, recipe, arch, _num_sms(),
+                          expected_m=max(1, min(expected_m, m_pad)))
+    counts = jnp.clip(masked_m, 0, m_pad)
+    (out,) = _run(kern, arch, _operands(lhs, rhs, lhs_scale, rhs_scale, counts, recipe),
+                  [jax.ShapeDtypeStruct((g, m_pad, n), jnp.bfloat16)])
+    return out
+
+
+def gemm_nt_fp8(a: jax.Array, b: jax.Array, *, a_scale: jax.Array, b_scale: jax.Array,
+                arch: int = 90) -> jax.Array:
+    """Dense D = A·Bᵀ with block FP8 operands (the shared expert's GEMMs).
+
+    a: (M, K) e4m3; a_scale: (ceil(K/128), align(M,4)) f32 MN-major TMA-aligned image of the 1x128
+    scales; b: (N, K) e4m3; b_scale: (ceil(N/128), ceil(K/128)) f32 128x128 block scales -> (M, N) bf16.
+    """
+    check_rank("a", a, 2, "(M, K)")
+    check_rank("b", b, 2, "(N, K)")
+    m, k = a.shape
+    n = b.shape[0]
+    if b.shape[1] != k:
+        raise ValueError(f"b: expected shape (N, {k}) to match a {tuple(a.shape)}, got {tuple(b.shape)}")
+    check_dtype("a", a, (jnp.float8_e4m3fn,))
+    check_dtype("b", b, (jnp.float8_e4m3fn,))
+    check_shape("a_scale", a_scale, (ceil_div(k, 128), align(m, 4)))
+    check_dtype("a_scale", a_scale, (jnp.float32,))
+    check_shape("b_scale", b_scale, (ceil_div(n, 128), ceil_div(k, 128)))
+    check_dtype("b_scale", b_scale, (jnp.float32,))
+    _raise_unless(supports_gemm_nt(n=n, k=k, recipe="fp8_block", arch=arch))
+    if m == 0:
+        return jnp.zeros((0, n), jnp.bfloat16)
+    kern = dense_kernel(m, n, k, "fp8_block", jnp.bfloat16, _num_sms())
+    (out,) = _run(kern, arch, [a, b, a_scale, b_scale], [jax.ShapeDtypeStruct((m, n), jnp.bfloat16)])
+    return out
+
+
+def gemm_nt_bf16(a: jax.Array, b: jax.Array, *, out_dtype: Any = jnp.bfloat16, arch: int = 90) -> jax.Array:
+    """Dense D = A·Bᵀ in bf16. a: (M, K) bf16; b: (N, K) bf16 -> (M, N) out_dtype (bf16 or f32)."""
+    check_rank("a", a, 2, "(M, K)")
+    check_rank("b", b, 2, "(N, K)")
+    m, k = a.shape
+    n = b.shape[0]
+    if b.shape[1] != k:
+        raise ValueError(f"b: expected shape (N, {k}) to match a {tuple(a.shape)}, got {tuple(b.shape)}")
+    check_dtype("a", a, (jnp.bfloat16,))
+    check_dtype("b", b, (jnp.bfloat16,))
+    _raise_unless(supports_gemm_nt(n=n, k=k, recipe="bf16", arch=arch, out_dtype=out_dtype))
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype)
+    kern = dense_kernel(m, n, k, "bf16", out_dtype, _num_sms())
+    (out,) = _run(kern, arch, [a, b], [jax.ShapeDtypeStruct((m, n), out_dtype)])
+    return out
+
+
+def tf32_prenorm_gemm(x: jax.Array, fn: jax.Array, *, num_splits: int = 1,
+                      arch: int = 90) -> tuple[jax.Array, jax.Array]:
+    """x·fnᵀ in TF32 plus the per-row sum of squares of x (the hyper-connection pre-norm GEMM).
+
+    x: (M, K) bf16; fn: (N, K) f32, N <= 32, N % 8 == 0, K % 64 == 0 -> ((M, N) f32, (M,) f32).
+    num_splits > 1 splits K across CTAs (for small M); the partial results are summed here.
+    """
+    check_rank("x", x, 2, "(M, K)")
+    check_rank("fn", fn, 2, "(N, K)")
+    m, k = x.shape
+    n = fn.shape[0]
+    if fn.shape[1] != k:
+        raise ValueError(f"fn: expected shape (N, {k}) to match x {tuple(x.shape)}, got {tuple(fn.shape)}")
+    check_dtype("x", x, (jnp.bfloat16,))
+    check_dtype("fn", fn, (jnp.float32,))
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits: expected a static int >= 1, got {num_splits!r}")
+    _raise_unless(supports_tf32_prenorm_gemm(n=n, k=k, num_splits=num_splits, arch=arch))
+    if m == 0:
+        return jnp.zeros((0, n), jnp.float32), jnp.zeros((0,), jnp.float32)
+    kern = prenorm_kernel(m, n, k, num_splits)
+    d, sq = _run(kern, arch, [x, fn], [jax.ShapeDtypeStruct((num_splits, m, n), jnp.float32),
+                                       jax.ShapeDtypeStruct((num_splits, m), jnp.float32)])
+    return d.sum(0), sq.sum(0)
