@@ -1,0 +1,158 @@
+"""Gated activation fused with GEMM2's input quantization as one Triton kernel, contig and masked
+(varlen), every `ActivationSpec` variant (silu, swiglu_limit clamps, swiglu_oai with gemm1_alpha,
+SiTU, keep_fp32). Reads 2I bf16 once, writes I e4m3 + scales (in the GEMM's image) once.
+
+Same signatures and numerics as `custom_calls.activation` (the reference): fp32 math, the result
+rounded to bf16 before quantization unless `keep_fp32`.
+  activation_quant_contig(gateup (rows, 2I), *, act, recipe, arch) -> (a (rows, I), image | None)
+  activation_quant_masked(gateup (G, m_pad, 2I), masked_m (G,), *, act, recipe, arch)
+Masked: programs whose row block starts at or past masked_m[g] exit at once; only rows
+< masked_m[g] are read or written (the rest of `a` and of its image is left unspecified, as the
+op's contract allows: the GEMM never reads them).
+
+The masked clamp / SiTU / keep_fp32 kernels carry the seed's hard constraints (checked by
+`support.activation_masked_constraints` at trace time): N = m_pad % 4 == 0, G = I / group % 4 == 0,
+I // 8 >= number of slabs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from custom_calls._checks import ACT_GROUP, act_scale_image_shape, ceil_div, round_up
+from custom_calls.triton.launch import triton_call
+from custom_calls.triton.tile_quant import quantize_tile, store_scale_image
+
+KIND_CODES = {"silu": 0, "swiglu_oai": 1, "situ": 2}
+_TILE_ELEMS = 4096  # elements of I per program (rows x columns)
+_ROW_TILE = 1024  # at most this many columns of I per program
+_BF16_CHUNK = 128
+_NUM_WARPS = 4
+
+
+@triton.jit
+def _tanh(x):
+    """fp32 tanh from exp (Triton's interpreter has no libdevice): odd Taylor polynomial near 0,
+    where 1 - 2 / (e^2x + 1) would cancel; relative error below 2e-6 everywhere, +-1 at +-inf."""
+    x2 = x * x
+    small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    large = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    return tl.where(tl.abs(x) < 0.125, small, large)
+
+
+@triton.jit
+def act_quant_kernel(
+    y_ptr, masked_m_ptr,
+    a_ptr, img_ptr,
+    MN: tl.constexpr, I: tl.constexpr, G: tl.constexpr, IMG_LD: tl.constexpr,
+    IMG_SLAB: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
+    MASKED: tl.constexpr, KIND: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
+    ALPHA: tl.constexpr, BETA_S: tl.constexpr, BETA_L: tl.constexpr, KEEP_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """Grid (S * cdiv(ROWS_COVERED, BLOCK_M), cdiv(G, GROUPS)); ROWS_COVERED = MN (masked) or
+    IMG_LD (contig, so the image padding columns get their zero scales)."""
+    ROWS_COVERED: tl.constexpr = MN if MASKED else IMG_LD
+    BLOCKS: tl.constexpr = (ROWS_COVERED + BLOCK_M - 1) // BLOCK_M
+    pid_m = tl.program_id(0)
+    slab = pid_m // BLOCKS
+    start = (pid_m % BLOCKS) * BLOCK_M
+    if MASKED:
+        limit = tl.load(masked_m_ptr + slab)
+    else:
+        limit = MN
+    if start < limit:
+        group0 = tl.program_id(1) * GROUPS
+        m = start + tl.arange(0, BLOCK_M)
+        cols = group0 * GROUP + tl.arange(0, GROUPS * GROUP)
+        row_ok = m < limit
+        ok = tl.expand_dims(row_ok, 1) & tl.expand_dims(cols < I, 0)
+        row = slab.to(tl.int64) * MN + m
+        in_offs = tl.expand_dims(row * (2 * I), 1) + tl.expand_dims(cols, 0)
+        gate = tl.load(y_ptr + in_offs, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(y_ptr + in_offs + I, mask=ok, other=0.0).to(tl.float32)
+        if KIND == 2:
+            y = BETA_S * _tanh(gate / BETA_S) * tl.sigmoid(gate) * (BETA_L * _tanh(up / BETA_L))
+        else:
+            if HAS_LIMIT:
+                gate = tl.minimum(gate, LIMIT)
+                up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+            if KIND == 1:
+                y = gate * tl.sigmoid(ALPHA * gate) * (up + 1.0)
+            else:
+                y = gate * tl.sigmoid(gate) * up
+        if not KEEP_FP32:
+            y = y.to(tl.bfloat16).to(tl.float32)
+        out_offs = tl.expand_dims(row * I, 1) + tl.expand_dims(cols, 0)
+        if QUANT:
+            q, sf, exp = quantize_tile(y, BLOCK_M, GROUPS, GROUP, UE8M0)
+            tl.store(a_ptr + out_offs, q, mask=ok)
+            if MASKED:
+                img_rows = row_ok
+            else:
+                # contig: rows [MN, IMG_LD) are the image's zero padding columns
+                pad = tl.expand_dims(m >= MN, 1)
+                sf = tl.where(pad, 0.0, sf)
+                exp = tl.where(pad, 0, exp)
+                img_rows = m < IMG_LD
+            col = slab.to(tl.int64) * IMG_SLAB + m
+            store_scale_image(img_ptr, sf, exp, col, img_rows, group0, G, IMG_LD,
+                              BLOCK_M, GROUPS, UE8M0)
+        else:
+            tl.store(a_ptr + out_offs, y.to(a_ptr.dtype.element_ty), mask=ok)
+
+
+def kernel_config(inter: int, recipe: str, act) -> dict:
+    quant = recipe != "bf16"
+    group = ACT_GROUP[recipe] if quant else _BF16_CHUNK
+    # a multiple of 4 groups per program, so packed UE8M0 words never straddle two programs
+    groups = max(4, min(triton.next_power_of_2(ceil_div(inter, group)), _ROW_TILE // group))
+    block_m = max(1, _TILE_ELEMS // (groups * group))
+    return dict(
+        GROUP=group, GROUPS=groups, BLOCK_M=block_m, QUANT=quant,
+        KIND=KIND_CODES[act.kind], HAS_LIMIT=act.swiglu_limit is not None,
+        LIMIT=float(act.swiglu_limit) if act.swiglu_limit is not None else 0.0,
+        ALPHA=float(act.gemm1_alpha) if act.gemm1_alpha is not None else 1.0,
+        BETA_S=float(act.situ_beta), BETA_L=float(act.situ_linear_beta), KEEP_FP32=bool(act.keep_fp32))
+
+
+def _act_quant(gateup: jax.Array, masked_m: jax.Array | None, *, act, recipe: str, arch: int):
+    masked = masked_m is not None
+    slabs, mn, two_i = gateup.shape if masked else (1, *gateup.shape)
+    inter = two_i // 2
+    cfg = kernel_config(inter, recipe, act)
+    if cfg["QUANT"]:
+        (gi, img_ld), img_dtype = act_scale_image_shape(recipe, arch, mn, inter)
+        img_shape = (slabs, gi, img_ld) if masked else (gi, img_ld)
+        a_dtype = jnp.float8_e4m3fn
+    else:
+        gi, img_ld, img_dtype, img_shape, a_dtype = 1, round_up(mn, 4), jnp.int32, (1,), jnp.bfloat16
+    g = ceil_div(inter, cfg["GROUP"])
+    covered = mn if masked else img_ld
+    grid = (slabs * ceil_div(covered, cfg["BLOCK_M"]), ceil_div(g, cfg["GROUPS"]))
+    if masked_m is None:
+        masked_m = jnp.zeros((1,), jnp.int32)  # not read by the contig kernel
+    a_shape = (slabs, mn, inter) if masked else (mn, inter)
+    if grid[0] == 0:  # no rows
+        return jnp.zeros(a_shape, a_dtype), (jnp.zeros(img_shape, img_dtype) if cfg["QUANT"] else None)
+    a, img = triton_call(
+        gateup, masked_m, kernel=act_quant_kernel,
+        out_shape=[jax.ShapeDtypeStruct(a_shape, a_dtype), jax.ShapeDtypeStruct(img_shape, img_dtype)],
+        grid=grid, num_warps=_NUM_WARPS, name="moe_act_quant",
+        MN=mn, I=inter, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, UE8M0=arch == 100,
+        MASKED=masked, **cfg)
+    return a, (img if cfg["QUANT"] else None)
+
+
+def activation_quant_contig(gateup: jax.Array, *, act, recipe: str, arch: int):
+    """gateup: (rows, 2I) float -> (a (rows, I) e4m3 | bf16, a_scale image | None)."""
+    return _act_quant(gateup, None, act=act, recipe=recipe, arch=arch)
+
+
+def activation_quant_masked(gateup: jax.Array, masked_m: jax.Array, *, act, recipe: str, arch: int):
+    """gateup: (G, m_pad, 2I) float, masked_m: (G,) int32 -> (a (G, m_pad, I), a_scale (G, ...) image
+    | None); rows >= masked_m[g] (and their scale columns) are left unspecified."""
+    return _act_quant(gateup, masked_m, act=act, recipe=recipe, arch=arch)

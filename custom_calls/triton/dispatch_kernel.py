@@ -1,0 +1,63 @@
+"""Slot assignment for dispatch as two small Triton kernels: per-expert counts and the rank of every
+route among the routes of its expert, in (token, k) order — what `moe_jax.dispatch` computes with a
+stable argsort (`_rank_within_expert`), without the sort.
+
+  rank_within_expert(e_flat (R,) int32 in [0, E], num_experts=E) -> (counts (E,) int32, rank (R,) int32)
+  (value E marks a route not held here; its rank is among those routes, as the argsort gives it)
+
+Pass 1: each program one-hot counts its chunk of CHUNK routes -> chunk_counts (NC, E + 1).
+Between: an exclusive cumsum over chunks (NC x (E+1) int32, jnp).
+Pass 2: each program ranks its chunk with a cumulative sum of the one-hot matrix along the chunk
+and adds the chunk's offset for the route's expert. Deterministic, no atomics.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from custom_calls._checks import ceil_div
+from custom_calls.triton.launch import triton_call
+
+_ONE_HOT_ELEMS = 8192  # CHUNK x E_PAD per program
+
+
+@triton.jit
+def chunk_count_kernel(e_ptr, counts_ptr, R: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    c = tl.program_id(0)
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(e_ptr + i, mask=i < R, other=E_PAD)  # out of range: matches no column
+    hot = (tl.expand_dims(e, 1) == tl.expand_dims(tl.arange(0, E_PAD), 0)).to(tl.int32)
+    tl.store(counts_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.sum(hot, axis=0))
+
+
+@triton.jit
+def chunk_rank_kernel(e_ptr, offs_ptr, rank_ptr, R: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    c = tl.program_id(0)
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    ok = i < R
+    e = tl.load(e_ptr + i, mask=ok, other=E_PAD)
+    hot = tl.expand_dims(e, 1) == tl.expand_dims(tl.arange(0, E_PAD), 0)
+    seen = tl.cumsum(hot.to(tl.int32), axis=0)  # inclusive: routes of each expert so far in the chunk
+    within = tl.sum(tl.where(hot, seen, 0), axis=1) - 1
+    base = tl.load(offs_ptr + c * E_PAD + e, mask=ok, other=0)
+    tl.store(rank_ptr + i, within + base, mask=ok)
+
+
+def rank_within_expert(e_flat: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """e_flat: (R,) int32 in [0, num_experts] -> (counts (num_experts,) int32, rank (R,) int32)."""
+    (r,) = e_flat.shape
+    e_pad = triton.next_power_of_2(num_experts + 1)
+    chunk = max(16, min(1024, triton.next_power_of_2(max(1, _ONE_HOT_ELEMS // e_pad))))
+    nc = max(1, ceil_div(r, chunk))
+    e_flat = e_flat.astype(jnp.int32)
+    (chunk_counts,) = triton_call(e_flat, kernel=chunk_count_kernel,
+                                  out_shape=[jax.ShapeDtypeStruct((nc, e_pad), jnp.int32)], grid=(nc,),
+                                  num_warps=4, name="moe_dispatch_count", R=r, E_PAD=e_pad, CHUNK=chunk)
+    offs = jnp.cumsum(chunk_counts, axis=0) - chunk_counts
+    (rank,) = triton_call(e_flat, offs, kernel=chunk_rank_kernel,
+                          out_shape=[jax.ShapeDtypeStruct((r,), jnp.int32)], grid=(nc,), num_warps=4,
+                          name="moe_dispatch_rank", R=r, E_PAD=e_pad, CHUNK=chunk)
+    return jnp.sum(chunk_counts, axis=0)[:num_experts], rank

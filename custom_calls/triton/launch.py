@@ -1,0 +1,35 @@
+"""Calling a Triton kernel from JAX: `jax_triton.triton_call`, imported only here, at call time.
+
+`import jax_triton` raises ImportError on a CPU-only jax, so nothing imports it at module load.
+Every kernel of this package takes its sizes as `tl.constexpr` (shapes are static under jit),
+so each distinct shape compiles once and is cached by jax_triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Sequence
+
+import jax
+
+
+def missing_dependencies() -> list[str]:
+    """Python packages the Triton backend needs that are not importable (no import is done)."""
+    return [name for name in ("triton", "jax_triton") if importlib.util.find_spec(name) is None]
+
+
+def triton_call(*args: jax.Array, kernel: Any, out_shape: Sequence[jax.ShapeDtypeStruct],
+                grid: tuple[int, ...], num_warps: int = 4, name: str = "",
+                **constexprs: Any) -> list[jax.Array]:
+    """Launch `kernel` on `grid` with array inputs `args` then outputs `out_shape` as pointers,
+    followed by `constexprs` (all compile-time constants). Returns the outputs as a list."""
+    try:
+        import jax_triton
+    except ImportError as exc:
+        raise ValueError(f"backend 'triton': jax_triton cannot be imported here ({exc}); it needs a "
+                         f"CUDA build of jax and `pip install jax-triton==0.3.1`") from exc
+    if any(g == 0 for g in grid):
+        raise ValueError(f"grid: expected every dimension > 0, got {grid}")
+    outs = jax_triton.triton_call(*args, kernel=kernel, out_shape=list(out_shape), grid=grid,
+                                  num_warps=num_warps, num_stages=1, name=name, **constexprs)
+    return list(outs)

@@ -1,0 +1,84 @@
+"""Triton kernel: per-token-group FP8 quantization with the scales written in the GEMM's image.
+
+x (S, MN, K) bf16/f32 -> q (S, MN, K) e4m3 and, per slab s, the image of sf (MN, G):
+  fp32 (S, G, align(MN, 4)) or packed UE8M0 int32 (S, ceil(G/4), align(MN, 4)).
+S = 1 for a plain (M, K) activation, S = E for masked slabs. Image padding columns
+(MN <= m < align(MN, 4)) are written as 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from custom_calls._checks import ACT_GROUP, act_scale_image_shape, ceil_div, check_recipe_arch
+from custom_calls.triton.launch import triton_call
+from custom_calls.triton.tile_quant import quantize_tile, store_scale_image
+
+_TILE = 1024  # elements of K per program row
+_BLOCK_M = 4
+_NUM_WARPS = 4
+
+
+@triton.jit
+def per_token_group_quant_kernel(
+    x_ptr, q_ptr, img_ptr,
+    MN: tl.constexpr, K: tl.constexpr, G: tl.constexpr, IMG_LD: tl.constexpr,
+    IMG_SLAB: tl.constexpr, GROUP: tl.constexpr, UE8M0: tl.constexpr,
+    BLOCK_M: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """Grid (S * cdiv(IMG_LD, BLOCK_M), cdiv(G, GROUPS)); one [BLOCK_M, GROUPS * GROUP] tile each."""
+    BLOCKS_PER_SLAB: tl.constexpr = (IMG_LD + BLOCK_M - 1) // BLOCK_M
+    pid_m = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    slab = pid_m // BLOCKS_PER_SLAB
+    m = (pid_m % BLOCKS_PER_SLAB) * BLOCK_M + tl.arange(0, BLOCK_M)
+    group0 = pid_g * GROUPS
+    k = group0 * GROUP + tl.arange(0, GROUPS * GROUP)
+    row = slab.to(tl.int64) * MN + m
+    in_x = tl.expand_dims(m < MN, 1) & tl.expand_dims(k < K, 0)
+    offs = tl.expand_dims(row * K, 1) + tl.expand_dims(k, 0)
+    x = tl.load(x_ptr + offs, mask=in_x, other=0.0).to(tl.float32)
+    q, sf, exp = quantize_tile(x, BLOCK_M, GROUPS, GROUP, UE8M0)
+    tl.store(q_ptr + offs, q, mask=in_x)
+    # Padding columns of the image hold 0.
+    real = tl.expand_dims(m < MN, 1)
+    sf = tl.where(real, sf, 0.0)
+    exp = tl.where(real, exp, 0)
+    col = slab.to(tl.int64) * IMG_SLAB + m
+    store_scale_image(img_ptr, sf, exp, col, m < IMG_LD, group0, G, IMG_LD,
+                      BLOCK_M, GROUPS, UE8M0)
+
+
+def quantize_activation(x: jax.Array, recipe: str, arch: int) -> tuple[jax.Array, jax.Array | None]:
+    """Same signature and results as `custom_calls.act_quant.quantize_activation`:
+    x (..., rows, K) float -> (q (..., rows, K) e4m3, scale image (..., G', align(rows, 4)))
+    with the image fp32 (arch 90) or packed UE8M0 int32 (arch 100); bf16 recipe: (x as bf16, None)."""
+    check_recipe_arch(recipe, arch)
+    if recipe == "bf16":
+        return x.astype(jnp.bfloat16), None
+    if x.ndim < 2:
+        raise ValueError(f"x: expected rank >= 2 (..., rows, K), got shape {tuple(x.shape)}")
+    *lead, mn, k = x.shape
+    slabs = math.prod(lead)
+    group = ACT_GROUP[recipe]
+    (gi, img_ld), img_dtype = act_scale_image_shape(recipe, arch, mn, k)
+    g = ceil_div(k, group)
+    groups = _TILE // group
+    if arch == 100:
+        groups = max(groups, 4)
+    grid = (slabs * ceil_div(img_ld, _BLOCK_M), ceil_div(g, groups))
+    if grid[0] == 0:  # no rows
+        return jnp.zeros(x.shape, jnp.float8_e4m3fn), jnp.zeros((*lead, gi, img_ld), img_dtype)
+    q, img = triton_call(
+        x, kernel=per_token_group_quant_kernel,
+        out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn),
+                   jax.ShapeDtypeStruct((*lead, gi, img_ld), img_dtype)],
+        grid=grid, num_warps=_NUM_WARPS, name="moe_group_quant",
+        MN=mn, K=k, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, GROUP=group, UE8M0=arch == 100,
+        BLOCK_M=_BLOCK_M, GROUPS=groups)
+    return q, img

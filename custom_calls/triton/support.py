@@ -1,0 +1,116 @@
+"""What the Triton backend can run, answered at trace time without importing triton or jax_triton.
+
+Every `supports_*` takes the op's static arguments (as `custom_calls.backends.resolve` passes
+them, `platform` included) and returns (ok, reason). The reason names the argument or the
+missing piece, so an explicit `backend="triton"` that cannot run fails with it.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from custom_calls._checks import ACT_GROUP, ceil_div
+from custom_calls.triton.launch import missing_dependencies
+
+SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}  # routing epilogue: code per scoring
+MAX_EXPERTS = 1024  # routing epilogue: one program holds whole expert rows
+MIN_CAPABILITY = (8, 9)  # e4m3 conversions in hardware (Ada / Hopper and newer)
+_FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def _device_reason(platform: str) -> str:
+    if platform != "gpu":
+        return f"needs a CUDA GPU, current platform is {platform!r}"
+    missing = missing_dependencies()
+    if missing:
+        return f"missing Python package(s) {missing} (pip install 'moe-jax[gpu]')"
+    import jax
+
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError as exc:
+        return f"no GPU device visible to jax ({exc})"
+    cc = getattr(dev, "compute_capability", None)
+    if cc is None:
+        return f"needs an NVIDIA GPU (CUDA compute capability), got device {dev.device_kind!r}"
+    major, minor = (int(v) for v in str(cc).split(".")[:2])
+    if (major, minor) < MIN_CAPABILITY:
+        return (f"needs compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (FP8 e4m3 "
+                f"conversions), device {dev.device_kind!r} has {cc}")
+    return ""
+
+
+def _dtype_reason(name: str, dtype) -> str:
+    if dtype is not None and not any(jnp.dtype(dtype) == jnp.dtype(d) for d in _FLOATS):
+        return f"{name}: expected dtype in (bfloat16, float16, float32), got {jnp.dtype(dtype).name}"
+    return ""
+
+
+def _answer(*reasons: str) -> tuple[bool, str]:
+    for r in reasons:
+        if r:
+            return False, r
+    return True, ""
+
+
+def activation_masked_constraints(*, num_groups: int, m_pad: int, two_i: int, act, recipe: str) -> str:
+    """The seed's hard constraints of the masked clamp / SiTU / keep_fp32 act+quant kernel
+    (SPEC §4): N % 4 == 0 (N = m_pad, rows per slab), G % 4 == 0 (G = I / group, scale groups per
+    row), D // 8 >= E (D = I, E = num_groups: one thread per 8 columns reads each slab's masked_m).
+    Returns "" when they hold or do not apply (bf16 recipe; plain silu or swiglu_oai), else the
+    violated constraint with its values."""
+    constrained = act.kind == "situ" or act.keep_fp32 or (act.kind == "silu" and act.swiglu_limit is not None)
+    if recipe == "bf16" or not constrained:
+        return ""
+    inter = two_i // 2
+    g = ceil_div(inter, ACT_GROUP[recipe])
+    what = f"masked {act.kind} act+quant kernel (swiglu_limit={act.swiglu_limit}, keep_fp32={act.keep_fp32})"
+    if m_pad % 4:
+        return f"{what}: constraint N % 4 == 0 violated: N = m_pad = {m_pad}"
+    if inter % ACT_GROUP[recipe] or g % 4:
+        return (f"{what}: constraint G % 4 == 0 violated: G = I / group = {inter} / "
+                f"{ACT_GROUP[recipe]} = {inter / ACT_GROUP[recipe]:g}")
+    if inter // 8 < num_groups:
+        return f"{what}: constraint D // 8 >= E violated: D = I = {inter}, D // 8 = {inter // 8} < E = {num_groups}"
+    return ""
+
+
+def supports_permute_contig(*, platform: str, dtype=None, **_static) -> tuple[bool, str]:
+    return _answer(_device_reason(platform), _dtype_reason("x", dtype))
+
+
+def supports_permute_masked(*, platform: str, dtype=None, **_static) -> tuple[bool, str]:
+    return _answer(_device_reason(platform), _dtype_reason("x", dtype))
+
+
+def supports_activation_contig(*, platform: str, dtype=None, **_static) -> tuple[bool, str]:
+    return _answer(_device_reason(platform), _dtype_reason("gateup", dtype))
+
+
+def supports_activation_masked(*, platform: str, num_groups: int, m_pad: int, two_i: int, act,
+                               recipe: str, dtype=None, **_static) -> tuple[bool, str]:
+    return _answer(activation_masked_constraints(num_groups=num_groups, m_pad=m_pad, two_i=two_i,
+                                                 act=act, recipe=recipe),
+                   _device_reason(platform), _dtype_reason("gateup", dtype))
+
+
+def supports_unpermute(*, platform: str, **_static) -> tuple[bool, str]:
+    return _answer(_device_reason(platform))
+
+
+def route_topk_reason(num_experts: int, top_k: int, scoring: str, n_group: int, topk_group: int) -> str:
+    """Why the Triton routing epilogue (`route_topk`) cannot serve these routing settings, "" when it
+    can: the grouped path holds each group as a power-of-two block of the row."""
+    if scoring not in SCORINGS:
+        return f"scoring: expected one of {tuple(SCORINGS)}, got {scoring!r}"
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        return f"num_experts: expected 1..{MAX_EXPERTS}, got {num_experts}"
+    if not 1 <= top_k <= num_experts:
+        return f"top_k: expected 1..{num_experts}, got {top_k}"
+    if n_group > 1:
+        pow2 = lambda v: v & (v - 1) == 0  # noqa: E731
+        if not (pow2(num_experts) and pow2(n_group) and num_experts % n_group == 0):
+            return f"grouped top-k needs power-of-two num_experts and n_group, got {num_experts} and {n_group}"
+        if not 1 <= topk_group <= n_group:
+            return f"topk_group: expected 1..{n_group}, got {topk_group}"
+    return ""

@@ -1,0 +1,203 @@
+"""The "triton" backend on a machine without a GPU: registration, import hygiene, trace-time
+rejection of the masked clamp/SiTU constraints, and compilation of every kernel for sm_90 and
+sm_100 (Triton compiles offline; `triton` needed, `jax_triton` not)."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+from custom_calls.activation import ActivationSpec
+
+backends = importlib.import_module("custom_calls.backends")
+
+OPS = ("permute_contig", "permute_masked", "activation_quant_contig", "activation_quant_masked", "unpermute")
+
+
+def test_importing_custom_calls_imports_no_gpu_dependency():
+    code = ("import sys, custom_calls, custom_calls.triton; "
+            "bad = [m for m in ('jax_triton', 'triton') if m in sys.modules]; "
+            "assert not bad, bad; print('clean')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "clean" in out.stdout, out.stderr[-2000:]
+
+
+def test_every_op_has_a_triton_implementation():
+    import custom_calls.triton  # noqa: F401  (registers)
+
+    for op in OPS:
+        assert "triton" in backends.backends(op), op
+
+
+def test_explicit_triton_on_cpu_is_an_error_naming_the_platform():
+    with pytest.raises(ValueError, match=r"platform.*'cpu'"):
+        backends.resolve("unpermute", "triton", platform="cpu", num_rows=8, hidden=16, num_tokens=4,
+                         top_k=2, out_dtype=jnp.dtype(jnp.bfloat16))
+
+
+def test_auto_on_cpu_is_the_reference():
+    impl = backends.resolve("permute_contig", "auto", platform="cpu", num_tokens=4, hidden=256, top_k=2,
+                            num_rows=128, recipe="fp8_block", arch=90, dtype=jnp.bfloat16)
+    assert impl.backend == "reference"
+
+
+def test_supports_names_the_missing_gpu():
+    from custom_calls.triton import supports_unpermute
+
+    ok, reason = supports_unpermute(platform="cpu")
+    assert not ok and "cpu" in reason
+
+
+def _masked_static(num_groups, m_pad, two_i, act, recipe="fp8_block"):
+    return dict(num_groups=num_groups, m_pad=m_pad, two_i=two_i, act=act, recipe=recipe, arch=90,
+                dtype=jnp.bfloat16)
+
+
+CLAMP = ActivationSpec(kind="silu", swiglu_limit=7.0)
+SITU = ActivationSpec(kind="situ", situ_beta=2.0, situ_linear_beta=3.0)
+KEEP = ActivationSpec(kind="silu", keep_fp32=True)
+
+
+@pytest.mark.parametrize("act", [CLAMP, SITU, KEEP], ids=["clamp", "situ", "keep_fp32"])
+def test_masked_constraint_n_mod_4(act):
+    with pytest.raises(ValueError, match=r"N % 4 == 0 violated: N = m_pad = 130"):
+        backends.resolve("activation_quant_masked", "triton", platform="gpu", **_masked_static(4, 130, 4096, act))
+
+
+@pytest.mark.parametrize("act", [CLAMP, SITU, KEEP], ids=["clamp", "situ", "keep_fp32"])
+def test_masked_constraint_g_mod_4(act):
+    # I = 768: G = 6 groups of 128
+    with pytest.raises(ValueError, match=r"G % 4 == 0 violated: G = I / group = 768 / 128 = 6"):
+        backends.resolve("activation_quant_masked", "triton", platform="gpu", **_masked_static(4, 256, 1536, act))
+
+
+@pytest.mark.parametrize("act", [CLAMP, SITU, KEEP], ids=["clamp", "situ", "keep_fp32"])
+def test_masked_constraint_d_div_8_ge_e(act):
+    # I = 512: D // 8 = 64 < E = 65
+    with pytest.raises(ValueError, match=r"D // 8 >= E violated: D = I = 512, D // 8 = 64 < E = 65"):
+        backends.resolve("activation_quant_masked", "triton", platform="gpu", **_masked_static(65, 256, 1024, act))
+
+
+def test_masked_constraint_i_not_multiple_of_group():
+    with pytest.raises(ValueError, match=r"G % 4 == 0 violated: G = I / group = 600 / 128"):
+        backends.resolve("activation_quant_masked", "triton", platform="gpu", **_masked_static(4, 256, 1200, CLAMP))
+
+
+@pytest.mark.parametrize("act", [ActivationSpec(kind="silu"), ActivationSpec(kind="swiglu_oai", swiglu_limit=7.0,
+                                                                             gemm1_alpha=1.702)],
+                         ids=["silu", "swiglu_oai"])
+def test_unconstrained_masked_kernels_accept_odd_shapes(act):
+    from custom_calls.triton import activation_masked_constraints
+
+    assert activation_masked_constraints(**{k: v for k, v in _masked_static(65, 130, 1200, act).items()
+                                            if k not in ("arch", "dtype")}) == ""
+
+
+def test_route_topk_rejects_what_it_cannot_serve():
+    from custom_calls.triton.support import route_topk_reason
+
+    assert route_topk_reason(256, 8, "sigmoid", 8, 4) == ""
+    assert "power-of-two" in route_topk_reason(96, 8, "sigmoid", 3, 2)
+    assert "num_experts" in route_topk_reason(2048, 8, "softmax", 1, 1)
+    assert "scoring" in route_topk_reason(64, 8, "relu", 1, 1)
+    assert "topk_group" in route_topk_reason(64, 8, "sigmoid", 8, 9)
+
+
+def test_constraints_hold_at_the_deepseek_shapes():
+    from custom_calls.triton import activation_masked_constraints
+
+    for act in (CLAMP, SITU, KEEP):
+        assert activation_masked_constraints(num_groups=32, m_pad=256, two_i=4096, act=act, recipe="fp8_block") == ""
+
+
+# ------------------------------------------------------------------ offline compilation
+
+
+def _compile(kernel, pointers: dict, constexprs: dict, arch: int):
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    sig = dict(pointers)
+    sig.update({k: "constexpr" for k in constexprs})
+    # jax_triton assumes 16-byte aligned buffers; say the same so the loads vectorize as on the GPU
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4, num_stages=1))
+
+
+def _resources(compiled) -> dict:
+    """Registers and stack bytes of a compiled kernel, read with the cuobjdump Triton ships."""
+    import os
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    assert m, out
+    return dict(reg=int(m.group(1)), stack=int(m.group(2)))
+
+
+def _lean(compiled) -> None:
+    """No spills and a register count that leaves room for several programs per SM: these kernels
+    are memory-bound and need many loads in flight (a 255-register version ran at 1/3 of copy speed)."""
+    res = _resources(compiled)
+    assert res["stack"] == 0 and res["reg"] <= 96, res
+
+
+def _vector_loads(ptx: str) -> int:
+    return len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.", ptx))
+
+
+@pytest.mark.parametrize("arch", [90, 100])
+def test_kernels_compile_for_sm90_and_sm100(arch):
+    pytest.importorskip("triton")
+    from custom_calls.triton.activation_kernel import act_quant_kernel, kernel_config
+    from custom_calls.triton.permute_kernel import scatter_quant_kernel
+    from custom_calls.triton.quant_kernel import per_token_group_quant_kernel
+    from custom_calls.triton.unpermute_kernel import weighted_gather_kernel
+
+    ue8m0 = arch == 100
+    img = "*i32" if ue8m0 else "*fp32"
+    rows, h, inter = 1152, 7168, 2048
+    c = _compile(per_token_group_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "img_ptr": img},
+                 dict(MN=rows, K=h, G=56, IMG_LD=rows, IMG_SLAB=56 * rows, GROUP=128, UE8M0=ue8m0,
+                      BLOCK_M=4, GROUPS=8), arch)
+    assert _vector_loads(c.asm["ptx"]) > 0 and "e4m3x2" in c.asm["ptx"] and c.asm["cubin"]
+    _lean(c)
+    c = _compile(scatter_quant_kernel, {"x_ptr": "*bf16", "src2dst_ptr": "*i32", "inv_ptr": "*i32",
+                                        "lhs_ptr": "*fp8e4nv", "img_ptr": img},
+                 dict(M=256, H=h, TOPK=8, R=rows, MN=rows, G=56, IMG_LD=rows, IMG_SLAB=56 * rows,
+                      ZERO_PROGRAMS_ROWS=rows, GROUP=128, QUANT=True, UE8M0=ue8m0, GROUPS=8, ZERO_ROWS=64, ZERO_SUB=4), arch)
+    assert _vector_loads(c.asm["ptx"]) > 0 and "e4m3x2" in c.asm["ptx"] and c.asm["cubin"]
+    _lean(c)
+    cfg = kernel_config(inter, "fp8_block", ActivationSpec(kind="silu", swiglu_limit=7.0))
+    c = _compile(act_quant_kernel, {"y_ptr": "*bf16", "masked_m_ptr": "*i32", "a_ptr": "*fp8e4nv", "img_ptr": img},
+                 dict(MN=256, I=inter, G=16, IMG_LD=256, IMG_SLAB=16 * 256, UE8M0=ue8m0, MASKED=True, **cfg), arch)
+    assert _vector_loads(c.asm["ptx"]) > 0 and "e4m3x2" in c.asm["ptx"] and c.asm["cubin"]
+    _lean(c)
+    c = _compile(weighted_gather_kernel, {"d_ptr": "*bf16", "src2dst_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16"},
+                 dict(H=h, TOPK=8, SCALE=2.5, BLOCK_H=1024), arch)
+    assert _vector_loads(c.asm["ptx"]) >= 8 and c.asm["cubin"]  # the 8 route rows in flight at once
+    _lean(c)
+    from custom_calls.triton.dispatch_kernel import chunk_count_kernel, chunk_rank_kernel
+
+    _lean(_compile(chunk_count_kernel, {"e_ptr": "*i32", "counts_ptr": "*i32"}, dict(R=32768, E_PAD=64, CHUNK=128), arch))
+    _lean(_compile(chunk_rank_kernel, {"e_ptr": "*i32", "offs_ptr": "*i32", "rank_ptr": "*i32"},
+                   dict(R=32768, E_PAD=64, CHUNK=128), arch))
+    from custom_calls.triton.routing_kernel import route_topk_kernel
+
+    c = _compile(route_topk_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "w_ptr": "*fp32"},
+                 dict(M=4096, E=256, E_PAD=256, TOPK=8, K_PAD=8, SCORING=1, HAS_BIAS=True, N_GROUP=8, TOPK_GROUP=4,
+                      RENORM=True, BLOCK_T=8), arch)
+    assert _resources(c)["stack"] == 0

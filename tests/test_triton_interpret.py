@@ -1,0 +1,632 @@
+"""The Triton kernels themselves, run on the CPU by Triton's interpreter, against numpy models.
+
+Each case launches a kernel of `custom_calls.triton` on numpy buffers (fresh random inputs,
+outputs poisoned beforehand) and checks every output element against an independent numpy /
+float64 model written here. Needs `triton` (not `jax_triton`); skipped when it is absent.
+
+Triton's interpreter is selected by TRITON_INTERPRET=1 before triton is imported, so the cases run
+in one subprocess (this file executed as a script); the pytest side runs it once and reports
+each case. The interpreter's own float down-casts are not round-to-nearest-even; the subprocess
+replaces them with ml_dtypes' exact casts (the GPU's cvt.rn instructions round to nearest even).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+import numpy as np
+import pytest
+
+CASES = [
+    "quant_fp32_image", "quant_ue8m0_image", "quant_mxfp8_partial_group",
+    "permute_contig_fp8_90", "permute_contig_fp8_100", "permute_contig_mxfp8_100", "permute_contig_bf16",
+    "permute_masked_fp8_90", "permute_masked_fp8_100",
+    "act_contig_silu_90", "act_contig_silu_limit_100", "act_contig_oai_90", "act_contig_situ_100",
+    "act_contig_keep_fp32_90", "act_contig_mxfp8_100", "act_contig_bf16",
+    "act_masked_silu_limit_90", "act_masked_situ_100", "act_masked_oai_100",
+    "unpermute_bf16", "unpermute_f32_out", "dispatch_rank_e32", "dispatch_rank_e5",
+    "route_sigmoid_grouped_bias", "route_softmax_e20", "route_sqrtsoftplus_bias",
+]
+
+
+# ---------------------------------------------------------------- pytest side
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_under_interpreter(interpreter_results, case):
+    assert interpreter_results.get(case) == "ok", interpreter_results.get(case, "case did not run")
+
+
+# ---------------------------------------------------------------- numpy models (no code under test)
+
+E4M3_MAX = 448.0
+
+
+def _ml():
+    import ml_dtypes
+
+    return ml_dtypes
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+def model_group_scales(x32: np.ndarray, group: int, ue8m0: bool) -> np.ndarray:
+    """x32 (..., K) f32 -> sf (..., G) f32: amax floored at 1e-4, / 448 (IEEE f32 division), or
+    the smallest power of two p with p * 448 >= amax (found in float64)."""
+    k = x32.shape[-1]
+    g = ceil_div(k, group)
+    xp = np.zeros((*x32.shape[:-1], g * group), np.float32)
+    xp[..., :k] = x32
+    amax = np.maximum(np.abs(xp.reshape(*x32.shape[:-1], g, group)).max(-1), np.float32(1e-4))
+    if not ue8m0:
+        return (amax / np.float32(E4M3_MAX)).astype(np.float32)
+    p = np.exp2(np.ceil(np.log2(amax.astype(np.float64) / E4M3_MAX)))
+    p = np.where(p * E4M3_MAX < amax, p * 2, p)
+    p = np.where((p / 2) * E4M3_MAX >= amax, p / 2, p)
+    return p.astype(np.float32)
+
+
+def model_quant_values(x32: np.ndarray, sf: np.ndarray, group: int) -> np.ndarray:
+    """e4m3(clip(x * f32(1/sf))) (..., K) given the per-group sf (..., G)."""
+    k = x32.shape[-1]
+    inv = (np.float32(1.0) / sf).astype(np.float32)
+    y = x32 * np.repeat(inv, group, axis=-1)[..., :k]
+    return np.clip(y, -E4M3_MAX, E4M3_MAX).astype(_ml().float8_e4m3fn)
+
+
+def read_image(img: np.ndarray, mn: int, g: int, ue8m0: bool) -> np.ndarray:
+    """Image (..., G', LD) -> sf (..., mn, g) f32, decoded by hand (fp32 transpose, or bytes)."""
+    if not ue8m0:
+        return np.swapaxes(img, -1, -2)[..., :mn, :g]
+    words = img.view(np.uint32)
+    b = (words[..., None] >> np.array([0, 8, 16, 24], np.uint32)) & 0xFF  # (..., W, LD, 4)
+    b = np.swapaxes(b, -2, -3)  # (..., LD, W, 4)
+    b = b.reshape(*b.shape[:-2], -1)[..., :mn, :g]
+    return (b.astype(np.uint32) << 23).view(np.float32)
+
+
+def image_tail_bytes_zero(img: np.ndarray, g: int) -> bool:
+    """Packed words: bytes of groups >= g are 0."""
+    words = img.view(np.uint32)
+    b = (words[..., None] >> np.array([0, 8, 16, 24], np.uint32)) & 0xFF
+    b = np.swapaxes(b, -2, -3).reshape(*img.shape[:-2], img.shape[-1], -1)
+    return bool((b[..., g:] == 0).all())
+
+
+def model_activation(gateup: np.ndarray, kind: str, limit=None, alpha=None, bs=1.0, bl=1.0) -> np.ndarray:
+    """gateup (..., 2I) -> (..., I) float64."""
+    x = gateup.astype(np.float64)
+    i = x.shape[-1] // 2
+    gate, up = x[..., :i], x[..., i:]
+    sig = lambda v: 1.0 / (1.0 + np.exp(-v))  # noqa: E731
+    if kind == "situ":
+        return bs * np.tanh(gate / bs) * sig(gate) * bl * np.tanh(up / bl)
+    if limit is not None:
+        gate = np.minimum(gate, limit)
+        up = np.clip(up, -limit, limit)
+    if kind == "swiglu_oai":
+        return gate * sig(alpha * gate) * (up + 1.0)
+    return gate * sig(gate) * up
+
+
+# ---------------------------------------------------------------- subprocess side
+
+
+class _Buf:
+    """The little of torch.Tensor that Triton's interpreter touches, over a numpy array."""
+
+    _NAMES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16", "int32": "int32",
+              "float8_e4m3fn": "float8_e4m3fn"}
+
+    def __init__(self, arr, dtype=None):
+        self.arr = arr
+        self.dtype = dtype if dtype is not None else self._NAMES[arr.dtype.name]
+
+    def data_ptr(self):
+        return self.arr.ctypes.data
+
+    def untyped_storage(self):
+        return self
+
+    def cpu(self):
+        return self
+
+    def new_empty(self, *args, **kwargs):
+        return _Buf(self.arr, self.dtype)
+
+    def set_(self, storage, *args):
+        self.arr = storage.arr
+        return self
+
+    def storage_offset(self):
+        return 0
+
+    def size(self):
+        return self.arr.shape
+
+    def stride(self):
+        return self.arr.strides
+
+    def copy_(self, other):
+        pass
+
+
+def _install_exact_casts():
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    ml = _ml()
+    types = {tl.bfloat16: ml.bfloat16, tl.float8e4nv: ml.float8_e4m3fn, tl.float16: np.float16,
+             tl.float32: np.float32, tl.float64: np.float64}
+
+    def convert(data, src, dst, rounding_mode):
+        return np.asarray(data.view(types[src]).astype(types[dst]))
+
+    interpreter._convert_float = convert
+
+
+def _launch(kernel, grid, *arrays, **constexprs):
+    kernel[grid](*[_Buf(a) for a in arrays], **constexprs)
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def _poison(shape, dtype):
+    ml = _ml()
+    if np.dtype(dtype) == np.dtype(ml.float8_e4m3fn):
+        return np.full(shape, 0x7F, np.uint8).view(ml.float8_e4m3fn)  # NaN
+    if np.dtype(dtype) == np.dtype(np.int32):
+        return np.full(shape, 0x7B7B7B7B, np.int32)
+    return np.full(shape, np.nan, dtype)
+
+
+def _image_shape(mn, k, group, ue8m0, lead=()):
+    g = ceil_div(k, group)
+    return (*lead, ceil_div(g, 4) if ue8m0 else g, ceil_div(mn, 4) * 4)
+
+
+def _check_quant(q, img, x32, group, ue8m0, label):
+    """q (..., mn, K) e4m3, img (..., G', LD), x32 (..., mn, K) f32 values that were quantized."""
+    mn, k = x32.shape[-2:]
+    g = ceil_div(k, group)
+    sf = read_image(img, mn, g, ue8m0)
+    want_sf = model_group_scales(x32, group, ue8m0)
+    assert np.array_equal(sf, want_sf), f"{label}: scales differ at {np.argwhere(sf != want_sf)[:5]}"
+    want_q = model_quant_values(x32, want_sf, group)
+    got, exp = q.astype(np.float32), want_q.astype(np.float32)
+    assert np.array_equal(got, exp), f"{label}: q differs at {np.argwhere(got != exp)[:5]}"
+    ld = img.shape[-1]
+    if ld > mn:
+        assert (img[..., mn:] == 0).all(), f"{label}: image padding columns not 0"
+    if ue8m0:
+        assert image_tail_bytes_zero(img, g), f"{label}: packed padding bytes not 0"
+
+
+def _quant_case(seed, lead, mn, k, group, ue8m0, in_dtype):
+    from custom_calls.triton.quant_kernel import per_token_group_quant_kernel
+
+    rng = _rng(seed)
+    x = (rng.standard_normal((*lead, mn, k)) * rng.uniform(0.01, 50, (*lead, mn, 1))).astype(in_dtype)
+    s = int(np.prod(lead)) if lead else 1
+    img_shape = _image_shape(mn, k, group, ue8m0, lead)
+    q = _poison(x.shape, _ml().float8_e4m3fn)
+    img = _poison(img_shape, np.int32 if ue8m0 else np.float32)
+    block_m, groups = 4, max(4, 256 // group)
+    g = ceil_div(k, group)
+    ld = img_shape[-1]
+    _launch(per_token_group_quant_kernel, (s * ceil_div(ld, block_m), ceil_div(g, groups)), x, q, img,
+            MN=mn, K=k, G=g, IMG_LD=ld, IMG_SLAB=img_shape[-2] * ld, GROUP=group, UE8M0=ue8m0,
+            BLOCK_M=block_m, GROUPS=groups)
+    _check_quant(q, img, x.astype(np.float32), group, ue8m0, "quant")
+
+
+def case_quant_fp32_image():
+    _quant_case(1, (2,), 37, 640, 128, False, _ml().bfloat16)
+
+
+def case_quant_ue8m0_image():
+    _quant_case(2, (), 29, 1152, 128, True, _ml().bfloat16)  # G = 9: a partial packed word
+
+
+def case_quant_mxfp8_partial_group():
+    _quant_case(3, (3,), 6, 200, 32, True, np.float32)  # K % 32 = 8
+
+
+def _routes(rng, m, k, e):
+    """Random distinct experts per token, some routes dropped (-1)."""
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(m)]).astype(np.int32)
+    ids[rng.random((m, k)) < 0.15] = -1
+    return ids
+
+
+def _contig_src2dst(ids, e, alignment):
+    """Expert segments in expert order, each padded to `alignment`; (token, k) order inside."""
+    m, k = ids.shape
+    src2dst = np.full((m, k), -1, np.int32)
+    row = 0
+    for ex in range(e):
+        for t in range(m):
+            for j in range(k):
+                if ids[t, j] == ex:
+                    src2dst[t, j] = row
+                    row += 1
+        row = ceil_div(row, alignment) * alignment
+    return src2dst, row
+
+
+def _masked_src2dst(ids, e, m_pad):
+    m, k = ids.shape
+    src2dst = np.full((m, k), -1, np.int32)
+    fill = np.zeros(e, int)
+    for t in range(m):
+        for j in range(k):
+            ex = ids[t, j]
+            if ex >= 0:
+                src2dst[t, j] = ex * m_pad + fill[ex]
+                fill[ex] += 1
+    return src2dst, fill
+
+
+def _inverse(src2dst, rows):
+    inv = np.full(rows, -1, np.int32)
+    for (t, j), r in np.ndenumerate(src2dst):
+        if r >= 0:
+            inv[r] = t
+    return inv
+
+
+def _permute_case(seed, *, masked, recipe, arch):
+    from custom_calls.triton.permute_kernel import scatter_quant_kernel
+
+    ml = _ml()
+    rng = _rng(seed)
+    m, h, k, e = 13, 320, 3, 5
+    x = (rng.standard_normal((m, h)) * rng.uniform(0.1, 20, (m, 1))).astype(ml.bfloat16)
+    ids = _routes(rng, m, k, e)
+    if masked:
+        m_pad = 12
+        src2dst, _ = _masked_src2dst(ids, e, m_pad)
+        slabs, mn = e, m_pad
+    else:
+        src2dst, used = _contig_src2dst(ids, e, 4)
+        slabs, mn = 1, used + 6  # spare rows past the last segment; mn % 4 == 2 (image padding)
+    rows = slabs * mn
+    inv = _inverse(src2dst, rows)
+    quant = recipe != "bf16"
+    group = {"fp8_block": 128, "mxfp8": 32, "bf16": 128}[recipe]
+    ue8m0 = arch == 100
+    g = ceil_div(h, group)
+    if quant:
+        img_shape = _image_shape(mn, h, group, ue8m0, (slabs,) if masked else ())
+        img = _poison(img_shape, np.int32 if ue8m0 else np.float32)
+        lhs = _poison((rows, h), ml.float8_e4m3fn)
+    else:
+        img_shape, img = (1, 4), _poison((1,), np.int32)
+        lhs = _poison((rows, h), ml.bfloat16)
+    ld = img_shape[-1]
+    zero_rows = ld if (not masked and quant) else rows
+    groups = 1024 // group if quant else 4
+    _launch(scatter_quant_kernel, (m + ceil_div(zero_rows, 8), ceil_div(g, groups)), x, src2dst, inv, lhs, img,
+            M=m, H=h, TOPK=k, R=rows, MN=mn, G=g, IMG_LD=ld, IMG_SLAB=img_shape[-2] * ld,
+            ZERO_PROGRAMS_ROWS=zero_rows, GROUP=group, QUANT=quant, UE8M0=ue8m0, GROUPS=groups, ZERO_ROWS=8, ZERO_SUB=4)
+    # model: each row holds its token's x, or zeros
+    placed = np.zeros((rows, h), np.float32)
+    for r in range(rows):
+        if inv[r] >= 0:
+            placed[r] = x[inv[r]].astype(np.float32)
+    assert (inv >= 0).sum() == (src2dst >= 0).sum() and (inv < 0).any()
+    if not quant:
+        assert np.array_equal(lhs.astype(np.float32), placed)
+        return
+    if masked:
+        _check_quant(lhs.reshape(slabs, mn, h), img, placed.reshape(slabs, mn, h), group, ue8m0, "permute")
+    else:
+        _check_quant(lhs, img, placed, group, ue8m0, "permute")
+
+
+def case_permute_contig_fp8_90():
+    _permute_case(10, masked=False, recipe="fp8_block", arch=90)
+
+
+def case_permute_contig_fp8_100():
+    _permute_case(11, masked=False, recipe="fp8_block", arch=100)
+
+
+def case_permute_contig_mxfp8_100():
+    _permute_case(12, masked=False, recipe="mxfp8", arch=100)
+
+
+def case_permute_contig_bf16():
+    _permute_case(13, masked=False, recipe="bf16", arch=90)
+
+
+def case_permute_masked_fp8_90():
+    _permute_case(14, masked=True, recipe="fp8_block", arch=90)
+
+
+def case_permute_masked_fp8_100():
+    _permute_case(15, masked=True, recipe="fp8_block", arch=100)
+
+
+def _check_act(a, img, y64, group, ue8m0, label, rows_ok=None):
+    """Tolerance check of dequantized a against the float64 model y64 (..., mn, I):
+    e4m3 rounding (2^-4 relative, 2^-10 * sf absolute near 0) + bf16 rounding (2^-9) of y."""
+    mn, i = y64.shape[-2:]
+    g = ceil_div(i, group)
+    sf = read_image(img, mn, g, ue8m0).astype(np.float64)
+    amax = np.zeros((*y64.shape[:-1], g))
+    for gi in range(g):
+        amax[..., gi] = np.abs(y64[..., gi * group:(gi + 1) * group]).max(-1)
+    want = np.maximum(amax, 1e-4) / E4M3_MAX
+    if rows_ok is None:
+        rows_ok = np.ones(y64.shape[:-1], bool)
+    sel = rows_ok[..., None]
+    if ue8m0:
+        good = (sf >= want * (1 - 2**-7)) & (sf / 2 < want * (1 + 2**-7)) & (np.log2(sf) == np.round(np.log2(sf)))
+    else:
+        good = np.abs(sf - want) <= want * 2**-7
+    assert np.where(sel, good, True).all(), f"{label}: scales off at {np.argwhere(~np.where(sel, good, True))[:5]}"
+    deq = a.astype(np.float64) * np.repeat(sf, group, axis=-1)[..., :i]
+    tol = 0.0705 * np.abs(y64) + np.repeat(sf, group, axis=-1)[..., :i] * 2**-9
+    ok = np.abs(deq - y64) <= tol
+    assert np.where(sel, ok, True).all(), f"{label}: values off at {np.argwhere(~np.where(sel, ok, True))[:5]}"
+
+
+_ACT = {
+    "silu": dict(kind="silu"),
+    "silu_limit": dict(kind="silu", limit=7.0),
+    "oai": dict(kind="swiglu_oai", limit=7.0, alpha=1.702),
+    "situ": dict(kind="situ", bs=3.0, bl=5.0),
+}
+_KIND = {"silu": 0, "swiglu_oai": 1, "situ": 2}
+
+
+def _act_case(seed, *, variant, recipe, arch, keep_fp32=False, masked=False):
+    from custom_calls.triton.activation_kernel import act_quant_kernel
+
+    ml = _ml()
+    rng = _rng(seed)
+    spec = _ACT[variant]
+    inter = 96 if recipe == "mxfp8" else 384
+    slabs, mn = (3, 12) if masked else (1, 19)
+    gateup = (rng.standard_normal((slabs, mn, 2 * inter)) * 4).astype(ml.bfloat16)
+    masked_m = np.array([5, 0, 12], np.int32) if masked else np.zeros(1, np.int32)
+    quant = recipe != "bf16"
+    group = {"fp8_block": 128, "mxfp8": 32, "bf16": 128}[recipe]
+    ue8m0 = arch == 100
+    g = ceil_div(inter, group)
+    img_shape = _image_shape(mn, inter, group, ue8m0, (slabs,))
+    img = _poison(img_shape, np.int32 if ue8m0 else np.float32) if quant else _poison((1,), np.int32)
+    a = _poison((slabs, mn, inter), ml.float8_e4m3fn if quant else ml.bfloat16)
+    ld = img_shape[-1]
+    block_m, groups = 4, 4
+    covered = mn if masked else ld
+    _launch(act_quant_kernel, (slabs * ceil_div(covered, block_m), ceil_div(g, groups)), gateup, masked_m, a, img,
+            MN=mn, I=inter, G=g, IMG_LD=ld, IMG_SLAB=img_shape[-2] * ld, GROUP=group, QUANT=quant,
+            UE8M0=ue8m0, MASKED=masked, KIND=_KIND[spec["kind"]], HAS_LIMIT="limit" in spec,
+            LIMIT=spec.get("limit", 0.0), ALPHA=spec.get("alpha", 1.0), BETA_S=spec.get("bs", 1.0),
+            BETA_L=spec.get("bl", 1.0), KEEP_FP32=keep_fp32, BLOCK_M=block_m, GROUPS=groups)
+    y64 = model_activation(gateup, spec["kind"], spec.get("limit"), spec.get("alpha"),
+                           spec.get("bs", 1.0), spec.get("bl", 1.0))
+    rows_ok = (np.arange(mn)[None, :] < masked_m[:, None]) if masked else np.ones((1, mn), bool)
+    if masked:  # rows past masked_m are never touched
+        untouched = np.isnan(a.astype(np.float32)[~rows_ok]).all()
+        assert untouched, "masked: rows >= masked_m were written"
+        if quant:
+            cols = img[..., :mn].transpose(0, 2, 1)[~rows_ok]
+            assert (cols.view(np.int32) == _poison((1,), np.int32)[0]).all() or np.isnan(cols).all(), \
+                "masked: scale columns of rows >= masked_m were written"
+    if not quant:
+        got = a.astype(np.float64)
+        ok = np.abs(got - y64) <= 2**-8 * np.abs(y64) + 1e-30
+        assert np.where(rows_ok[..., None], ok, True).all()
+        return
+    _check_act(a if masked else a[0], img if masked else img[0], y64 if masked else y64[0], group, ue8m0,
+               f"act {variant}", rows_ok if masked else None)
+    if not ue8m0 and not masked:
+        # fp32 scales reveal what was quantized: amax = 448 * sf is a bf16 value unless keep_fp32
+        amax = read_image(img[0], mn, g, False).astype(np.float64) * E4M3_MAX
+        on_bf16 = np.abs(amax.astype(ml.bfloat16).astype(np.float64) - amax) <= amax * 2**-20
+        assert on_bf16.mean() < 0.05 if keep_fp32 else on_bf16.all(), on_bf16.mean()
+
+
+def case_act_contig_silu_90():
+    _act_case(20, variant="silu", recipe="fp8_block", arch=90)
+
+
+def case_act_contig_silu_limit_100():
+    _act_case(21, variant="silu_limit", recipe="fp8_block", arch=100)
+
+
+def case_act_contig_oai_90():
+    _act_case(22, variant="oai", recipe="fp8_block", arch=90)
+
+
+def case_act_contig_situ_100():
+    _act_case(23, variant="situ", recipe="fp8_block", arch=100)
+
+
+def case_act_contig_keep_fp32_90():
+    _act_case(24, variant="silu", recipe="fp8_block", arch=90, keep_fp32=True)
+
+
+def case_act_contig_mxfp8_100():
+    _act_case(25, variant="silu_limit", recipe="mxfp8", arch=100)
+
+
+def case_act_contig_bf16():
+    _act_case(26, variant="silu", recipe="bf16", arch=90)
+
+
+def case_act_masked_silu_limit_90():
+    _act_case(27, variant="silu_limit", recipe="fp8_block", arch=90, masked=True)
+
+
+def case_act_masked_situ_100():
+    _act_case(28, variant="situ", recipe="fp8_block", arch=100, masked=True)
+
+
+def case_act_masked_oai_100():
+    _act_case(29, variant="oai", recipe="mxfp8", arch=100, masked=True)
+
+
+def _unpermute_case(seed, out_dtype):
+    from custom_calls.triton.unpermute_kernel import weighted_gather_kernel
+
+    ml = _ml()
+    rng = _rng(seed)
+    m, k, rows, h, rsf = 11, 3, 40, 300, 2.5
+    d = rng.standard_normal((rows, h)).astype(ml.bfloat16)
+    perm = rng.permutation(rows)[: m * k].reshape(m, k).astype(np.int32)
+    perm[rng.random((m, k)) < 0.2] = -1
+    unused = np.setdiff1d(np.arange(rows), perm[perm >= 0])
+    d[unused] = np.nan  # a row no route reads must not leak in
+    w = rng.uniform(0.05, 1.0, (m, k)).astype(np.float32)
+    out = _poison((m, h), out_dtype)
+    _launch(weighted_gather_kernel, (m, ceil_div(h, 128)), d, perm, w, out, H=h, TOPK=k, SCALE=rsf, BLOCK_H=128)
+    d64 = d.astype(np.float64)
+    want = np.zeros((m, h))
+    mag = np.zeros((m, h))
+    for t in range(m):
+        for j in range(k):
+            if perm[t, j] >= 0:
+                want[t] += w[t, j] * d64[perm[t, j]]
+                mag[t] += abs(w[t, j] * d64[perm[t, j]])
+    want *= rsf
+    mag *= rsf
+    got = out.astype(np.float64)
+    rel = 2**-8 if out_dtype == ml.bfloat16 else 2**-20
+    assert np.isfinite(got).all(), "unpermute: an output is NaN (unwritten or leaked)"
+    assert (np.abs(got - want) <= rel * mag + 1e-6).all()
+
+
+def case_unpermute_bf16():
+    _unpermute_case(30, _ml().bfloat16)
+
+
+def case_unpermute_f32_out():
+    _unpermute_case(31, np.float32)
+
+
+def _dispatch_case(seed, r, e, e_pad, chunk):
+    from custom_calls.triton.dispatch_kernel import chunk_count_kernel, chunk_rank_kernel
+
+    rng = _rng(seed)
+    ids = rng.integers(0, e + 1, r).astype(np.int32)  # value e: a route not held here
+    nc = ceil_div(r, chunk)
+    counts = np.full((nc, e_pad), -7, np.int32)
+    _launch(chunk_count_kernel, (nc,), ids, counts, R=r, E_PAD=e_pad, CHUNK=chunk)
+    offs = (np.cumsum(counts, axis=0) - counts).astype(np.int32)
+    rank = np.full(r, -7, np.int32)
+    _launch(chunk_rank_kernel, (nc,), ids, offs, rank, R=r, E_PAD=e_pad, CHUNK=chunk)
+    want_counts = np.bincount(ids, minlength=e_pad)
+    assert np.array_equal(counts.sum(0), want_counts)
+    seen = np.zeros(e + 1, int)
+    for i, ex in enumerate(ids):  # rank = routes of the same expert before this one, (token, k) order
+        assert rank[i] == seen[ex], (i, rank[i], seen[ex])
+        seen[ex] += 1
+
+
+def case_dispatch_rank_e32():
+    _dispatch_case(40, 1000, 32, 64, 128)  # a partial last chunk
+
+
+def case_dispatch_rank_e5():
+    _dispatch_case(41, 333, 5, 8, 64)
+
+
+def model_route(logits, bias, top_k, scoring, n_group, topk_group, renorm):
+    """float64 model of moe_jax.routing's expert selection (ties: lower index first)."""
+    lg = logits.astype(np.float64)
+    if scoring == "softmax":
+        p = np.exp(lg - lg.max(1, keepdims=True))
+        s = p / p.sum(1, keepdims=True)
+    elif scoring == "sigmoid":
+        s = 1 / (1 + np.exp(-lg))
+    else:
+        s = np.sqrt(np.logaddexp(lg, 0))
+    sel = s + (bias.astype(np.float64) if bias is not None else 0)
+    m, e = sel.shape
+    if n_group > 1:
+        g = sel.reshape(m, n_group, e // n_group)
+        gs = np.sort(g, axis=2)[:, :, -2:].sum(2)
+        keep = np.argsort(-gs, axis=1, kind="stable")[:, :topk_group]
+        mask = np.zeros((m, n_group), bool)
+        np.put_along_axis(mask, keep, True, axis=1)
+        sel = np.where(np.repeat(mask, e // n_group, axis=1), sel, -np.inf)
+    ids = np.argsort(-sel, axis=1, kind="stable")[:, :top_k]
+    w = np.take_along_axis(s, ids, axis=1)
+    if renorm:
+        w = w / (w.sum(1, keepdims=True) + 1e-20)
+    return ids, w
+
+
+def _route_case(seed, m, e, top_k, scoring, n_group, topk_group, with_bias, renorm):
+    from custom_calls.triton.routing_kernel import SCORINGS, route_topk_kernel
+
+    rng = _rng(seed)
+    logits = (rng.standard_normal((m, e)) * 2).astype(np.float32)
+    bias = (rng.standard_normal(e) * 0.3).astype(np.float32) if with_bias else np.zeros(1, np.float32)
+    e_pad = 1 << (e - 1).bit_length()
+    k_pad = 1 << (top_k - 1).bit_length()
+    block_t = 8
+    ids = np.full((m, top_k), -7, np.int32)
+    w = np.full((m, top_k), np.nan, np.float32)
+    _launch(route_topk_kernel, (ceil_div(m, block_t),), logits, bias, ids, w, M=m, E=e, E_PAD=e_pad, TOPK=top_k,
+            K_PAD=k_pad, SCORING=SCORINGS[scoring], HAS_BIAS=with_bias, N_GROUP=n_group, TOPK_GROUP=topk_group,
+            RENORM=renorm, BLOCK_T=block_t)
+    want_ids, want_w = model_route(logits, bias if with_bias else None, top_k, scoring, n_group, topk_group, renorm)
+    assert np.array_equal(ids, want_ids), np.argwhere(ids != want_ids)[:5]
+    np.testing.assert_allclose(w, want_w, rtol=2e-5, atol=1e-7)
+
+
+def case_route_sigmoid_grouped_bias():
+    _route_case(50, 37, 64, 8, "sigmoid", 8, 4, True, True)
+
+
+def case_route_softmax_e20():
+    _route_case(51, 21, 20, 6, "softmax", 1, 1, False, False)
+
+
+def case_route_sqrtsoftplus_bias():
+    _route_case(52, 19, 48, 6, "sqrtsoftplus", 1, 1, True, True)
+
+
+def _main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.path.insert(0, os.getcwd())
+    _install_exact_casts()
+    results = {}
+    only = sys.argv[1:]
+    for name in CASES:
+        if only and name not in only:
+            continue
+        try:
+            globals()[f"case_{name}"]()
+            results[name] = "ok"
+        except Exception:  # reported per case by the pytest side
+            results[name] = traceback.format_exc(limit=6)[-3000:]
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    _main()
