@@ -1,0 +1,1 @@
+"""Benchmarks (``python -m moe_jax.bench``)."""

@@ -1,0 +1,332 @@
+"""``python -m moe_jax.bench gemm``: DeepGEMM grouped GEMMs (custom calls) vs ``jax.lax.ragged_dot``.
+
+Method: inputs are fresh random normals (weights ×0.05) quantized on the device (1x128 activation
+groups, 128x128 weight blocks); every weight set is larger than the L2. Times come from
+back-to-back asynchronous dispatch of a jitted call, divided by the number of calls:
+* burst: after 1 s idle and ~30 ms of untimed warm-up calls (the clock ramps up from idle), 10
+  calls; median of 3 rounds;
+* sustained: 100 calls back to back, 400 for the masked decode (the H200 lowers its clock under its
+  power cap).
+Error: relative Frobenius norm ‖D − R‖/‖R‖ over every row, R = float32 (HIGHEST) product of the
+dequantized operands, plus the worst single row. Launch overhead: per-GEMM time of a jitted chain
+of 32 small GEMMs minus the kernel's own duration (from a profiler trace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+CONTIG = [(32, 1024, 4096, 7168), (32, 1024, 7168, 2048), (8, 4096, 4096, 7168), (32, 256, 4096, 7168)]
+MASKED = [(32, 256, 32, 4096, 7168), (32, 256, 32, 7168, 2048)]  # G, m_pad, expected_m, N, K
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="fewer repetitions, first contig shape only")
+    p.add_argument("--no-ragged", action="store_true", help="skip jax.lax.ragged_dot")
+    p.add_argument("--json", help="write the rows as JSON here")
+    p.add_argument("--markdown", help="write the table as markdown here")
+    p.set_defaults(func=run)
+
+
+def _timeit(f, args, *, burst_rounds=3, burst_iters=10, sustained_iters=150, idle=1.0):
+    import jax
+
+    jax.block_until_ready(f(*args))
+    jax.block_until_ready(f(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    warm = max(1, int(0.03 / max(time.perf_counter() - t0, 1e-6)))  # ~30 ms of work brings the clock up
+    burst = []
+    for _ in range(burst_rounds):
+        time.sleep(idle)
+        for _ in range(warm):
+            out = f(*args)
+        jax.block_until_ready(out)
+        t0 = time.perf_counter()
+        for _ in range(burst_iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        burst.append((time.perf_counter() - t0) / burst_iters)
+    sustained = None
+    if sustained_iters:
+        t0 = time.perf_counter()
+        for _ in range(sustained_iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        sustained = (time.perf_counter() - t0) / sustained_iters
+    return statistics.median(burst), sustained
+
+
+def _reference(fn, *args):
+    """fn(*args) compiled without XLA's GEMM autotuning (references only: it saves minutes of compile
+    time; the timed baselines keep XLA's defaults)."""
+    import jax
+
+    try:
+        return jax.jit(fn).lower(*args).compile(compiler_options={"xla_gpu_autotune_level": 0})(*args)
+    except Exception:  # option unknown on this backend (CPU): plain compile
+        return jax.jit(fn)(*args)
+
+
+def _errors(out, ref):
+    import jax.numpy as jnp
+
+    d = out.astype(jnp.float32) - ref
+    rel = float(jnp.linalg.norm(d) / jnp.linalg.norm(ref))
+    rows = jnp.linalg.norm(d, axis=-1) / jnp.maximum(jnp.linalg.norm(ref, axis=-1), 1e-30)
+    return rel, float(rows.max())
+
+
+def _quant_inputs(key, g, rows, n, k):
+    import jax
+    import jax.numpy as jnp
+
+    import layouts
+
+    k1, k2 = jax.random.split(key)
+    x = jax.random.normal(k1, (g * rows, k), jnp.float32)
+    w = jax.random.normal(k2, (g, n, k), jnp.float32) * 0.05
+    qa, sa = layouts.quantize_fp8_per_token_group(x, 128)
+    qb, sb = layouts.quantize_fp8_per_block(w, 128)
+    a_deq = qa.astype(jnp.float32) * jnp.repeat(sa, 128, axis=-1)[:, :k]
+    b_deq = qb.astype(jnp.float32) * jnp.repeat(jnp.repeat(sb, 128, axis=-2)[:, :n], 128, axis=-1)[..., :k]
+    return x, w, qa, sa, qb, sb, a_deq, b_deq
+
+
+def _kernel_ns(trace_dir: str, needle: str) -> float | None:
+    """Median device duration (ns) of kernels whose name contains ``needle`` in a profiler trace."""
+    from jax.profiler import ProfileData
+
+    files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    if not files:
+        return None
+    pd = ProfileData.from_file(files[0])
+    durs = []
+    for plane in pd.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                if needle in ev.name:
+                    durs.append(ev.duration_ns)
+    return statistics.median(durs) if durs else None
+
+
+def launch_overhead(chain: int = 32, iters: int = 300) -> dict:
+    """Per-GEMM time in a jitted chain of ``chain`` small BF16 GEMMs (128x256x256), the kernel's own
+    duration, and their difference; the same chain of XLA dots for comparison."""
+    import jax
+    import jax.numpy as jnp
+
+    import custom_calls.deep_gemm as dg
+
+    x = jax.random.normal(jax.random.key(0), (128, 256), jnp.bfloat16)
+    w = (jax.random.normal(jax.random.key(1), (256, 256), jnp.float32) * 0.06).astype(jnp.bfloat16)
+
+    def make(gemm):
+        def f(x, w):
+            for _ in range(chain):
+                x = gemm(x, w)
+            return x
+        return jax.jit(f)
+
+    ours = make(lambda x, w: dg.gemm_nt_bf16(x, w))
+    xla = make(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    res = {}
+    for name, f in (("deep_gemm", ours), ("xla_dot", xla)):
+        jax.block_until_ready(f(x, w))
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = f(x, w)
+        jax.block_until_ready(out)
+        res[f"{name}_step_us"] = (time.perf_counter() - t0) / iters / chain * 1e6
+    kernel_ns = None
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            jax.profiler.start_trace(d)
+            for _ in range(5):
+                out = ours(x, w)
+            jax.block_until_ready(out)
+            jax.profiler.stop_trace()
+            kernel_ns = _kernel_ns(d, "sm90_bf16_gemm")
+    except Exception as e:  # the profiler is optional; say why it is missing
+        res["profiler_error"] = f"{type(e).__name__}: {e}"
+    res["kernel_us"] = kernel_ns / 1e3 if kernel_ns else None
+    res["overhead_us"] = res["deep_gemm_step_us"] - res["kernel_us"] if kernel_ns else None
+    return res
+
+
+def run(args) -> int:
+    import jax
+
+    dev = jax.devices()[0]
+    rows_out: list[dict] = []
+    sustained_iters = 40 if args.quick else 100
+
+    def row(impl, kind, shape, t, flops=None, bytes_=None, err=(None, None), note=""):
+        burst, sus = t if t else (None, None)
+        r = {"impl": impl, "kind": kind, "shape": shape,
+             "burst_ms": burst * 1e3 if burst else None, "sustained_ms": sus * 1e3 if sus else None,
+             "tflops_burst": flops / burst / 1e12 if (flops and burst) else None,
+             "tflops_sustained": flops / sus / 1e12 if (flops and sus) else None,
+             "tbps_burst": bytes_ / burst / 1e12 if (bytes_ and burst) else None,
+             "tbps_sustained": bytes_ / sus / 1e12 if (bytes_ and sus) else None,
+             "rel_err": err[0], "worst_row_err": err[1], "note": note}
+        rows_out.append(r)
+        print(_fmt_row(r), flush=True)
+
+    lo = launch_overhead()
+    print("launch overhead: " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in lo.items()}),
+          flush=True)
+    print(_HEADER, flush=True)
+    contig = CONTIG[:1] if args.quick else CONTIG
+    masked = MASKED[:1] if args.quick else MASKED
+    # Headline shapes first, so a cut-short run still has them.
+    plan = [("contig", s) for s in contig[:1]] + [("masked", s) for s in masked[:1]]
+    plan += [("contig", s) for s in contig[1:]] + [("masked", s) for s in masked[1:]]
+    t_start = time.perf_counter()
+    key = jax.random.key(0)
+    for i, (what, shp) in enumerate(plan):
+        print(f"# {what} {shp} at {time.perf_counter() - t_start:.0f} s", file=sys.stderr, flush=True)
+        key, sub = jax.random.split(key)
+        bench = _bench_contig if what == "contig" else _bench_masked
+        # ragged_dot costs ~80 ms a call: measure it on the two headline shapes only.
+        bench(sub, shp, row, ragged=not args.no_ragged and i < 2, fp8_ragged=(i == 0),
+              sustained_iters=sustained_iters)
+    meta = {"date": datetime.date.today().isoformat(), "device": str(dev.device_kind),
+            "jax": jax.__version__, "rows": rows_out, "launch_overhead": lo}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(meta, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(f"{meta['date']}, {meta['device']}, jax {meta['jax']}\n\n{_HEADER}\n")
+            for r in rows_out:
+                f.write(_fmt_row(r) + "\n")
+            f.write(f"\nlaunch overhead: {json.dumps(lo)}\n")
+    return 0
+
+
+def _ragged(a, b, s):
+    import jax
+    import jax.numpy as jnp
+
+    return jax.lax.ragged_dot(a, b, s, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def _bench_contig(key, shp, row, *, ragged, fp8_ragged, sustained_iters):
+    import jax
+    import jax.numpy as jnp
+
+    import custom_calls.deep_gemm as dg
+
+    g, rows, n, k = shp
+    shape = f"contig {g}x{rows}, N={n}, K={k}"
+    x, w, qa, sa, qb, sb, a_deq, b_deq = _quant_inputs(key, g, rows, n, k)
+    m_idx = jnp.repeat(jnp.arange(g, dtype=jnp.int32), rows)
+    hi = jax.lax.Precision.HIGHEST
+    ref = _reference(lambda a, b: jnp.einsum("gmk,gnk->gmn", a.reshape(g, rows, k), b, precision=hi
+                                             ).reshape(g * rows, n), a_deq, b_deq)
+    del a_deq, b_deq
+    flops = 2.0 * g * rows * n * k
+    img = dg_image(sa)
+    f8 = jax.jit(lambda a, b, m, s1, s2: dg.m_grouped_gemm_contig(a, b, m, lhs_scale=s1, rhs_scale=s2,
+                                                                    recipe="fp8_block", arch=90))
+    out = jax.block_until_ready(f8(qa, qb, m_idx, img, sb))
+    row("deep_gemm fp8", "contig", shape, _timeit(f8, (qa, qb, m_idx, img, sb), sustained_iters=sustained_iters),
+        flops, err=_errors(out, ref))
+    del ref, out
+    xb = x.astype(jnp.bfloat16)
+    if shp == CONTIG[0]:
+        wb = w.astype(jnp.bfloat16)
+        refb = _reference(lambda a, b: jnp.einsum("gmk,gnk->gmn", a.astype(jnp.float32).reshape(g, rows, k),
+                                                  b.astype(jnp.float32), precision=hi).reshape(g * rows, n), xb, wb)
+        fb = jax.jit(lambda a, b, m: dg.m_grouped_gemm_contig(a, b, m, recipe="bf16", arch=90))
+        out = jax.block_until_ready(fb(xb, wb, m_idx))
+        row("deep_gemm bf16", "contig", shape, _timeit(fb, (xb, wb, m_idx), sustained_iters=sustained_iters),
+            flops, err=_errors(out, refb))
+        del refb, wb, out
+    if ragged:
+        gs = jnp.full((g,), rows, jnp.int32)
+        wt = jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16)
+        rd = jax.jit(_ragged)
+        out = jax.block_until_ready(rd(xb, wt, gs))
+        refb = _reference(lambda a, b: jnp.einsum("gmk,gkn->gmn", a.astype(jnp.float32).reshape(g, rows, k),
+                                                  b.astype(jnp.float32), precision=hi).reshape(g * rows, n), xb, wt)
+        row("ragged_dot bf16", "contig", shape, _timeit(rd, (xb, wt, gs), burst_rounds=2, burst_iters=2,
+                                                       sustained_iters=0), flops, err=_errors(out, refb))
+        del refb, wt, out
+        if fp8_ragged:
+            try:
+                qbt = jnp.swapaxes(qb, 1, 2)
+                rd8 = jax.jit(_ragged)
+                jax.block_until_ready(rd8(qa, qbt, gs))
+                row("ragged_dot fp8 (no scales)", "contig", shape,
+                    _timeit(rd8, (qa, qbt, gs), burst_rounds=2, burst_iters=2, sustained_iters=0), flops,
+                    note="unscaled e4m3 operands: speed only")
+            except Exception as e:
+                row("ragged_dot fp8", "contig", shape, None, note=f"fails: {type(e).__name__}: {str(e)[:80]}")
+
+
+def _bench_masked(key, shp, row, *, ragged, fp8_ragged, sustained_iters):
+    import jax
+    import jax.numpy as jnp
+
+    import custom_calls.deep_gemm as dg
+
+    del fp8_ragged
+    g, m_pad, em, n, k = shp
+    shape = f"masked G={g}, m_pad={m_pad}, expected_m={em}, N={n}, K={k}"
+    x, w, qa, sa, qb, sb, a_deq, b_deq = _quant_inputs(key, g, m_pad, n, k)
+    qa3, img = qa.reshape(g, m_pad, k), dg_image(sa.reshape(g, m_pad, -1))
+    masked_m = jnp.full((g,), em, jnp.int32)
+    ref = _reference(lambda a, b: jnp.einsum("gmk,gnk->gmn", a.reshape(g, m_pad, k)[:, :em], b,
+                                             precision=jax.lax.Precision.HIGHEST), a_deq, b_deq)
+    del a_deq, b_deq
+    fm = jax.jit(lambda a, b, mm, s1, s2: dg.m_grouped_gemm_masked(a, b, mm, expected_m=em, lhs_scale=s1,
+                                                                     rhs_scale=s2, recipe="fp8_block", arch=90))
+    out = jax.block_until_ready(fm(qa3, qb, masked_m, img, sb))
+    # Effective bytes: weights + real activation rows + real output rows.
+    bytes_ = g * n * k + g * em * k + g * em * n * 2
+    row("deep_gemm fp8", "masked", shape, _timeit(fm, (qa3, qb, masked_m, img, sb),
+                                                  sustained_iters=sustained_iters * 4),
+        2.0 * g * em * n * k, bytes_=bytes_, err=_errors(out[:, :em], ref))
+    if ragged:
+        xb = x.reshape(g, m_pad, k)[:, :em].reshape(g * em, k).astype(jnp.bfloat16)
+        wt = jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16)
+        gs = jnp.full((g,), em, jnp.int32)
+        rd = jax.jit(_ragged)
+        jax.block_until_ready(rd(xb, wt, gs))
+        row("ragged_dot bf16", "masked", shape, _timeit(rd, (xb, wt, gs), burst_rounds=2, burst_iters=3,
+                                                       sustained_iters=0),
+            2.0 * g * em * n * k, bytes_=g * n * k * 2 + g * em * k * 2 + g * em * n * 2)
+
+
+def dg_image(sf):
+    import layouts
+
+    return layouts.to_mn_major_tma_aligned(sf)
+
+
+_HEADER = ("| implementation | kind | shape | burst ms | sustained ms | TFLOPS burst | TFLOPS sustained "
+           "| TB/s burst | TB/s sustained | rel err | worst row | note |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _fmt_row(r) -> str:
+    def f(v, p):
+        return "–" if v is None else f"{v:.{p}f}"
+
+    def e(v):
+        return "–" if v is None else f"{v:.2e}"
+
+    return (f"| {r['impl']} | {r['kind']} | {r['shape']} | {f(r['burst_ms'], 4)} | {f(r['sustained_ms'], 4)} "
+            f"| {f(r['tflops_burst'], 1)} | {f(r['tflops_sustained'], 1)} | {f(r['tbps_burst'], 2)} "
+            f"| {f(r['tbps_sustained'], 2)} "
+            f"| {e(r['rel_err'])} | {e(r['worst_row_err'])} | {r['note']} |")
