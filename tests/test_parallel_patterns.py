@@ -1,0 +1,250 @@
+"""Every parallel pattern and EP mode against the single-device `moe_forward`, on 8 CPU devices
+with 1x8, 2x4 and 4x2 meshes; uneven per-rank token counts; the collectives in the lowered HLO
+counted against SPEC §6's table; bad inputs.
+
+One global batch of T = 48 tokens serves every case (T / token shards = 48, 24, 12 or 6 rows per
+shard), so the single-device reference compiles once per config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from moe_jax import MoEConfig, init_params, moe_forward, route
+from moe_jax.parallel import ParallelConfig, check_stats, shard_params, sharded_moe_forward
+
+T = 48
+CFG = MoEConfig.deepseek_v3().scaled(num_experts=16, top_k=4, hidden_size=256, intermediate_size=256,
+                                     recipe="bf16")
+CFG_FP8 = CFG.scaled(recipe="fp8_block")
+CFG_HASH = MoEConfig.deepseek_v4().scaled(num_experts=16, top_k=4, hidden_size=256,
+                                          intermediate_size=256, recipe="bf16", hash_routing=True,
+                                          vocab_size=97)
+_STATIC = ("config", "mesh", "pc", "layout", "backend", "return_stats")
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh(shape: tuple[int, int]) -> Mesh:
+    return Mesh(np.array(jax.devices()[:8]).reshape(shape), ("dp", "mp"))
+
+
+@functools.lru_cache(maxsize=None)
+def _inputs(cfg: MoEConfig):
+    params = init_params(jax.random.key(11), cfg)
+    x = jax.random.normal(jax.random.key(12), (T, cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
+    tok = jax.random.randint(jax.random.key(13), (T,), 0, cfg.vocab_size or 1, jnp.int32)
+    fwd = jax.jit(moe_forward, static_argnames=("config",))
+    ref = fwd(x, params, config=cfg, token_ids=tok if cfg.hash_routing else None)
+    return params, x, tok, np.asarray(ref.astype(jnp.float32))
+
+
+def _lengths(n_shards: int, m: int, seed: int) -> np.ndarray:
+    """Uneven real counts per shard: one full, one empty when there are >= 3 shards, rest random."""
+    rng = np.random.default_rng(seed)
+    v = rng.integers(1, m + 1, n_shards)
+    v[0] = m
+    if n_shards >= 3:
+        v[1] = 0
+    return v.astype(np.int32)
+
+
+def _collectives(text: str) -> dict[str, int]:
+    names = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute")
+    c = {n: len(re.findall(rf"stablehlo\.{n}\b", text)) for n in names}
+    c["ragged_all_to_all"] = len(re.findall(r"@ragged_all_to_all\b", text))
+    return {k: v for k, v in c.items() if v}
+
+
+# SPEC §6, as this package implements it: TP x TP-MoE one all-reduce; DP x TP-MoE (and CP) one
+# gather before and one reduce-scatter after, no all-reduce; EP one all-to-all out and one back
+# (ring: one all-gather out, one reduce-scatter back); attention-TP x EP one more all-gather.
+def _expected(pc: ParallelConfig) -> dict[str, int]:
+    if pc.pattern == "tp":
+        return {"all_reduce": 1}
+    if pc.pattern in ("dp_tp", "cp"):
+        return {"all_gather": 1, "reduce_scatter": 1}
+    if pc.ep_mode == "ring":
+        want = {"all_gather": 1, "reduce_scatter": 1}
+    elif pc.a2a_impl == "ragged_emulated":  # 1 count exchange + 2 emulated ragged exchanges x 2
+        want = {"all_to_all": 5}
+    else:
+        want = {"all_to_all": 2}
+    if pc.pattern == "tp_ep":
+        want["all_gather"] = want.get("all_gather", 0) + 1
+    return want
+
+
+CASES = {
+    "tp-1x8": (CFG, (1, 8), ParallelConfig("tp", ("mp",)), True),
+    "tp-4x2-fp8": (CFG_FP8, (4, 2), ParallelConfig("tp", ("mp",)), False),
+    "dp_tp-1x8": (CFG, (1, 8), ParallelConfig("dp_tp", ("mp",)), True),
+    "dp_tp-2x4-hash-local-shared": (CFG_HASH, (2, 4),
+                                    ParallelConfig("dp_tp", ("mp",), shared_on_local_tokens=True), True),
+    "dp_tp-4x2-both-axes": (CFG, (4, 2), ParallelConfig("dp_tp", ("dp", "mp")), True),
+    "cp-2x4": (CFG, (2, 4), ParallelConfig("cp", ("mp",)), False),
+    "dp_ep-normal-1x8": (CFG, (1, 8), ParallelConfig("dp_ep", ("dp", "mp")), True),
+    "dp_ep-normal-2x4-replicated-experts": (CFG, (2, 4), ParallelConfig("dp_ep", ("mp",)), True),
+    "dp_ep-ragged-emulated-4x2": (CFG, (4, 2), ParallelConfig("dp_ep", ("dp", "mp"),
+                                                               a2a_impl="ragged_emulated"), True),
+    "dp_ep-low-latency-2x4": (CFG, (2, 4), ParallelConfig("dp_ep", ("dp", "mp"), ep_mode="low_latency",
+                                                           num_max_dispatch_tokens_per_rank=6), True),
+    "dp_ep-ring-4x2": (CFG, (4, 2), ParallelConfig("dp_ep", ("dp", "mp"), ep_mode="ring"), True),
+    "tp_ep-normal-1x8-hash": (CFG_HASH, (1, 8), ParallelConfig("tp_ep", ("dp", "mp"),
+                                                                attn_tp_axes=("mp",)), True),
+    "tp_ep-normal-2x4-fp8": (CFG_FP8, (2, 4), ParallelConfig("tp_ep", ("dp", "mp"),
+                                                              attn_tp_axes=("mp",)), True),
+    "tp_ep-low-latency-4x2": (CFG, (4, 2), ParallelConfig("tp_ep", ("dp", "mp"), attn_tp_axes=("mp",),
+                                                           ep_mode="low_latency"), False),
+    "tp_ep-ring-2x4": (CFG, (2, 4), ParallelConfig("tp_ep", ("mp",), ep_mode="ring"), True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pattern_matches_single_device_and_collectives(case):
+    cfg, shape, pc, uneven = CASES[case]
+    mesh = _mesh(shape)
+    params, x, tok, ref = _inputs(cfg)
+    n_tok = int(np.prod([mesh.shape[a] for a in pc.token_axes(mesh.axis_names)]))
+    m = T // n_tok
+    lengths = _lengths(n_tok, m, seed=len(case)) if uneven else None
+    kw = dict(token_ids=tok if cfg.hash_routing else None,
+              num_tokens=None if lengths is None else jnp.asarray(lengths))
+    placed = shard_params(params, cfg, mesh, pc)
+    f = jax.jit(sharded_moe_forward, static_argnames=_STATIC)
+    lowered = f.lower(x, placed, config=cfg, mesh=mesh, pc=pc, return_stats=True, **kw)
+    assert _collectives(lowered.as_text()) == _expected(pc)
+    y, stats = lowered.compile()(x, placed, **kw)
+    y = np.asarray(y.astype(jnp.float32))
+    assert y.shape == (T, cfg.hidden_size) and np.isfinite(y).all()
+    real = np.ones(T, bool)
+    if lengths is not None:
+        real = (np.arange(m)[None, :] < lengths[:, None]).reshape(-1)
+    assert not y[~real].any()  # padding rows come back as zeros
+    assert not np.asarray(stats["dropped"]).any()
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(y[real], ref[real], rtol=2 ** -6, atol=2 ** -6 * scale)
+    if pc.is_ep and cfg.recipe != "bf16":
+        # FP8 on the wire is what the experts quantize to anyway: the receiver's re-quantization
+        # reproduces it, so the result equals sending bf16 rows, bit for bit
+        bf16_wire = dataclasses.replace(pc, quantize_dispatch=False)
+        y2 = f(x, placed, config=cfg, mesh=mesh, pc=bf16_wire, **kw)
+        np.testing.assert_array_equal(np.asarray(y2.astype(jnp.float32)), y)
+
+
+def test_low_latency_overflow_reported_and_strict_capacity_refused():
+    cfg, mesh = CFG, _mesh((2, 4))
+    params, x, _, _ = _inputs(cfg)
+    c = 1
+    pc = ParallelConfig("dp_ep", ("dp", "mp"), ep_mode="low_latency", num_max_dispatch_tokens_per_rank=c)
+    f = jax.jit(sharded_moe_forward, static_argnames=_STATIC)
+    # traced counts out of range are clamped and reported (7 > 6 rows: clamped to all-real)
+    lengths = jnp.asarray([6, 7, 6, 6, 6, 6, -1, 6], jnp.int32)
+    _, stats = f(x, params, config=cfg, mesh=mesh, pc=pc, return_stats=True, num_tokens=lengths)
+    np.testing.assert_array_equal(np.asarray(stats["num_tokens_out_of_range"]), [0, 1, 0, 0, 0, 0, 1, 0])
+    ids = np.asarray(jax.jit(route, static_argnames=("config",))(x, params, config=cfg)[0])
+    m = T // 8
+    n_real = np.clip(np.asarray(lengths), 0, m)
+    e_loc = cfg.num_experts // 8
+    want = np.zeros(8, int)  # routes of the tokens past the first c a rank sends to each peer
+    for r in range(8):
+        sent = np.zeros(8, int)
+        for t in range(r * m, r * m + n_real[r]):
+            for d in range(8):
+                n_routes = int((ids[t] // e_loc == d).sum())
+                if n_routes:
+                    want[r] += n_routes if sent[d] >= c else 0
+                    sent[d] += 1
+    assert sum(want) > 0
+    np.testing.assert_array_equal(np.asarray(stats["dropped"]), want)
+    with pytest.raises(ValueError, match="low-latency dispatch dropped"):
+        check_stats(stats)
+    with pytest.raises(ValueError, match=r"num_tokens: devices \[1, 6\] got a count outside"):
+        check_stats({**stats, "dropped": np.zeros(8, np.int32)})
+    strict = ParallelConfig("dp_ep", ("dp", "mp"), ep_mode="low_latency",
+                            num_max_dispatch_tokens_per_rank=5, strict_capacity=True)
+    with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank=5 is below the static worst "
+                                         "case of 6 tokens per rank"):
+        f.lower(x, params, config=cfg, mesh=mesh, pc=strict)
+
+
+def _lower(cfg, pc, shape=(2, 4), params=None, x=None, **kw):
+    p, xx, _, _ = _inputs(CFG)
+    f = jax.jit(sharded_moe_forward, static_argnames=_STATIC)
+    return f.lower(xx if x is None else x, p if params is None else params, config=cfg,
+                   mesh=_mesh(shape), pc=pc, **kw)
+
+
+def _abstract_params(cfg):
+    return jax.eval_shape(lambda k: init_params(k, cfg), jax.random.key(0))
+
+
+def test_bad_mesh_axes_that_do_not_divide_experts_or_intermediate():
+    cfg12 = CFG.scaled(num_experts=12, n_group=4, topk_group=2)
+    with pytest.raises(ValueError, match=r"moe_axes \('dp', 'mp'\) \(size 8\) must divide num_experts=12"):
+        _lower(cfg12, ParallelConfig("dp_ep", ("dp", "mp")), params=_abstract_params(cfg12))
+    cfg_i = CFG.scaled(intermediate_size=130)
+    with pytest.raises(ValueError, match=r"moe_axes \('mp',\) \(size 4\) must divide intermediate_size=130"):
+        _lower(cfg_i, ParallelConfig("tp", ("mp",)), params=_abstract_params(cfg_i))
+    with pytest.raises(ValueError, match=r"intermediate_size/tp = 256/4 = 64 must be a multiple of 128 "
+                                         r"for recipe 'fp8_block'"):
+        _lower(CFG_FP8, ParallelConfig("tp", ("mp",)), params=_abstract_params(CFG_FP8))
+    with pytest.raises(ValueError, match=r"params.w13: expected all 16 experts on axis 0"):
+        local = jax.eval_shape(lambda k: init_params(k, CFG, num_local_experts=2), jax.random.key(0))
+        _lower(CFG, ParallelConfig("dp_ep", ("dp", "mp")), params=local)
+
+
+def test_bad_lengths_tokens_and_axes():
+    pc = ParallelConfig("dp_tp", ("mp",))
+    p, x, _, _ = _inputs(CFG)
+    with pytest.raises(ValueError, match=r"num_tokens: every count must be in \[0, 6\]"):
+        sharded_moe_forward(x, p, CFG, _mesh((2, 4)), pc,
+                            num_tokens=np.asarray([6, 7, 0, 1, 2, 3, 4, 5], np.int32))
+    with pytest.raises(ValueError, match=r"num_tokens: expected one count per token shard, shape \(8,\)"):
+        _lower(CFG, pc, num_tokens=jnp.asarray([6, 6], jnp.int32))
+    with pytest.raises(TypeError, match="num_tokens: expected an integer dtype"):
+        _lower(CFG, pc, num_tokens=jnp.full((8,), 6.0))
+    with pytest.raises(ValueError, match="num_tokens: pattern 'cp' gathers sequence segments"):
+        _lower(CFG, ParallelConfig("cp", ("mp",)), num_tokens=jnp.full((8,), 6, jnp.int32))
+    with pytest.raises(ValueError, match=r"x: 44 rows cannot be split over the 8 token shards"):
+        _lower(CFG, pc, x=jnp.zeros((44, 256), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"x: expected \(T, H=256\)"):
+        _lower(CFG, pc, x=jnp.zeros((48, 128), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"mesh: axis 'ep' not in mesh axes \('dp', 'mp'\)"):
+        _lower(CFG, ParallelConfig("dp_ep", ("ep",)))
+    with pytest.raises(ValueError, match="layout: the low-latency EP mode computes on the masked layout"):
+        _lower(CFG, ParallelConfig("dp_ep", ("mp",), ep_mode="low_latency"), layout="contig")
+    with pytest.raises(ValueError, match="token_ids: required for a hash-routed layer"):
+        _lower(CFG_HASH, ParallelConfig("dp_ep", ("mp",)), params=_abstract_params(CFG_HASH))
+    explicit = jax.make_mesh((2, 4), ("dp", "mp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    with pytest.raises(ValueError, match=r"mesh: axes \['dp', 'mp'\] are not AxisType.Auto"):
+        sharded_moe_forward(_inputs(CFG)[1], _inputs(CFG)[0], CFG, explicit, pc)
+
+
+def test_bad_parallel_config():
+    with pytest.raises(ValueError, match="ParallelConfig.pattern: expected one of"):
+        ParallelConfig("ep", ("mp",))
+    with pytest.raises(ValueError, match="ParallelConfig.moe_axes: expected at least one mesh axis"):
+        ParallelConfig("tp", ())
+    with pytest.raises(ValueError, match="ParallelConfig.moe_axes: repeated axis"):
+        ParallelConfig("tp", ("mp", "mp"))
+    with pytest.raises(ValueError, match="ParallelConfig.attn_tp_axes: only pattern 'tp_ep'"):
+        ParallelConfig("dp_ep", ("mp",), attn_tp_axes=("mp",))
+    with pytest.raises(ValueError, match="ParallelConfig.ep_mode: expected one of"):
+        ParallelConfig("dp_ep", ("mp",), ep_mode="deepep")
+    with pytest.raises(ValueError, match="ParallelConfig.num_max_dispatch_tokens_per_rank: expected a "
+                                         "positive int"):
+        ParallelConfig("dp_ep", ("mp",), num_max_dispatch_tokens_per_rank=0)
+    with pytest.raises(ValueError, match="ParallelConfig.combine_dtype: expected one of"):
+        ParallelConfig("dp_ep", ("mp",), combine_dtype="float16")
+    with pytest.raises(ValueError, match="ParallelConfig.shared_on_local_tokens: only meaningful"):
+        ParallelConfig("tp", ("mp",), shared_on_local_tokens=True)
+    assert ParallelConfig("tp_ep", "mp").attn_tp_axes == ("mp",)  # default: the EP axes
+    assert hash(ParallelConfig("tp", "mp")) == hash(ParallelConfig("tp", ("mp",)))
