@@ -13,12 +13,7 @@ WEIGHT_GROUP = {"fp8_block": 128, "mxfp8": 32, "mxfp4": 32}
 RECIPE_ARCHS = {"bf16": (90, 100), "fp8_block": (90, 100), "mxfp8": (100,), "mxfp4": (100,)}
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def round_up(a: int, b: int) -> int:
-    return ceil_div(a, b) * b
+from layouts._checks import align as round_up, ceil_div  # noqa: F401  (one definition of each)
 
 
 def check_recipe_arch(recipe: str, arch: int, *, gemm: bool = True) -> None:

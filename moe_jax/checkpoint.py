@@ -56,6 +56,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from layouts._checks import ceil_div
 from moe_jax.config import RECIPE_ARCHS, MoEConfig
 from moe_jax.params import MoEParams
 
@@ -211,10 +212,6 @@ class _Plan:
     shared: dict = dataclasses.field(default_factory=dict)  # proj -> (fmt, _ProjPlan)
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _scale_name(ckpt: SafetensorsCheckpoint, w: str) -> str | None:
     base = w[: -len(".weight")]
     for suffix in (".weight_scale_inv", ".weight_scale"):
@@ -251,8 +248,8 @@ def _classify(ckpt: SafetensorsCheckpoint, w: str, n: int, k: int, problems: lis
         if sinfo is None:
             problems.append(f"missing {base}.weight_scale_inv (or .weight_scale) for F8_E4M3 weight {w}")
             return None
-        blocks = (_ceil_div(n, BLOCK), _ceil_div(k, BLOCK))
-        groups = (n, _ceil_div(k, MX_GROUP))
+        blocks = (ceil_div(n, BLOCK), ceil_div(k, BLOCK))
+        groups = (n, ceil_div(k, MX_GROUP))
         if sinfo.shape in ((), (1,)):
             fmt = "fp8_per_tensor"
         elif sinfo.shape == blocks and sinfo.shape != groups:
@@ -272,7 +269,7 @@ def _classify(ckpt: SafetensorsCheckpoint, w: str, n: int, k: int, problems: lis
         if k % 2 or info.shape != (n, k // 2):
             bad_shape(w, info.shape, (n, k // 2), " (MXFP4: two e2m1 codes per byte)")
             return None
-        groups = (n, _ceil_div(k, MX_GROUP))
+        groups = (n, ceil_div(k, MX_GROUP))
         if sinfo is None:
             problems.append(f"missing {w[:-len('.weight')]}.weight_scale for MXFP4 weight {w}")
             return None
@@ -373,11 +370,11 @@ def _stack_experts(ckpt, plan: _Plan, config: MoEConfig, which: str):
     if fmt == "bf16":
         scale = None
     elif fmt == "fp8_block":
-        scale = np.empty((e_loc, _ceil_div(n, BLOCK), _ceil_div(k, BLOCK)), np.float32)
+        scale = np.empty((e_loc, ceil_div(n, BLOCK), ceil_div(k, BLOCK)), np.float32)
     elif fmt == "fp8_per_tensor":
         scale = np.empty((e_loc, len(projs)), np.float32)
     else:
-        scale = np.empty((e_loc, n, _ceil_div(k, MX_GROUP)), np.uint8 if plan.scale_dtype == "U8" else np.float32)
+        scale = np.empty((e_loc, n, ceil_div(k, MX_GROUP)), np.uint8 if plan.scale_dtype == "U8" else np.float32)
     for e, row in enumerate(plan.experts):
         r0 = 0
         for j, proj in enumerate(projs):

@@ -7,32 +7,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from custom_calls._checks import ceil_div, check_dtype, check_shape, round_up
 from moe_jax.config import MoEConfig
 from moe_jax.params import MoEParams
 
 _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 _VALUE_DTYPE = {"fp8_block": jnp.float8_e4m3fn, "mxfp8": jnp.float8_e4m3fn, "mxfp4": jnp.int8}
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def round_up(a: int, b: int) -> int:
-    return ceil_div(a, b) * b
-
-
-def _shape(name: str, a, expected: tuple) -> None:
-    if a is None:
-        raise ValueError(f"{name}: expected an array of shape {expected}, got None")
-    if tuple(a.shape) != tuple(expected):
-        raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(a.shape)}")
-
-
-def _dtype(name: str, a, allowed) -> None:
-    if not any(a.dtype == jnp.dtype(d) for d in allowed):
-        names = ", ".join(jnp.dtype(d).name for d in allowed)
-        raise TypeError(f"{name}: expected dtype in ({names}), got {a.dtype}")
 
 
 def check_x(x: jax.Array, config: MoEConfig) -> None:
@@ -43,7 +23,7 @@ def check_x(x: jax.Array, config: MoEConfig) -> None:
         raise ValueError(f"x: expected hidden size {config.hidden_size}, got shape {tuple(x.shape)}")
     if x.shape[0] < 1:
         raise ValueError(f"x: expected at least one token, got shape {tuple(x.shape)}")
-    _dtype("x", x, _FLOATS)
+    check_dtype("x", x, _FLOATS)
 
 
 def expert_sizes(params: MoEParams, config: MoEConfig) -> tuple[int, int]:
@@ -68,10 +48,10 @@ def check_params(params: MoEParams, config: MoEConfig) -> tuple[int, int]:
     if not isinstance(params, MoEParams):
         raise TypeError(f"params: expected MoEParams, got {type(params).__name__}")
     e, h = config.num_experts, config.hidden_size
-    _shape("params.gate_weight", params.gate_weight, (e, h))
-    _dtype("params.gate_weight", params.gate_weight, _FLOATS)
+    check_shape("params.gate_weight", params.gate_weight, (e, h))
+    check_dtype("params.gate_weight", params.gate_weight, _FLOATS)
     if config.use_correction_bias:
-        _shape("params.e_score_correction_bias", params.e_score_correction_bias, (e,))
+        check_shape("params.e_score_correction_bias", params.e_score_correction_bias, (e,))
     elif params.e_score_correction_bias is not None:
         raise ValueError("params.e_score_correction_bias is set but config.use_correction_bias is False")
     e_loc, i_loc = expert_sizes(params, config)
@@ -92,8 +72,8 @@ def check_params(params: MoEParams, config: MoEConfig) -> tuple[int, int]:
     if config.hash_routing:
         if params.tid2eid is None:
             raise ValueError("params.tid2eid: config.hash_routing is True but tid2eid is None")
-        _shape("params.tid2eid", params.tid2eid, (config.vocab_size, config.top_k))
-        _dtype("params.tid2eid", params.tid2eid, (jnp.int32,))
+        check_shape("params.tid2eid", params.tid2eid, (config.vocab_size, config.top_k))
+        check_dtype("params.tid2eid", params.tid2eid, (jnp.int32,))
     elif params.tid2eid is not None:
         if params.tid2eid.ndim != 2 or params.tid2eid.shape[1] != config.top_k:
             raise ValueError(f"params.tid2eid: expected shape (vocab, top_k={config.top_k}), got "
@@ -112,9 +92,9 @@ def check_shared(params: MoEParams, config: MoEConfig) -> int:
         raise ValueError(f"params.shared_w2: expected shape ({h}, I_s) with I_s dividing "
                          f"{full} (I * n_shared_experts), got {tuple(w2.shape)}")
     i_s = w2.shape[1]
-    _shape("params.shared_w13", w13, (2 * i_s, h))
-    _dtype("params.shared_w13", w13, _FLOATS)
-    _dtype("params.shared_w2", w2, _FLOATS)
+    check_shape("params.shared_w13", w13, (2 * i_s, h))
+    check_dtype("params.shared_w13", w13, _FLOATS)
+    check_dtype("params.shared_w2", w2, _FLOATS)
     return i_s
 
 
@@ -122,23 +102,23 @@ def _check_expert_weights(params, recipe, e_loc, i_loc, h, prepared_arch):
     packed = recipe == "mxfp4"
     k13 = h // 2 if packed else h
     k2 = i_loc // 2 if packed else i_loc
-    _shape("params.w13", params.w13, (e_loc, 2 * i_loc, k13))
-    _shape("params.w2", params.w2, (e_loc, h, k2))
+    check_shape("params.w13", params.w13, (e_loc, 2 * i_loc, k13))
+    check_shape("params.w2", params.w2, (e_loc, h, k2))
     if recipe == "bf16":
-        _dtype("params.w13", params.w13, _FLOATS)
-        _dtype("params.w2", params.w2, _FLOATS)
+        check_dtype("params.w13", params.w13, _FLOATS)
+        check_dtype("params.w2", params.w2, _FLOATS)
         return
-    _dtype("params.w13", params.w13, (_VALUE_DTYPE[recipe],))
-    _dtype("params.w2", params.w2, (_VALUE_DTYPE[recipe],))
+    check_dtype("params.w13", params.w13, (_VALUE_DTYPE[recipe],))
+    check_dtype("params.w2", params.w2, (_VALUE_DTYPE[recipe],))
     for name, n, k in (("w13", 2 * i_loc, h), ("w2", h, i_loc)):
         sf = getattr(params, f"{name}_scale")
         if prepared_arch == 100:
             gk = 128 if recipe == "fp8_block" else 32
-            _shape(f"params.{name}_scale", sf, (e_loc, ceil_div(ceil_div(k, gk), 4), round_up(n, 4)))
-            _dtype(f"params.{name}_scale", sf, (jnp.int32,))
+            check_shape(f"params.{name}_scale", sf, (e_loc, ceil_div(ceil_div(k, gk), 4), round_up(n, 4)))
+            check_dtype(f"params.{name}_scale", sf, (jnp.int32,))
         elif recipe == "fp8_block":
-            _shape(f"params.{name}_scale", sf, (e_loc, ceil_div(n, 128), ceil_div(k, 128)))
-            _dtype(f"params.{name}_scale", sf, (jnp.float32,))
+            check_shape(f"params.{name}_scale", sf, (e_loc, ceil_div(n, 128), ceil_div(k, 128)))
+            check_dtype(f"params.{name}_scale", sf, (jnp.float32,))
         else:
-            _shape(f"params.{name}_scale", sf, (e_loc, n, k // 32))
-            _dtype(f"params.{name}_scale", sf, (jnp.float32,))
+            check_shape(f"params.{name}_scale", sf, (e_loc, n, k // 32))
+            check_dtype(f"params.{name}_scale", sf, (jnp.float32,))

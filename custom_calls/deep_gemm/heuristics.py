@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from layouts._checks import align, ceil_div  # noqa: F401  (re-exported to the host modules)
+
 GemmKind = Literal["normal", "contig", "masked"]
 
 SM90_SMEM_CAPACITY = 232448
@@ -21,12 +23,6 @@ _SM90_MAX_STAGES = 16
 _SM100_MAX_STAGES = 32
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def align(a: int, b: int) -> int:
-    return ceil_div(a, b) * b
 
 
 def swizzle_mode(num_bytes: int) -> int:

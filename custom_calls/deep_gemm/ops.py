@@ -329,6 +329,19 @@ def m_grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *
     return out
 
 
+def _dense_operands(a: jax.Array, b: jax.Array, dtype) -> tuple[int, int, int]:
+    """Checks a: (M, K), b: (N, K), both `dtype`; returns (M, N, K)."""
+    check_rank("a", a, 2, "(M, K)")
+    check_rank("b", b, 2, "(N, K)")
+    m, k = a.shape
+    n = b.shape[0]
+    if b.shape[1] != k:
+        raise ValueError(f"b: expected shape (N, {k}) to match a {tuple(a.shape)}, got {tuple(b.shape)}")
+    check_dtype("a", a, (dtype,))
+    check_dtype("b", b, (dtype,))
+    return m, n, k
+
+
 def gemm_nt_fp8(a: jax.Array, b: jax.Array, *, a_scale: jax.Array, b_scale: jax.Array,
                 arch: int = 90) -> jax.Array:
     """Dense D = A·Bᵀ with block FP8 operands (the shared expert's GEMMs).
@@ -336,14 +349,7 @@ def gemm_nt_fp8(a: jax.Array, b: jax.Array, *, a_scale: jax.Array, b_scale: jax.
     a: (M, K) e4m3; a_scale: (ceil(K/128), align(M,4)) f32 MN-major TMA-aligned image of the 1x128
     scales; b: (N, K) e4m3; b_scale: (ceil(N/128), ceil(K/128)) f32 128x128 block scales -> (M, N) bf16.
     """
-    check_rank("a", a, 2, "(M, K)")
-    check_rank("b", b, 2, "(N, K)")
-    m, k = a.shape
-    n = b.shape[0]
-    if b.shape[1] != k:
-        raise ValueError(f"b: expected shape (N, {k}) to match a {tuple(a.shape)}, got {tuple(b.shape)}")
-    check_dtype("a", a, (jnp.float8_e4m3fn,))
-    check_dtype("b", b, (jnp.float8_e4m3fn,))
+    m, n, k = _dense_operands(a, b, jnp.float8_e4m3fn)
     check_shape("a_scale", a_scale, (ceil_div(k, 128), align(m, 4)))
     check_dtype("a_scale", a_scale, (jnp.float32,))
     check_shape("b_scale", b_scale, (ceil_div(n, 128), ceil_div(k, 128)))
@@ -358,14 +364,7 @@ def gemm_nt_fp8(a: jax.Array, b: jax.Array, *, a_scale: jax.Array, b_scale: jax.
 
 def gemm_nt_bf16(a: jax.Array, b: jax.Array, *, out_dtype: Any = jnp.bfloat16, arch: int = 90) -> jax.Array:
     """Dense D = A·Bᵀ in bf16. a: (M, K) bf16; b: (N, K) bf16 -> (M, N) out_dtype (bf16 or f32)."""
-    check_rank("a", a, 2, "(M, K)")
-    check_rank("b", b, 2, "(N, K)")
-    m, k = a.shape
-    n = b.shape[0]
-    if b.shape[1] != k:
-        raise ValueError(f"b: expected shape (N, {k}) to match a {tuple(a.shape)}, got {tuple(b.shape)}")
-    check_dtype("a", a, (jnp.bfloat16,))
-    check_dtype("b", b, (jnp.bfloat16,))
+    m, n, k = _dense_operands(a, b, jnp.bfloat16)
     _raise_unless(supports_gemm_nt(n=n, k=k, recipe="bf16", arch=arch, out_dtype=out_dtype))
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
