@@ -1,7 +1,9 @@
 """``python -m moe_jax.bench <subcommand>``: benchmarks that print one table per run.
 
-Subcommands: ``gemm`` (grouped/dense GEMMs: DeepGEMM custom calls vs jax.lax.ragged_dot),
-``layer`` (the routed MoE layer: per-stage times, end to end, error, peak temporary memory).
+Subcommands: ``gemm`` (grouped/dense GEMMs: DeepGEMM custom calls vs jax.lax.ragged_dot; needs an
+SM90 CUDA GPU), ``layer`` (the routed MoE layer: per-stage times, end to end, error, peak temporary
+memory; ``--small`` runs anywhere). Each takes ``--json PATH`` and ``--plot PATH`` (PNG); the table
+goes to stdout, progress to stderr. ``python -m moe_jax.bench <subcommand> --help`` for the options.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_jax.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m moe_jax.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     from moe_jax.bench import gemm
 

@@ -10,6 +10,9 @@ back-to-back asynchronous dispatch of a jitted call, divided by the number of ca
 Error: relative Frobenius norm ‖D − R‖/‖R‖ over every row, R = float32 (HIGHEST) product of the
 dequantized operands, plus the worst single row. Launch overhead: per-GEMM time of a jitted chain
 of 32 small GEMMs minus the kernel's own duration (from a profiler trace).
+Needs a CUDA GPU of compute capability 9.x (H100/H200); elsewhere it exits with status 2 and says so.
+Output: the table on stdout; progress (DeepGEMM kernel compiles, first calls of jitted functions) on
+stderr; `--json PATH` (every row), `--markdown PATH`, `--plot PATH` (PNG: TFLOPS, TB/s for masked).
 """
 
 from __future__ import annotations
@@ -28,11 +31,44 @@ MASKED = [(32, 256, 32, 4096, 7168), (32, 256, 32, 7168, 2048)]  # G, m_pad, exp
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="fewer repetitions, first contig shape only")
+    p.description = __doc__.split("\n\n")[0] if __doc__ else None
+    p.add_argument("--quick", action="store_true", help="fewer repetitions, first contig and masked shapes only")
     p.add_argument("--no-ragged", action="store_true", help="skip jax.lax.ragged_dot")
-    p.add_argument("--json", help="write the rows as JSON here")
-    p.add_argument("--markdown", help="write the table as markdown here")
+    p.add_argument("--json", metavar="PATH", help="write every row (and the launch overhead) as JSON here")
+    p.add_argument("--markdown", metavar="PATH", help="write the table as markdown here")
+    p.add_argument("--plot", metavar="PATH",
+                   help="write a PNG here: TFLOPS per implementation and shape (TB/s for masked)")
     p.set_defaults(func=run)
+
+
+def gpu_reason() -> str | None:
+    """Why this benchmark cannot run here (it needs an SM90 CUDA GPU for jax), or None."""
+    from custom_calls.deep_gemm import detected_device
+
+    platform, arch, _ = detected_device()
+    if arch is None:
+        return (f"needs a CUDA GPU (compute capability 9.x, e.g. H100/H200) visible to jax; jax platform "
+                f"is {platform!r}")
+    if arch // 10 != 9:
+        return f"needs a CUDA GPU of compute capability 9.x (H100/H200); the device has {arch // 10}.{arch % 10}"
+    return None
+
+
+def warmup_shapes(plan: list[tuple[str, tuple]]) -> list:
+    """DeepGEMM kernels the run will launch (custom_calls.deep_gemm.GemmShape list)."""
+    from custom_calls.deep_gemm import GemmShape
+
+    shapes = [GemmShape("dense", rows=128, n=256, k=256, recipe="bf16")]  # launch overhead chain
+    for what, shp in plan:
+        if what == "contig":
+            g, rows, n, k = shp
+            shapes.append(GemmShape("contig", rows=g * rows, n=n, k=k, num_groups=g))
+            if shp == CONTIG[0]:
+                shapes.append(GemmShape("contig", rows=g * rows, n=n, k=k, num_groups=g, recipe="bf16"))
+        else:
+            g, m_pad, em, n, k = shp
+            shapes.append(GemmShape("masked", rows=m_pad, n=n, k=k, num_groups=g, expected_m=em))
+    return shapes
 
 
 def _timeit(f, args, *, burst_rounds=3, burst_iters=10, sustained_iters=150, idle=1.0):
@@ -62,26 +98,6 @@ def _timeit(f, args, *, burst_rounds=3, burst_iters=10, sustained_iters=150, idl
         jax.block_until_ready(out)
         sustained = (time.perf_counter() - t0) / sustained_iters
     return statistics.median(burst), sustained
-
-
-def _reference(fn, *args):
-    """fn(*args) compiled without XLA's GEMM autotuning (references only: it saves minutes of compile
-    time; the timed baselines keep XLA's defaults)."""
-    import jax
-
-    try:
-        return jax.jit(fn).lower(*args).compile(compiler_options={"xla_gpu_autotune_level": 0})(*args)
-    except Exception:  # option unknown on this backend (CPU): plain compile
-        return jax.jit(fn)(*args)
-
-
-def _errors(out, ref):
-    import jax.numpy as jnp
-
-    d = out.astype(jnp.float32) - ref
-    rel = float(jnp.linalg.norm(d) / jnp.linalg.norm(ref))
-    rows = jnp.linalg.norm(d, axis=-1) / jnp.maximum(jnp.linalg.norm(ref, axis=-1), 1e-30)
-    return rel, float(rows.max())
 
 
 def _quant_inputs(key, g, rows, n, k):
@@ -164,11 +180,34 @@ def launch_overhead(chain: int = 32, iters: int = 300) -> dict:
 
 
 def run(args) -> int:
+    from moe_jax.bench._cli import Progress, check_plot_available, log, write_json
+
+    check_plot_available(args.plot)
+    reason = gpu_reason()
+    if reason:
+        print(f"python -m moe_jax.bench gemm: {reason}", file=sys.stderr)
+        return 2
     import jax
+
+    import custom_calls.deep_gemm as dg
+    from custom_calls.deep_gemm.toolchain import ToolchainError
 
     dev = jax.devices()[0]
     rows_out: list[dict] = []
     sustained_iters = 40 if args.quick else 100
+    contig = CONTIG[:1] if args.quick else CONTIG
+    masked = MASKED[:1] if args.quick else MASKED
+    # Headline shapes first, so a cut-short run still has them.
+    plan = [("contig", s) for s in contig[:1]] + [("masked", s) for s in masked[:1]]
+    plan += [("contig", s) for s in contig[1:]] + [("masked", s) for s in masked[1:]]
+    shapes = warmup_shapes(plan)
+    log(f"# compiling (or finding in the cache) the DeepGEMM kernels of {len(shapes)} GEMM shapes")
+    try:
+        dg.warmup(shapes, progress=True)
+    except ToolchainError as e:
+        print(f"python -m moe_jax.bench gemm: the DeepGEMM kernels cannot be built here: {e}", file=sys.stderr)
+        return 2
+    progress = Progress("gemm first calls")
 
     def row(impl, kind, shape, t, flops=None, bytes_=None, err=(None, None), note=""):
         burst, sus = t if t else (None, None)
@@ -180,38 +219,55 @@ def run(args) -> int:
              "tbps_sustained": bytes_ / sus / 1e12 if (bytes_ and sus) else None,
              "rel_err": err[0], "worst_row_err": err[1], "note": note}
         rows_out.append(r)
-        print(_fmt_row(r), flush=True)
+        progress.print_out(_fmt_row(r))
 
+    progress.step("launch overhead chains")
     lo = launch_overhead()
     print("launch overhead: " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in lo.items()}),
           flush=True)
     print(_HEADER, flush=True)
-    contig = CONTIG[:1] if args.quick else CONTIG
-    masked = MASKED[:1] if args.quick else MASKED
-    # Headline shapes first, so a cut-short run still has them.
-    plan = [("contig", s) for s in contig[:1]] + [("masked", s) for s in masked[:1]]
-    plan += [("contig", s) for s in contig[1:]] + [("masked", s) for s in masked[1:]]
-    t_start = time.perf_counter()
     key = jax.random.key(0)
     for i, (what, shp) in enumerate(plan):
-        print(f"# {what} {shp} at {time.perf_counter() - t_start:.0f} s", file=sys.stderr, flush=True)
         key, sub = jax.random.split(key)
         bench = _bench_contig if what == "contig" else _bench_masked
         # ragged_dot costs ~80 ms a call: measure it on the two headline shapes only.
         bench(sub, shp, row, ragged=not args.no_ragged and i < 2, fp8_ragged=(i == 0),
-              sustained_iters=sustained_iters)
+              sustained_iters=sustained_iters, step=lambda what_, s=shp, w=what: progress.step(f"{w} {s}: {what_}"))
+    progress.close()
     meta = {"date": datetime.date.today().isoformat(), "device": str(dev.device_kind),
             "jax": jax.__version__, "rows": rows_out, "launch_overhead": lo}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(meta, f, indent=1)
+        write_json(args.json, meta)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(f"{meta['date']}, {meta['device']}, jax {meta['jax']}\n\n{_HEADER}\n")
             for r in rows_out:
                 f.write(_fmt_row(r) + "\n")
             f.write(f"\nlaunch overhead: {json.dumps(lo)}\n")
+    if args.plot:
+        plot(args.plot, rows_out, meta["device"])
     return 0
+
+
+def plot(path: str, rows: list[dict], device: str) -> None:
+    """PNG: contig panel in TFLOPS, masked panel in TB/s; one bar per implementation and shape (burst),
+    dots at the sustained value."""
+    from moe_jax.bench._cli import plot_panels
+
+    panels = []
+    for kind, unit, ylabel in (("contig", "tflops", "TFLOPS"), ("masked", "tbps", "TB/s (weights + real rows)")):
+        sel = [r for r in rows if r["kind"] == kind]
+        if not sel:
+            continue
+        groups = list(dict.fromkeys(r["shape"] for r in sel))
+        impls = list(dict.fromkeys(r["impl"] for r in sel))
+        val = {(r["impl"], r["shape"]): r for r in sel}
+        series = {i: [val.get((i, g), {}).get(f"{unit}_burst") for g in groups] for i in impls}
+        markers = {i: [val.get((i, g), {}).get(f"{unit}_sustained") for g in groups] for i in impls}
+        panels.append(dict(title=f"{kind} grouped GEMMs (bars: burst, dots: sustained)", ylabel=ylabel,
+                           groups=[g.split(" ", 1)[1] if g.startswith(kind) else g for g in groups],
+                           series=series, markers=markers))
+    plot_panels(path, panels, title=f"moe_jax GEMMs, {device}")
 
 
 def _ragged(a, b, s):
@@ -221,52 +277,59 @@ def _ragged(a, b, s):
     return jax.lax.ragged_dot(a, b, s, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
 
-def _bench_contig(key, shp, row, *, ragged, fp8_ragged, sustained_iters):
+def _bench_contig(key, shp, row, *, ragged, fp8_ragged, sustained_iters, step=lambda what: None):
     import jax
     import jax.numpy as jnp
 
     import custom_calls.deep_gemm as dg
+    from moe_jax.bench._cli import rel_errors, run_untuned
 
     g, rows, n, k = shp
     shape = f"contig {g}x{rows}, N={n}, K={k}"
     x, w, qa, sa, qb, sb, a_deq, b_deq = _quant_inputs(key, g, rows, n, k)
     m_idx = jnp.repeat(jnp.arange(g, dtype=jnp.int32), rows)
     hi = jax.lax.Precision.HIGHEST
-    ref = _reference(lambda a, b: jnp.einsum("gmk,gnk->gmn", a.reshape(g, rows, k), b, precision=hi
+    step("float32 reference")
+    ref = run_untuned(lambda a, b: jnp.einsum("gmk,gnk->gmn", a.reshape(g, rows, k), b, precision=hi
                                              ).reshape(g * rows, n), a_deq, b_deq)
     del a_deq, b_deq
     flops = 2.0 * g * rows * n * k
     img = dg_image(sa)
     f8 = jax.jit(lambda a, b, m, s1, s2: dg.m_grouped_gemm_contig(a, b, m, lhs_scale=s1, rhs_scale=s2,
                                                                     recipe="fp8_block", arch=90))
+    step("deep_gemm fp8")
     out = jax.block_until_ready(f8(qa, qb, m_idx, img, sb))
     row("deep_gemm fp8", "contig", shape, _timeit(f8, (qa, qb, m_idx, img, sb), sustained_iters=sustained_iters),
-        flops, err=_errors(out, ref))
+        flops, err=rel_errors(out, ref))
     del ref, out
     xb = x.astype(jnp.bfloat16)
     if shp == CONTIG[0]:
         wb = w.astype(jnp.bfloat16)
-        refb = _reference(lambda a, b: jnp.einsum("gmk,gnk->gmn", a.astype(jnp.float32).reshape(g, rows, k),
+        step("bf16 float32 reference")
+        refb = run_untuned(lambda a, b: jnp.einsum("gmk,gnk->gmn", a.astype(jnp.float32).reshape(g, rows, k),
                                                   b.astype(jnp.float32), precision=hi).reshape(g * rows, n), xb, wb)
         fb = jax.jit(lambda a, b, m: dg.m_grouped_gemm_contig(a, b, m, recipe="bf16", arch=90))
+        step("deep_gemm bf16")
         out = jax.block_until_ready(fb(xb, wb, m_idx))
         row("deep_gemm bf16", "contig", shape, _timeit(fb, (xb, wb, m_idx), sustained_iters=sustained_iters),
-            flops, err=_errors(out, refb))
+            flops, err=rel_errors(out, refb))
         del refb, wb, out
     if ragged:
         gs = jnp.full((g,), rows, jnp.int32)
         wt = jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16)
         rd = jax.jit(_ragged)
+        step("ragged_dot bf16")
         out = jax.block_until_ready(rd(xb, wt, gs))
-        refb = _reference(lambda a, b: jnp.einsum("gmk,gkn->gmn", a.astype(jnp.float32).reshape(g, rows, k),
+        refb = run_untuned(lambda a, b: jnp.einsum("gmk,gkn->gmn", a.astype(jnp.float32).reshape(g, rows, k),
                                                   b.astype(jnp.float32), precision=hi).reshape(g * rows, n), xb, wt)
         row("ragged_dot bf16", "contig", shape, _timeit(rd, (xb, wt, gs), burst_rounds=2, burst_iters=2,
-                                                       sustained_iters=0), flops, err=_errors(out, refb))
+                                                       sustained_iters=0), flops, err=rel_errors(out, refb))
         del refb, wt, out
         if fp8_ragged:
             try:
                 qbt = jnp.swapaxes(qb, 1, 2)
                 rd8 = jax.jit(_ragged)
+                step("ragged_dot fp8")
                 jax.block_until_ready(rd8(qa, qbt, gs))
                 row("ragged_dot fp8 (no scales)", "contig", shape,
                     _timeit(rd8, (qa, qbt, gs), burst_rounds=2, burst_iters=2, sustained_iters=0), flops,
@@ -275,11 +338,12 @@ def _bench_contig(key, shp, row, *, ragged, fp8_ragged, sustained_iters):
                 row("ragged_dot fp8", "contig", shape, None, note=f"fails: {type(e).__name__}: {str(e)[:80]}")
 
 
-def _bench_masked(key, shp, row, *, ragged, fp8_ragged, sustained_iters):
+def _bench_masked(key, shp, row, *, ragged, fp8_ragged, sustained_iters, step=lambda what: None):
     import jax
     import jax.numpy as jnp
 
     import custom_calls.deep_gemm as dg
+    from moe_jax.bench._cli import rel_errors, run_untuned
 
     del fp8_ragged
     g, m_pad, em, n, k = shp
@@ -287,22 +351,25 @@ def _bench_masked(key, shp, row, *, ragged, fp8_ragged, sustained_iters):
     x, w, qa, sa, qb, sb, a_deq, b_deq = _quant_inputs(key, g, m_pad, n, k)
     qa3, img = qa.reshape(g, m_pad, k), dg_image(sa.reshape(g, m_pad, -1))
     masked_m = jnp.full((g,), em, jnp.int32)
-    ref = _reference(lambda a, b: jnp.einsum("gmk,gnk->gmn", a.reshape(g, m_pad, k)[:, :em], b,
+    step("float32 reference")
+    ref = run_untuned(lambda a, b: jnp.einsum("gmk,gnk->gmn", a.reshape(g, m_pad, k)[:, :em], b,
                                              precision=jax.lax.Precision.HIGHEST), a_deq, b_deq)
     del a_deq, b_deq
     fm = jax.jit(lambda a, b, mm, s1, s2: dg.m_grouped_gemm_masked(a, b, mm, expected_m=em, lhs_scale=s1,
                                                                      rhs_scale=s2, recipe="fp8_block", arch=90))
+    step("deep_gemm fp8")
     out = jax.block_until_ready(fm(qa3, qb, masked_m, img, sb))
     # Effective bytes: weights + real activation rows + real output rows.
     bytes_ = g * n * k + g * em * k + g * em * n * 2
     row("deep_gemm fp8", "masked", shape, _timeit(fm, (qa3, qb, masked_m, img, sb),
                                                   sustained_iters=sustained_iters * 4),
-        2.0 * g * em * n * k, bytes_=bytes_, err=_errors(out[:, :em], ref))
+        2.0 * g * em * n * k, bytes_=bytes_, err=rel_errors(out[:, :em], ref))
     if ragged:
         xb = x.reshape(g, m_pad, k)[:, :em].reshape(g * em, k).astype(jnp.bfloat16)
         wt = jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16)
         gs = jnp.full((g,), em, jnp.int32)
         rd = jax.jit(_ragged)
+        step("ragged_dot bf16")
         jax.block_until_ready(rd(xb, wt, gs))
         row("ragged_dot bf16", "masked", shape, _timeit(rd, (xb, wt, gs), burst_rounds=2, burst_iters=3,
                                                        sustained_iters=0),

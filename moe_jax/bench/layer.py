@@ -8,13 +8,17 @@ GEMMs on a supported GPU) and "reference" (pure JAX through XLA).
 
 Method: fresh random inputs; every timing is a jitted function run over R distinct input sets in
 one dispatch (inputs rotate so they are not L2-resident), wall time / R, median of 5 rounds after
-a warm-up (sustained clock). Stages are timed one by one on the layer's own intermediate tensors.
-Error: ‖out − ref‖ / ‖ref‖ (and the worst row) against a float32 model of the same layer
-(dequantized weights, unquantized activations, HIGHEST precision dots). Peak temporary memory:
+a warm-up (sustained clock); the reference backend runs one input set, 2 rounds. Stages are timed
+one by one on the layer's own intermediate tensors.
+Error: ‖out − ref‖ / ‖ref‖ (and the worst row) against a float32 model of the same layer computed
+on the routed (token, expert) pairs only (dequantized weights, unquantized activations, HIGHEST
+precision dots); `--no-error` skips it. Peak temporary memory:
 `jax.jit(...).lower(...).compile().memory_analysis().temp_size_in_bytes`, against the seed's goal:
 the largest GEMM's activation inputs plus outputs, plus 25%.
 Bars (BENCHMARKS.md): prefill end to end <= 1.15 x (GEMM1 + GEMM2); decode end to end >= 70% of the
 HBM roofline for reading the expert weights once; >= 20 x the reference backend at prefill.
+Output: the table on stdout; progress (one step per compile) and one JSON line per row on stderr;
+`--json PATH` (every row: times in us, errors, memory in MB), `--plot PATH` (PNG).
 """
 
 from __future__ import annotations
@@ -53,37 +57,74 @@ def _config(small: bool = False):
     return cfg
 
 
-def _fp32_model(x, topk_ids, topk_weights, params, config):
-    """Float32 routed output: dequantized weights, unquantized activations, per-expert dense dots."""
+def _fp32_model(x, topk_ids, topk_weights, params, config, *, block: int = 128, blocks_per_step: int = 4):
+    """Float32 routed output of the layer, from the routed (token, expert) pairs only.
+
+    x: (M, H) float; topk_ids: (M, k) int32; topk_weights: (M, k) float -> (M, H) f32.
+    Dequantized weights, unquantized activations, HIGHEST precision dots. The routes are grouped by
+    expert with the contig dispatch (segments aligned to `block` rows), so each block of `block`
+    rows belongs to one expert: `lax.map` over the blocks dequantizes that one expert's weights and
+    runs its two GEMMs on the gathered token rows (with blocks_per_step=1, padding-only blocks are
+    skipped). The cost is
+    that of the two grouped GEMMs in float32 plus one weight dequantization per block; no copy of
+    every expert's weights, per block or at all, is made. `blocks_per_step` blocks run together
+    (one batched GEMM, that many single-expert weight copies live): a single 128-row GEMM keeps only
+    a fraction of a large GPU's SMs busy.
+    """
     import jax
     import jax.numpy as jnp
 
     from custom_calls.activation import gated_activation
     from custom_calls.grouped_gemm import dequantize_rhs
     from moe_jax.core import activation_spec
+    from moe_jax.dispatch import dispatch_contig
 
     hi = jax.lax.Precision.HIGHEST
-    w13 = dequantize_rhs(params.w13, params.w13_scale, params.gemm_recipe, params.gemm_arch)
-    w2 = dequantize_rhs(params.w2, params.w2_scale, params.gemm_recipe, params.gemm_arch)
+    m, k = topk_ids.shape
+    h = x.shape[1]
+    e = params.w13.shape[0]
+    recipe, arch, act = params.gemm_recipe, params.gemm_arch, activation_spec(config)
+    disp = dispatch_contig(topk_ids, num_local_experts=e, alignment=block)
+    cap = disp.num_rows_cap
+    src2dst = disp.src2dst.reshape(-1)
+    token = jnp.arange(m * k, dtype=jnp.int32) // k
+    row_token = jnp.zeros((cap,), jnp.int32).at[jnp.where(src2dst >= 0, src2dst, cap)].set(
+        token, mode="drop", unique_indices=True)  # padding rows read token 0 and are never read back
+    block_expert = jnp.max(disp.m_indices.reshape(cap // block, block), axis=1)  # -1: padding only
     xf = x.astype(jnp.float32)
-    act = activation_spec(config)
 
-    def one_expert(acc, e):
-        h = jnp.einsum("mk,nk->mn", xf, w13[e], precision=hi)
-        y = jnp.einsum("mi,hi->mh", gated_activation(h, act), w2[e], precision=hi)
-        w = jnp.sum(jnp.where(topk_ids == e, topk_weights, 0.0), axis=1)
-        return acc + w[:, None] * y, None
+    def one_expert_weights(w, scale, ex):
+        w1 = jax.lax.dynamic_index_in_dim(w, ex, keepdims=True)
+        s1 = None if scale is None else jax.lax.dynamic_index_in_dim(scale, ex, keepdims=True)
+        return dequantize_rhs(w1, s1, recipe, arch)[0]
 
-    out, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, jnp.float32), jnp.arange(w13.shape[0]))
+    def compute(b):
+        ex = jnp.maximum(block_expert[b], 0)
+        xb = xf[jax.lax.dynamic_slice_in_dim(row_token, b * block, block)]  # (block, H)
+        w13 = one_expert_weights(params.w13, params.w13_scale, ex)  # (2I, H)
+        gu = jnp.einsum("mk,nk->mn", xb, w13, precision=hi, preferred_element_type=jnp.float32)
+        w2 = one_expert_weights(params.w2, params.w2_scale, ex)  # (H, I)
+        return jnp.einsum("mi,hi->mh", gated_activation(gu, act), w2, precision=hi,
+                          preferred_element_type=jnp.float32)
+
+    def one_block(b):
+        return jax.lax.cond(block_expert[b] >= 0, compute, lambda _: jnp.zeros((block, h), jnp.float32), b)
+
+    nb = cap // block
+    ys = jax.lax.map(one_block, jnp.arange(nb), batch_size=min(blocks_per_step, nb)).reshape(cap, h)
+    dst = disp.src2dst
+    w = jnp.where(dst >= 0, topk_weights.astype(jnp.float32), 0.0)
+    out = jnp.zeros((m, h), jnp.float32)
+    for j in range(k):  # k is small and static: no (M, k, H) temporary
+        out = out + w[:, j, None] * ys[jnp.maximum(dst[:, j], 0)]
     return out * config.routed_scaling_factor
 
 
 def _errors(out, ref) -> dict:
-    import jax.numpy as jnp
+    from moe_jax.bench._cli import rel_errors
 
-    d = out.astype(jnp.float32) - ref
-    rows = jnp.linalg.norm(d, axis=-1) / jnp.maximum(jnp.linalg.norm(ref, axis=-1), 1e-30)
-    return dict(rel_err=float(jnp.linalg.norm(d) / jnp.linalg.norm(ref)), worst_row=float(rows.max()))
+    rel, worst = rel_errors(out, ref)
+    return dict(rel_err=rel, worst_row=worst)
 
 
 def _gemm_activation_bytes(rows: int, h: int, inter: int) -> int:
@@ -99,8 +140,17 @@ def _weight_bytes(params) -> int:
     return sum(a.size * a.dtype.itemsize for a in (params.w13, params.w13_scale, params.w2, params.w2_scale))
 
 
-def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, log,
-                small: bool = False) -> dict:
+STAGES = ("route (gate GEMM + top-k)", "dispatch (jnp)", "permute+quant", "GEMM1", "activation+quant", "GEMM2",
+          "unpermute")
+# compile steps per backend: end to end, with routing, output, other layout, memory analysis, stages
+STEPS_PER_BACKEND = 5 + len(STAGES)
+
+
+def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, *, small: bool = False,
+                error: bool = True, progress=None) -> dict:
+    """One shape: {shape, tokens, layout, weights_GB, <backend>: row} (row keys: README of `run`).
+
+    progress: a `_cli.Progress` (one step per compile); None makes one on stderr."""
     import jax
     import jax.numpy as jnp
 
@@ -108,22 +158,21 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
     from custom_calls.grouped_gemm import m_grouped_gemm_contig, m_grouped_gemm_masked
     from custom_calls.permute import permute_contig, permute_masked
     from custom_calls.unpermute import unpermute
+    from moe_jax.bench._cli import Progress, run_untuned
     from moe_jax.core import activation_spec
     from moe_jax.dispatch import default_masked_m_pad, dispatch_contig, dispatch_masked
     from moe_jax.layer import moe_forward, routed_experts
     from moe_jax.params import init_params, prepare_params
     from moe_jax.routing import route
 
-    t_start = time.perf_counter()
-
-    def progress(what: str) -> None:
-        log(f"  [{name} {time.perf_counter() - t_start:6.1f} s] {what}")
-
+    own = progress is None
+    if own:
+        progress = Progress(name, total=1 + int(error) + STEPS_PER_BACKEND * len(backends))
+    progress.step(f"{name}: parameters")
     cfg = _config(small)
     params = prepare_params(init_params(jax.random.PRNGKey(0), cfg), cfg)
     jax.block_until_ready(params.w13)
-    progress("parameters ready")
-    e, h, k = cfg.num_experts, cfg.hidden_size, cfg.top_k
+    e, h = cfg.num_experts, cfg.hidden_size
     recipe, arch, act = params.gemm_recipe, params.gemm_arch, activation_spec(cfg)
     keys = jax.random.split(jax.random.PRNGKey(1), reps)
     xs = [jax.random.normal(kk, (m, h), jnp.bfloat16) for kk in keys]
@@ -133,80 +182,104 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
     def forward(backend):
         return lambda x, ids, w: routed_experts(x, ids, w, params, cfg, layout=layout, backend=backend)
 
-    ref32 = jax.block_until_ready(jax.jit(lambda x, i, w: _fp32_model(x, i, w, params, cfg))(xs[0], *routed[0]))
-    progress("float32 model done")
+    ref32 = None
+    if error:
+        progress.step(f"{name}: float32 model")
+        ref32 = jax.block_until_ready(
+            run_untuned(lambda x, i, w: _fp32_model(x, i, w, params, cfg), xs[0], *routed[0]))
     m_pad = default_masked_m_pad(m)
     for be in backends:
         row = dict(backend=be)
+        # The reference backend is slow and its contig GEMM holds a dequantized weight copy per row
+        # block: one input set, fewer rounds, so no dispatch holds several of those at once.
+        slow = be == "reference"
+        n_sets = 1 if slow else reps
+        kw = dict(rounds=2, chain=1) if slow else {}
+
+        def timed(label, fn, arg_sets):
+            progress.step(f"{name} {be}: {label}")
+            return _time(fn, arg_sets[:n_sets], **kw)
+
         try:
             f = forward(be)
-            slow = be == "reference"
-            row["end_to_end_us"] = _time(f, [(x, *r) for x, r in zip(xs, routed)],
-                                         rounds=2 if slow else 5, chain=1 if slow else 3) * 1e6
-            row["with_routing_us"] = _time(lambda x: moe_forward(x, params, cfg, layout=layout, backend=be),
-                                           [(x,) for x in xs], rounds=2 if slow else 5, chain=1 if slow else 3) * 1e6
+            row["end_to_end_us"] = timed("end to end", f, [(x, *r) for x, r in zip(xs, routed)]) * 1e6
+            row["with_routing_us"] = timed(
+                "with routing", lambda x: moe_forward(x, params, cfg, layout=layout, backend=be),
+                [(x,) for x in xs]) * 1e6
+            progress.step(f"{name} {be}: output")
             out = jax.jit(f)(xs[0], *routed[0])
-            row.update(_errors(out, ref32))
+            if ref32 is not None:
+                row.update(_errors(out, ref32))
             other = "masked" if layout == "contig" else "contig"
+            progress.step(f"{name} {be}: output, {other} layout")
             out_other = jax.jit(lambda x, i, w: routed_experts(x, i, w, params, cfg, layout=other, backend=be))(
                 xs[0], *routed[0])
             row[f"vs_{other}_rel"] = _errors(out, out_other.astype(jnp.float32))["rel_err"]
-            progress(f"{be}: end to end {row['end_to_end_us']:.1f} us, rel err {row['rel_err']:.2e}")
+            del out_other
+            progress.note(f"{name} {be}: end to end {row['end_to_end_us']:.1f} us"
+                          + (f", rel err {row['rel_err']:.2e}" if "rel_err" in row else ""))
+            progress.step(f"{name} {be}: memory analysis")
             compiled = jax.jit(f).lower(xs[0], *routed[0]).compile()
             mem = compiled.memory_analysis()
             row["temp_MB"] = getattr(mem, "temp_size_in_bytes", float("nan")) / 1e6
             # stage by stage on the layer's own tensors
             stages = {}
-            stages["route (gate GEMM + top-k)"] = _time(lambda x: route(x, params, cfg), [(x,) for x in xs])
+            stages[STAGES[0]] = timed(STAGES[0], lambda x: route(x, params, cfg), [(x,) for x in xs])
             if layout == "contig":
-                disp = [dispatch_contig(i, num_local_experts=e, alignment=cfg.alignment) for i, _ in routed]
+                disp = [dispatch_contig(i, num_local_experts=e, alignment=cfg.alignment) for i, _ in routed[:n_sets]]
                 rows = disp[0].num_rows_cap
-                stages["dispatch (jnp)"] = _time(lambda i: dispatch_contig(i, num_local_experts=e,
-                                                                           alignment=cfg.alignment),
-                                                 [(i,) for i, _ in routed])
+                stages[STAGES[1]] = timed(STAGES[1], lambda i: dispatch_contig(i, num_local_experts=e,
+                                                                               alignment=cfg.alignment),
+                                          [(i,) for i, _ in routed])
                 perm = lambda x, s: permute_contig(x, s, num_rows=rows, recipe=recipe, arch=arch, backend=be)  # noqa: E731
+                stages[STAGES[2]] = timed(STAGES[2], perm, [(x, d.src2dst) for x, d in zip(xs, disp)])
                 lhs = [perm(x, d.src2dst) for x, d in zip(xs, disp)]
-                stages["permute+quant"] = _time(perm, [(x, d.src2dst) for x, d in zip(xs, disp)])
                 g1 = lambda a, s, mi: m_grouped_gemm_contig(a, params.w13, mi, lhs_scale=s, rhs_scale=params.w13_scale,  # noqa: E731
                                                             recipe=recipe, arch=arch, alignment=cfg.alignment, backend=be)
+                stages[STAGES[3]] = timed(STAGES[3], g1, [(a, s, d.m_indices) for (a, s), d in zip(lhs, disp)])
                 gu = [g1(a, s, d.m_indices) for (a, s), d in zip(lhs, disp)]
-                stages["GEMM1"] = _time(g1, [(a, s, d.m_indices) for (a, s), d in zip(lhs, disp)])
                 del lhs
                 aq = lambda g: activation_quant_contig(g, act=act, recipe=recipe, arch=arch, backend=be)  # noqa: E731
+                stages[STAGES[4]] = timed(STAGES[4], aq, [(g,) for g in gu])
                 acts = [aq(g) for g in gu]
-                stages["activation+quant"] = _time(aq, [(g,) for g in gu])
                 del gu
                 g2 = lambda a, s, mi: m_grouped_gemm_contig(a, params.w2, mi, lhs_scale=s, rhs_scale=params.w2_scale,  # noqa: E731
                                                             recipe=recipe, arch=arch, alignment=cfg.alignment, backend=be)
+                stages[STAGES[5]] = timed(STAGES[5], g2, [(a, s, d.m_indices) for (a, s), d in zip(acts, disp)])
                 ds = [g2(a, s, d.m_indices) for (a, s), d in zip(acts, disp)]
-                stages["GEMM2"] = _time(g2, [(a, s, d.m_indices) for (a, s), d in zip(acts, disp)])
+                del acts
                 gemm_in_out = _gemm_activation_bytes(rows, h, cfg.intermediate_size)
             else:
-                disp = [dispatch_masked(i, num_local_experts=e, m_pad=m_pad, num_experts_global=e) for i, _ in routed]
-                stages["dispatch (jnp)"] = _time(lambda i: dispatch_masked(i, num_local_experts=e, m_pad=m_pad,
-                                                                           num_experts_global=e),
-                                                 [(i,) for i, _ in routed])
+                disp = [dispatch_masked(i, num_local_experts=e, m_pad=m_pad, num_experts_global=e)
+                        for i, _ in routed[:n_sets]]
+                stages[STAGES[1]] = timed(STAGES[1], lambda i: dispatch_masked(i, num_local_experts=e, m_pad=m_pad,
+                                                                               num_experts_global=e),
+                                          [(i,) for i, _ in routed])
                 perm = lambda x, s: permute_masked(x, s, num_groups=e, m_pad=m_pad, recipe=recipe, arch=arch, backend=be)  # noqa: E731
+                stages[STAGES[2]] = timed(STAGES[2], perm, [(x, d.src2dst) for x, d in zip(xs, disp)])
                 lhs = [perm(x, d.src2dst) for x, d in zip(xs, disp)]
-                stages["permute+quant"] = _time(perm, [(x, d.src2dst) for x, d in zip(xs, disp)])
                 em = disp[0].expected_m
                 g1 = lambda a, s, mm: m_grouped_gemm_masked(a, params.w13, mm, expected_m=em, lhs_scale=s,  # noqa: E731
                                                             rhs_scale=params.w13_scale, recipe=recipe, arch=arch, backend=be)
+                stages[STAGES[3]] = timed(STAGES[3], g1, [(a, s, d.masked_m) for (a, s), d in zip(lhs, disp)])
                 gu = [g1(a, s, d.masked_m) for (a, s), d in zip(lhs, disp)]
-                stages["GEMM1"] = _time(g1, [(a, s, d.masked_m) for (a, s), d in zip(lhs, disp)])
+                del lhs
                 aq = lambda g, mm: activation_quant_masked(g, mm, act=act, recipe=recipe, arch=arch, backend=be)  # noqa: E731
+                stages[STAGES[4]] = timed(STAGES[4], aq, [(g, d.masked_m) for g, d in zip(gu, disp)])
                 acts = [aq(g, d.masked_m) for g, d in zip(gu, disp)]
-                stages["activation+quant"] = _time(aq, [(g, d.masked_m) for g, d in zip(gu, disp)])
+                del gu
                 g2 = lambda a, s, mm: m_grouped_gemm_masked(a, params.w2, mm, expected_m=em, lhs_scale=s,  # noqa: E731
                                                             rhs_scale=params.w2_scale, recipe=recipe, arch=arch, backend=be)
+                stages[STAGES[5]] = timed(STAGES[5], g2, [(a, s, d.masked_m) for (a, s), d in zip(acts, disp)])
                 ds = [g2(a, s, d.masked_m).reshape(e * m_pad, h) for (a, s), d in zip(acts, disp)]
-                stages["GEMM2"] = _time(g2, [(a, s, d.masked_m) for (a, s), d in zip(acts, disp)])
+                del acts
                 gemm_in_out = _gemm_activation_bytes(e * m_pad, h, cfg.intermediate_size)
-            stages["unpermute"] = _time(
+            stages[STAGES[6]] = timed(
+                STAGES[6],
                 lambda d, s, w: unpermute(d, s, w, routed_scaling_factor=cfg.routed_scaling_factor, backend=be),
                 [(d, dd.src2dst, w) for d, dd, (_, w) in zip(ds, disp, routed)])
+            del ds
             row["stages_us"] = {s: t * 1e6 for s, t in stages.items()}
-            progress(f"{be}: stages done")
             gemms = stages["GEMM1"] + stages["GEMM2"]
             row["gemms_us"] = gemms * 1e6
             row["e2e_over_gemms"] = row["end_to_end_us"] / row["gemms_us"]
@@ -214,24 +287,19 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
         except Exception as exc:  # report and go on with the other backends
             row["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
         result[be] = row
-        log(json.dumps(dict(shape=name, **row)))
+        progress.note(json.dumps(dict(shape=name, **row)))
+    if own:
+        progress.close()
     return result
 
 
-def run(args) -> int:
-    import jax
+def _f(v, fmt: str) -> str:
+    return "–" if v is None else format(v, fmt)
 
-    log = print
-    results = []
-    backends = args.backends.split(",")
-    if "prefill" in args.shapes:
-        results.append(bench_shape("prefill", 64 if args.small else 4096, "contig", backends, args.reps, log,
-                                   args.small))
-    if "decode" in args.shapes:
-        results.append(bench_shape("decode", 16 if args.small else 128, "masked", backends, args.reps, log,
-                                   args.small))
-    bw = _copy_bandwidth(1 << 20 if args.small else 1 << 30)
-    print(f"\ndevice {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e9:.0f} GB/s")
+
+def print_table(results: list[dict], backends: list[str], device: str, copy_gbps: float) -> None:
+    """The human-readable table, on stdout."""
+    print(f"\ndevice {device}; copy bandwidth {copy_gbps:.0f} GB/s")
     for res in results:
         print(f"\n== {res['shape']}: {res['tokens']} tokens, {res['layout']}, weights {res['weights_GB']:.2f} GB")
         for be in backends:
@@ -239,23 +307,69 @@ def run(args) -> int:
             if "error" in row:
                 print(f"  {be}: FAILED {row['error']}")
                 continue
+            other = row.get("vs_masked_rel", row.get("vs_contig_rel"))
+            err = (f"rel err {_f(row['rel_err'], '.2e')} (worst row {_f(row['worst_row'], '.2e')})"
+                   if "rel_err" in row else "rel err not computed (--no-error)")
             print(f"  {be}: end to end {row['end_to_end_us']:.1f} us (with routing {row['with_routing_us']:.1f} us), "
-                  f"GEMMs {row['gemms_us']:.1f} us "
-                  f"(e2e/GEMMs {row['e2e_over_gemms']:.3f}), rel err {row['rel_err']:.2e} "
-                  f"(worst row {row['worst_row']:.2e}), contig vs masked {row.get('vs_masked_rel', row.get('vs_contig_rel')):.1e}, "
-                  f"temp {row['temp_MB']:.0f} MB "
+                  f"GEMMs {row['gemms_us']:.1f} us (e2e/GEMMs {row['e2e_over_gemms']:.3f}), {err}, "
+                  f"contig vs masked {_f(other, '.1e')}, temp {_f(row.get('temp_MB'), '.0f')} MB "
                   f"(bound {row['temp_bound_MB']:.0f} MB)")
             for s, t in row["stages_us"].items():
                 print(f"      {s:28s} {t:10.1f} us")
-        if res["shape"] == "decode" and "auto" in res and "end_to_end_us" in res["auto"]:
-            roof = res["weights_GB"] * 1e9 / bw * 1e6
+        if res["shape"] == "decode" and "end_to_end_us" in res.get("auto", {}):
+            roof = res["weights_GB"] * 1e9 / (copy_gbps * 1e9) * 1e6
             print(f"  decode roofline (weights once at copy bandwidth) {roof:.1f} us -> "
                   f"{100 * roof / res['auto']['end_to_end_us']:.0f}% of roofline")
-        if "auto" in res and "reference" in res and "end_to_end_us" in res["auto"] and "end_to_end_us" in res["reference"]:
+        if "end_to_end_us" in res.get("auto", {}) and "end_to_end_us" in res.get("reference", {}):
             print(f"  auto vs reference: {res['reference']['end_to_end_us'] / res['auto']['end_to_end_us']:.1f}x")
+
+
+def plot(path: str, results: list[dict], backends: list[str], device: str) -> None:
+    """PNG: per shape, one stacked bar of the stage times per backend (black tick: the measured end to
+    end time with routing, which the stages add up to)."""
+    from moe_jax.bench._cli import plot_panels
+
+    panels = []
+    for res in results:
+        ok = [be for be in backends if "stages_us" in res.get(be, {})]
+        if not ok:
+            continue
+        panels.append(dict(
+            title=f"{res['shape']}: {res['tokens']} tokens, {res['layout']}", ylabel="time per call (us)",
+            groups=ok, stacks={s: [res[be]["stages_us"].get(s) for be in ok] for s in STAGES},
+            totals=[res[be]["with_routing_us"] for be in ok], totals_label="end to end (with routing)"))
+    plot_panels(path, panels, title=f"moe_jax layer stages, {device}")
+
+
+def run(args) -> int:
+    import jax
+
+    from moe_jax.bench._cli import Progress, check_plot_available, write_json
+
+    check_plot_available(args.plot)
+    backends = [b for b in args.backends.split(",") if b]
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = set(shapes) - {"prefill", "decode"}
+    if unknown or not shapes:
+        raise SystemExit(f"--shapes: expected a comma list of prefill, decode, got {args.shapes!r}")
+    if not backends:
+        raise SystemExit("--backends: expected a comma list of backend names, got an empty list")
+    plan = [(s, 64 if args.small else 4096, "contig") if s == "prefill" else (s, 16 if args.small else 128, "masked")
+            for s in ("prefill", "decode") if s in shapes]
+    error = not args.no_error
+    progress = Progress("layer", total=len(plan) * (1 + int(error) + STEPS_PER_BACKEND * len(backends)) + 1)
+    results = [bench_shape(name, m, layout, backends, args.reps, small=args.small, error=error, progress=progress)
+               for name, m, layout in plan]
+    progress.step("copy bandwidth")
+    bw = _copy_bandwidth(1 << 20 if args.small else 1 << 30)
+    progress.close()
+    device = str(jax.devices()[0].device_kind)
+    print_table(results, backends, device, bw / 1e9)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(copy_GBps=bw / 1e9, results=results), f, indent=1)
+        write_json(args.json, dict(device=device, jax=jax.__version__, backends=backends, copy_GBps=bw / 1e9,
+                                   results=results))
+    if args.plot:
+        plot(args.plot, results, backends, device)
     return 0
 
 
@@ -268,16 +382,22 @@ def _copy_bandwidth(n: int) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shapes", default="prefill,decode", help="comma list of prefill, decode")
-    parser.add_argument("--backends", default="auto,reference", help="comma list of backend names")
-    parser.add_argument("--reps", type=int, default=4, help="distinct input sets per timed dispatch")
-    parser.add_argument("--json", help="write the results here")
+    parser.description = __doc__.split("\n\n")[0] if __doc__ else None
+    parser.add_argument("--shapes", default="prefill,decode", help="comma list of prefill, decode (default: both)")
+    parser.add_argument("--backends", default="auto,reference",
+                        help="comma list of backend names (default: auto,reference)")
+    parser.add_argument("--reps", type=int, default=4,
+                        help="distinct input sets per timed dispatch (default 4; the reference backend uses 1)")
+    parser.add_argument("--json", metavar="PATH", help="write every result row as JSON here")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG here: stacked stage times per backend and shape")
+    parser.add_argument("--no-error", action="store_true",
+                        help="skip the float32 model and the error columns")
     parser.add_argument("--small", action="store_true", help="tiny sizes (smoke test without a GPU)")
     parser.set_defaults(func=run)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_jax.bench layer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m moe_jax.bench layer")
     add_arguments(parser)
     args = parser.parse_args(argv)
     return args.func(args)
