@@ -5,23 +5,29 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-RECIPES = ("bf16", "fp8_block", "mxfp8", "mxfp4")
-ARCHS = (90, 100)
-# recipe -> activation (lhs) group along K, weight (rhs) group along K
-ACT_GROUP = {"fp8_block": 128, "mxfp8": 32, "mxfp4": 128}
-WEIGHT_GROUP = {"fp8_block": 128, "mxfp8": 32, "mxfp4": 32}
-RECIPE_ARCHS = {"bf16": (90, 100), "fp8_block": (90, 100), "mxfp8": (100,), "mxfp4": (100,)}
-
-
+from layouts._checks import SUPPORTED_ARCHS as ARCHS
 from layouts._checks import align as round_up, ceil_div  # noqa: F401  (one definition of each)
+from layouts.recipes import RECIPE_NAMES as RECIPES
+from layouts.recipes import get_recipe
+
+FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)  # activations / bf16-recipe operands
+
+_QUANTIZED = [get_recipe(r) for r in RECIPES if get_recipe(r).is_quantized]
+# recipe -> activation (lhs) group along K, weight (rhs) group along K
+ACT_GROUP = {r.name: r.act_group_size for r in _QUANTIZED}
+WEIGHT_GROUP = {r.name: r.weight_recipe[1] for r in _QUANTIZED}
+# archs whose GEMMs consume the recipe as is (mxfp4 on 90 becomes fp8_block at load time)
+RECIPE_ARCHS = {r: tuple(a for a in sorted(get_recipe(r).supported_archs)
+                         if get_recipe(r).gemm_recipe(a) is get_recipe(r)) for r in RECIPES}
 
 
-def check_recipe_arch(recipe: str, arch: int, *, gemm: bool = True) -> None:
+def check_recipe_arch(recipe: str, arch: int) -> None:
+    """recipe in RECIPES, arch in ARCHS, and the GEMMs of arch consume recipe directly."""
     if recipe not in RECIPES:
         raise ValueError(f"recipe: expected one of {RECIPES}, got {recipe!r}")
     if arch not in ARCHS:
         raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
-    archs = RECIPE_ARCHS[recipe] if gemm else (90, 100)
+    archs = RECIPE_ARCHS[recipe]
     if arch not in archs:
         hint = " (mxfp4 on arch 90 is converted to fp8_block at load time)" if recipe == "mxfp4" else ""
         raise ValueError(f"recipe {recipe!r}: GEMM formats exist for arch {archs}, got arch {arch}{hint}")

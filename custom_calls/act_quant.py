@@ -14,15 +14,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import layouts
 from custom_calls._checks import ACT_GROUP, check_recipe_arch
 
 
 def quantize_activation(x: jax.Array, recipe: str, arch: int) -> tuple[jax.Array, jax.Array | None]:
+    """x: (..., rows, K) float -> (q, lhs_scale) in the (recipe, arch) format of the module table."""
     check_recipe_arch(recipe, arch)
     if recipe == "bf16":
         return x.astype(jnp.bfloat16), None
-    import layouts
-
     if x.ndim < 2:
         raise ValueError(f"x: expected rank >= 2 (..., rows, K), got shape {tuple(x.shape)}")
     if recipe == "mxfp8":

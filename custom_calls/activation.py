@@ -10,6 +10,10 @@ gate = first half of the 2I columns, up = second half. Math in fp32; the result 
 before quantization (as the default fused kernels do) unless `keep_fp32` (silu only, FP8 weights),
 which quantizes the fp32 value. Quantization: `act_quant.quantize_activation` with K = I (GEMM2's
 A recipe recomputed for K = I).
+Every variant, SiTU included, quantizes with the already rounded-up UE8M0 scale on arch 100. The
+seed's SiTU Triton kernel instead quantizes with the exact amax/448 scale and rounds the scale up
+afterwards, which inflates the dequantized values by the rounding factor (up to 2x); we do not
+reproduce that.
 """
 
 from __future__ import annotations
@@ -19,14 +23,13 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from custom_calls._checks import check_dtype, check_rank, check_recipe_arch, check_shape
+from custom_calls._checks import FLOATS, check_dtype, check_rank, check_recipe_arch, check_shape
 from custom_calls.act_quant import quantize_activation
 from custom_calls.backends import REFERENCE, register, resolve
 
 OP_CONTIG = "activation_quant_contig"
 OP_MASKED = "activation_quant_masked"
 KINDS = ("silu", "swiglu_oai", "situ")
-_FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,11 @@ class ActivationSpec:
             raise ValueError("swiglu_limit: does not apply to kind='situ'")
         if self.keep_fp32 and self.kind != "silu":
             raise ValueError(f"keep_fp32: only for kind='silu', got kind={self.kind!r}")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit: expected None or > 0, got {self.swiglu_limit!r}")
+        for name in ("situ_beta", "situ_linear_beta"):  # divisors of the tanh arguments
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected > 0, got {getattr(self, name)!r}")
 
 
 def gated_activation(gateup: jax.Array, act: ActivationSpec) -> jax.Array:
@@ -94,7 +102,7 @@ def _check(gateup, act, recipe, arch):
     if not isinstance(act, ActivationSpec):
         raise TypeError(f"act: expected ActivationSpec, got {type(act).__name__}")
     check_recipe_arch(recipe, arch)
-    check_dtype("gateup", gateup, _FLOATS)
+    check_dtype("gateup", gateup, FLOATS)
     two_i = gateup.shape[-1]
     if two_i % 2:
         raise ValueError(f"gateup: last axis must be even (gate | up), got shape {tuple(gateup.shape)}")

@@ -19,13 +19,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from custom_calls._checks import (ACT_GROUP, WEIGHT_GROUP, act_scale_image_shape, ceil_div,
+import layouts
+from custom_calls._checks import (ACT_GROUP, FLOATS, WEIGHT_GROUP, act_scale_image_shape, ceil_div,
                                   check_dtype, check_rank, check_recipe_arch, check_shape, round_up)
 from custom_calls.backends import REFERENCE, register, resolve
 
 OP_CONTIG = "m_grouped_gemm_contig"
 OP_MASKED = "m_grouped_gemm_masked"
-_FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -39,8 +39,8 @@ def _check_operands(lhs, rhs, lhs_scale, rhs_scale, recipe, arch, batch: tuple[i
         want = f"K//2={k // 2} (int8-packed e2m1)" if packed else f"K={k}"
         raise ValueError(f"rhs: expected last axis {want} to match lhs {tuple(lhs.shape)}, got {tuple(rhs.shape)}")
     if recipe == "bf16":
-        check_dtype("lhs", lhs, _FLOATS)
-        check_dtype("rhs", rhs, _FLOATS)
+        check_dtype("lhs", lhs, FLOATS)
+        check_dtype("rhs", rhs, FLOATS)
         if lhs_scale is not None or rhs_scale is not None:
             raise ValueError("lhs_scale/rhs_scale: recipe 'bf16' takes no scales, got an array")
         return rows, k, g, n
@@ -64,8 +64,6 @@ def dequantize_lhs(lhs, lhs_scale, recipe: str, arch: int) -> jax.Array:
     """lhs (..., rows, K) + its scale image -> (..., rows, K) f32."""
     if recipe == "bf16":
         return lhs.astype(jnp.float32)
-    import layouts
-
     rows, k = lhs.shape[-2:]
     gk = ACT_GROUP[recipe]
     if arch == 90:
@@ -80,8 +78,6 @@ def dequantize_rhs(rhs, rhs_scale, recipe: str, arch: int) -> jax.Array:
     """rhs (G, N, K) [(G, N, K//2) int8 for mxfp4] + its scales -> (G, N, K) f32."""
     if recipe == "bf16":
         return rhs.astype(jnp.float32)
-    import layouts
-
     g, n, kb = rhs.shape
     k = 2 * kb if recipe == "mxfp4" else kb
     if arch == 90:
@@ -105,6 +101,12 @@ def _contig_reference(lhs, rhs, m_indices, *, lhs_scale, rhs_scale, recipe, arch
     wb = b[jnp.clip(block_expert, 0, b.shape[0] - 1)]  # (nb, N, K)
     d = jnp.einsum("bmk,bnk->bmn", a.reshape(nb, alignment, k), wb, precision=_HI,
                    preferred_element_type=jnp.float32).reshape(m_cap, -1)
+    # m_indices that break the block contract (two experts in one block, i.e. segments not aligned
+    # as `alignment` says) or name no expert of rhs would be multiplied with the wrong expert: such
+    # rows become NaN instead
+    wrong = (m_indices >= 0) & ((m_indices != jnp.repeat(block_expert, alignment))
+                                | (m_indices >= b.shape[0]))
+    d = jnp.where(wrong[:, None], jnp.nan, d)
     return jnp.where((m_indices >= 0)[:, None], d, 0.0).astype(jnp.bfloat16)
 
 
@@ -130,8 +132,10 @@ def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, 
 
     lhs: (M_cap, K) bf16 | e4m3; rhs: (G, N, K) [(G, N, K//2) int8 for mxfp4];
     m_indices: (M_cap,) int32 expert of each row, -1 = padding row -> (M_cap, N) bf16.
-    M_cap is a multiple of `alignment` and every expert segment starts at a multiple of it.
-    Padding rows of D are 0 (the permute writes zero lhs rows; the reference also zeroes them).
+    M_cap is a multiple of `alignment` and every expert segment starts at a multiple of it (one
+    expert per block of `alignment` rows, as the GEMM kernels read it); the reference returns NaN
+    rows where m_indices breaks that rule or names no expert (>= G). Padding rows of D are 0 (the permute writes zero lhs
+    rows; the reference also zeroes them).
     """
     check_recipe_arch(recipe, arch)
     check_rank("lhs", lhs, 2, "(M_cap, K)")

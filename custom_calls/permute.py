@@ -10,20 +10,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from custom_calls._checks import check_dtype, check_rank, check_recipe_arch
+from custom_calls._checks import FLOATS, check_dtype, check_rank, check_recipe_arch
 from custom_calls.act_quant import quantize_activation
 from custom_calls.backends import REFERENCE, register, resolve
 
 OP_CONTIG = "permute_contig"
 OP_MASKED = "permute_masked"
-_FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
 def scatter_rows(x: jax.Array, src2dst: jax.Array, num_rows: int) -> jax.Array:
     """x: (M, H), src2dst: (M, k) int32 (row of route (m, j), -1 = none; rows distinct)
     -> (num_rows, H) same dtype, row src2dst[m, j] = x[m], all other rows 0. Differentiable in x."""
     m, k = src2dst.shape
-    dst = jnp.where(src2dst >= 0, src2dst, num_rows).reshape(-1)  # num_rows: dropped
+    # -1 routes go to distinct rows past the end (dropped), so unique_indices stays true
+    beyond = num_rows + jnp.arange(m * k, dtype=jnp.int32).reshape(m, k)
+    dst = jnp.where(src2dst >= 0, src2dst, beyond).reshape(-1)
     vals = jnp.broadcast_to(x[:, None, :], (m, k, x.shape[1])).reshape(m * k, -1)
     return jnp.zeros((num_rows, x.shape[1]), x.dtype).at[dst].set(vals, mode="drop",
                                                                    unique_indices=True)
@@ -46,7 +47,7 @@ register(OP_MASKED, REFERENCE, jax.jit(_masked_reference,
 def _check(x, src2dst, recipe, arch):
     check_recipe_arch(recipe, arch)
     check_rank("x", x, 2, "(M, H)")
-    check_dtype("x", x, _FLOATS)
+    check_dtype("x", x, FLOATS)
     check_rank("src2dst", src2dst, 2, "(M, top_k)")
     if src2dst.shape[0] != x.shape[0]:
         raise ValueError(f"src2dst: expected {x.shape[0]} rows (tokens of x), got shape {tuple(src2dst.shape)}")

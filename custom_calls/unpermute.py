@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from custom_calls._checks import check_dtype, check_rank
+from custom_calls._checks import FLOATS, check_dtype, check_rank
 from custom_calls.backends import REFERENCE, register, resolve
 
 OP = "unpermute"
@@ -18,6 +18,9 @@ def _reference(d, src2dst, topk_weights, *, routed_scaling_factor, out_dtype):
     # a -1 route must contribute exactly nothing, even if its gathered row holds inf/nan
     rows = jnp.where((src2dst >= 0)[..., None], rows, 0.0)
     out = jnp.einsum("mkh,mk->mh", rows, w, precision=jax.lax.Precision.HIGHEST)
+    # a row index past d would read a clamped, unrelated row: the token becomes NaN instead
+    beyond = jnp.any(src2dst >= d.shape[0], axis=1)
+    out = jnp.where(beyond[:, None], jnp.nan, out)
     return (out * jnp.float32(routed_scaling_factor)).astype(out_dtype)
 
 
@@ -29,13 +32,16 @@ def unpermute(d: jax.Array, src2dst: jax.Array, topk_weights: jax.Array, *,
               backend: str | None = None) -> jax.Array:
     """d: (R, H) GEMM2 output rows (masked slabs flattened to (G*m_pad, H)), src2dst: (M, k) int32
     (-1 = route not here), topk_weights: (M, k) f32
-    -> (M, H) out_dtype: out[m] = scaling * sum_j w[m, j] * d[src2dst[m, j]], accumulated in fp32."""
+    -> (M, H) out_dtype: out[m] = scaling * sum_j w[m, j] * d[src2dst[m, j]], accumulated in fp32
+    (the reference returns a NaN row for a token with src2dst >= R)."""
     check_rank("d", d, 2, "(R, H)")
+    check_dtype("d", d, FLOATS)
     check_rank("src2dst", src2dst, 2, "(M, top_k)")
     check_dtype("src2dst", src2dst, (jnp.int32,))
     if topk_weights.shape != src2dst.shape:
         raise ValueError(f"topk_weights: expected shape {tuple(src2dst.shape)} (as src2dst), got "
                          f"{tuple(topk_weights.shape)}")
+    check_dtype("topk_weights", topk_weights, FLOATS)
     out_dtype = jnp.dtype(out_dtype)
     impl = resolve(OP, backend, num_rows=d.shape[0], hidden=d.shape[1], num_tokens=src2dst.shape[0],
                    top_k=src2dst.shape[1], out_dtype=out_dtype)

@@ -13,7 +13,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from layouts._checks import ceil_div, check_dtype, check_float, check_min_ndim, check_positive_int
+from layouts._checks import (
+    ceil_div,
+    check_dtype,
+    check_float,
+    check_min_ndim,
+    check_positive_int,
+    check_shape,
+)
 from layouts.ue8m0 import ue8m0_scale_from_amax
 
 E2M1_MAX = 6.0
@@ -96,11 +103,7 @@ def dequantize_mxfp4(
     check_positive_int("group_size", group_size)
     codes = unpack_e2m1(packed)
     k = codes.shape[-1]
-    expected = (*packed.shape[:-1], ceil_div(k, group_size))
-    if tuple(sf.shape) != expected:
-        raise ValueError(
-            f"sf: expected shape {expected} (packed {tuple(packed.shape)}, K = {k}, "
-            f"group_size {group_size}), got {tuple(sf.shape)}"
-        )
+    check_shape("sf", sf, (*packed.shape[:-1], ceil_div(k, group_size)),
+                f"packed {tuple(packed.shape)}, K = {k}, group_size {group_size}")
     scale = jnp.repeat(sf, group_size, axis=-1)[..., :k]
     return (decode_e2m1(codes) * scale).astype(dtype)

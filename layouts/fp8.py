@@ -15,7 +15,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from layouts._checks import ceil_div, check_dtype, check_float, check_min_ndim, check_positive_int
+from layouts._checks import (
+    ceil_div,
+    check_dtype,
+    check_float,
+    check_min_ndim,
+    check_positive_int,
+    check_shape,
+)
 from layouts.ue8m0 import ue8m0_scale_from_amax
 
 FP8_E4M3_MAX = 448.0
@@ -87,12 +94,8 @@ def dequantize_fp8_per_token_group(
     check_min_ndim("q", q, 1, "(..., K)")
     check_positive_int("group_size", group_size)
     k = q.shape[-1]
-    expected = (*q.shape[:-1], ceil_div(k, group_size))
-    if tuple(sf.shape) != expected:
-        raise ValueError(
-            f"sf: expected shape {expected} (q {tuple(q.shape)}, group_size {group_size}), "
-            f"got {tuple(sf.shape)}"
-        )
+    check_shape("sf", sf, (*q.shape[:-1], ceil_div(k, group_size)),
+                f"q {tuple(q.shape)}, group_size {group_size}")
     scale = jnp.repeat(sf, group_size, axis=-1)[..., :k]
     return (q.astype(jnp.float32) * scale).astype(dtype)
 
@@ -130,11 +133,7 @@ def dequantize_fp8_per_block(
     check_min_ndim("q", q, 2, "(..., N, K)")
     check_positive_int("block_size", block_size)
     n, k = q.shape[-2:]
-    expected = (*q.shape[:-2], ceil_div(n, block_size), ceil_div(k, block_size))
-    if tuple(sf.shape) != expected:
-        raise ValueError(
-            f"sf: expected shape {expected} (q {tuple(q.shape)}, block_size {block_size}), "
-            f"got {tuple(sf.shape)}"
-        )
+    check_shape("sf", sf, (*q.shape[:-2], ceil_div(n, block_size), ceil_div(k, block_size)),
+                f"q {tuple(q.shape)}, block_size {block_size}")
     scale = jnp.repeat(jnp.repeat(sf, block_size, axis=-2), block_size, axis=-1)[..., :n, :k]
     return (q.astype(jnp.float32) * scale).astype(dtype)

@@ -9,15 +9,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-RECIPES = ("bf16", "fp8_block", "mxfp8", "mxfp4")
-SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
-ACTIVATIONS = ("silu", "swiglu_oai", "situ")
-LAYOUTS = ("auto", "contig", "masked")
-ARCHS = (90, 100)
+from custom_calls.activation import KINDS as ACTIVATIONS
+from layouts import SUPPORTED_ARCHS as ARCHS
+from layouts import RECIPE_NAMES as RECIPES
+from layouts import get_recipe
 
-# Recipes the GEMMs of each GPU family consume (SPEC §8). mxfp4 runs on 90 through the load-time
-# FP4 -> FP8 path (SPEC §2.1 B); mxfp8 needs UE8M0 GEMMs, i.e. 100.
-RECIPE_ARCHS = {"bf16": (90, 100), "fp8_block": (90, 100), "mxfp8": (100,), "mxfp4": (90, 100)}
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
+LAYOUTS = ("auto", "contig", "masked")
+
+# Archs each recipe runs on (SPEC §8). mxfp4 runs on 90 through the load-time FP4 -> FP8 path
+# (SPEC §2.1 B); mxfp8 needs UE8M0 GEMMs, i.e. 100.
+RECIPE_ARCHS = {r: tuple(sorted(get_recipe(r).supported_archs)) for r in RECIPES}
 
 # Quantized recipes: H and I must be multiples of this (128x128 weight blocks, 128-wide activation
 # groups, and the FP4 -> FP8 re-grouping to 128 on SM90).
@@ -91,9 +93,7 @@ class MoEConfig:
     @property
     def gemm_recipe(self) -> str:
         """Recipe the GEMMs actually run: mxfp4 on 90 is converted to fp8_block at load time."""
-        if self.recipe == "mxfp4" and self.gemm_arch == 90:
-            return "fp8_block"
-        return self.recipe
+        return get_recipe(self.recipe).gemm_recipe(self.gemm_arch).name
 
     @property
     def shared_intermediate_size(self) -> int:

@@ -13,6 +13,7 @@ from moe_jax.params import MoEParams
 
 
 def activation_spec(config: MoEConfig) -> ActivationSpec:
+    """The gated activation of `config` (routed and shared experts) as the ops' static spec."""
     return ActivationSpec(kind=config.activation, swiglu_limit=config.swiglu_limit,
                           gemm1_alpha=config.gemm1_alpha, situ_beta=config.situ_beta,
                           situ_linear_beta=config.situ_linear_beta,

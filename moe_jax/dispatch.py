@@ -49,6 +49,15 @@ def expected_m(num_tokens: int, top_k: int, num_experts_global: int) -> int:
     return ceil_div(num_tokens * top_k, num_experts_global)
 
 
+def _check_dispatch_args(topk_ids: jax.Array, num_local_experts: int) -> None:
+    if topk_ids.ndim != 2:
+        raise ValueError(f"topk_ids: expected rank 2 (M, top_k), got shape {tuple(topk_ids.shape)}")
+    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+        raise TypeError(f"topk_ids: expected an integer dtype, got {topk_ids.dtype}")
+    if not isinstance(num_local_experts, int) or num_local_experts < 1:
+        raise ValueError(f"num_local_experts: expected a positive int, got {num_local_experts!r}")
+
+
 def local_expert_ids(topk_ids: jax.Array, expert_offset, num_local_experts: int) -> jax.Array:
     """Global ids (M, k) -> local ids in [0, E_local), or E_local for routes not held here
     (outside [offset, offset + E_local), or -1). expert_offset: python int or traced int32 scalar."""
@@ -110,6 +119,9 @@ def dispatch_contig(topk_ids: jax.Array, *, num_local_experts: int, alignment: i
                     expert_offset=0) -> ContigDispatch:
     """topk_ids (M, k) global int ids -> ContigDispatch. Segments in expert order, each starting at
     a multiple of `alignment`; within a segment routes keep (token, k) order."""
+    _check_dispatch_args(topk_ids, num_local_experts)
+    if not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"alignment: expected a positive int, got {alignment!r}")
     m, k = topk_ids.shape
     e_loc = num_local_experts
     cap = contig_capacity(m, k, e_loc, alignment)
@@ -119,7 +131,9 @@ def dispatch_contig(topk_ids: jax.Array, *, num_local_experts: int, alignment: i
     seg_start = jnp.cumsum(padded) - padded
     here = e_flat < e_loc
     dst = jnp.where(here, seg_start[jnp.minimum(e_flat, e_loc - 1)] + rank, -1)
-    m_indices = jnp.full((cap,), -1, jnp.int32).at[jnp.where(here, dst, cap)].set(
+    # routes not held here go to distinct rows past the end (dropped): unique_indices stays true
+    beyond = cap + jnp.arange(e_flat.shape[0], dtype=jnp.int32)
+    m_indices = jnp.full((cap,), -1, jnp.int32).at[jnp.where(here, dst, beyond)].set(
         e_flat, mode="drop", unique_indices=True)
     return ContigDispatch(src2dst=dst.reshape(m, k).astype(jnp.int32), m_indices=m_indices,
                           num_rows=jnp.sum(padded).astype(jnp.int32), counts=counts,
@@ -130,6 +144,7 @@ def dispatch_contig(topk_ids: jax.Array, *, num_local_experts: int, alignment: i
 def dispatch_masked(topk_ids: jax.Array, *, num_local_experts: int, m_pad: int,
                     num_experts_global: int, expert_offset=0) -> MaskedDispatch:
     """topk_ids (M, k) global int ids -> MaskedDispatch with (E_local, m_pad) slabs."""
+    _check_dispatch_args(topk_ids, num_local_experts)
     m, k = topk_ids.shape
     if not isinstance(m_pad, int) or m_pad < 1 or m_pad % 128:
         raise ValueError(f"m_pad: expected a positive multiple of 128, got {m_pad!r}")

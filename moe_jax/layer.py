@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from custom_calls import gated_activation, permute_contig, permute_masked, unpermute
+from layouts import get_recipe
 from moe_jax.config import MoEConfig
 from moe_jax.core import activation_spec, expert_core_contig, expert_core_masked
 from moe_jax.dispatch import (choose_layout, default_masked_m_pad, dispatch_contig, dispatch_masked,
@@ -29,7 +30,6 @@ STAGES = ("permute", "gemm", "activation", "unpermute")
 # Accelerated backends that implement only some stages: a bare name runs those stages on it and the
 # others on the reference (backend="deep_gemm" = DeepGEMM GEMMs around reference permute/activation).
 BACKEND_STAGES = {"deep_gemm": ("gemm",), "triton": ("permute", "activation", "unpermute")}
-_ACT_GROUP = {"bf16": None, "fp8_block": 128, "mxfp8": 32, "mxfp4": 128}
 
 
 def _stage_backends(backend) -> dict[str, str | None]:
@@ -59,7 +59,7 @@ def resolve_layout(layout: str, config: MoEConfig, *, num_tokens: int, num_local
         return layout
     return choose_layout(num_tokens=num_tokens, num_local_experts=num_local_experts,
                          hidden_size=config.hidden_size, intermediate_size=local_intermediate_size,
-                         recipe=config.recipe, act_group_size=_ACT_GROUP[config.recipe],
+                         recipe=config.recipe, act_group_size=get_recipe(config.recipe).act_group_size,
                          swiglu_limit=config.swiglu_limit, m_pad=config.masked_m_pad,
                          memory_budget_bytes=config.masked_memory_budget_bytes)
 
@@ -86,6 +86,8 @@ def routed_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, p
                          f"{tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}")
     if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
         raise TypeError(f"topk_ids: expected an integer dtype, got {topk_ids.dtype}")
+    if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
+        raise TypeError(f"topk_weights: expected a float dtype, got {topk_weights.dtype}")
     e_loc, i_loc = check_params(params, config)
     if not params.is_prepared:
         params = prepare_params(params, config)
@@ -152,6 +154,11 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
     static: `jax.jit(moe_forward, static_argnames=("config", "layout", "backend"))`.
     Pass `prepare_params(params, config)` to keep the load-time conversion out of the call."""
     check_x(x, config)
+    if params.w13.shape[0] != config.num_experts:
+        # a shard of the experts would silently run as experts 0..E_local-1
+        raise ValueError(f"params.w13: moe_forward needs all {config.num_experts} experts, got "
+                         f"{params.w13.shape[0]}; for an expert shard call routed_experts(..., "
+                         f"expert_offset=first_expert) or moe_jax.parallel.sharded_moe_forward")
     topk_ids, topk_weights = route(x, params, config, token_ids=token_ids)
     routed = routed_experts(x, topk_ids, topk_weights, params, config, layout=layout,
                             backend=backend, out_dtype=jnp.float32)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
+import layouts
 from moe_jax.config import RECIPE_ARCHS, MoEConfig
 
 
@@ -82,8 +83,6 @@ def _quantize_checkpoint(w: jax.Array, recipe: str) -> tuple[jax.Array, jax.Arra
     """w: (E, N, K) f32 -> checkpoint-form (values, scale) of `recipe`."""
     if recipe == "bf16":
         return w.astype(jnp.bfloat16), None
-    import layouts
-
     if recipe == "fp8_block":
         return layouts.quantize_fp8_per_block(w, block_size=128, ue8m0=False)
     if recipe == "mxfp8":
@@ -104,6 +103,9 @@ def init_params(key: jax.Array, config: MoEConfig, *, num_local_experts: int | N
     """
     e = config.num_experts
     e_loc = e if num_local_experts is None else num_local_experts
+    if not isinstance(e_loc, int) or not 1 <= e_loc <= e:
+        raise ValueError(f"num_local_experts: expected an int in [1, {e}] (config.num_experts), "
+                         f"got {num_local_experts!r}")
     h = config.hidden_size
     if config.intermediate_size % tp_size:
         raise ValueError(f"tp_size={tp_size} must divide intermediate_size={config.intermediate_size}")
@@ -142,8 +144,6 @@ def _prepare_weight(w: jax.Array, sf: jax.Array | None, recipe: str, arch: int):
     """One expert weight (E, N, K[/2]) from checkpoint form to GEMM form (SPEC §2.1 paths A-D)."""
     if recipe == "bf16":
         return w, None
-    import layouts
-
     return layouts.prepare_expert_weights(w, sf, recipe=recipe, arch=arch)
 
 
@@ -164,5 +164,5 @@ def prepare_params(params: MoEParams, config: MoEConfig, arch: int | None = None
     check_params(params, config)
     w13, s13 = _prepare_weight(params.w13, params.w13_scale, config.recipe, arch)
     w2, s2 = _prepare_weight(params.w2, params.w2_scale, config.recipe, arch)
-    gr = "fp8_block" if (config.recipe == "mxfp4" and arch == 90) else config.recipe
+    gr = layouts.get_recipe(config.recipe).gemm_recipe(arch).name
     return params.replace(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, gemm_recipe=gr, gemm_arch=arch)

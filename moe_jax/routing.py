@@ -44,14 +44,18 @@ def score(logits: jax.Array, scoring: str) -> jax.Array:
 
 def select_experts(sel: jax.Array, config: MoEConfig) -> jax.Array:
     """Top-k on selection scores sel: (M, E) f32 -> ids (M, k) int32, grouped when configured:
-    group score = sum of the top-2 selection scores of each of n_group equal groups; only the
-    topk_group best groups stay eligible."""
+    each of n_group equal groups is scored by the sum of its top-2 selection scores when the layer
+    has a correction bias (V3's biased grouped top-k), else by its maximum (V2's grouped top-k, as
+    SGLang and vLLM do); only the topk_group best groups stay eligible."""
     if config.use_grouped_topk and config.n_group > 1:
         m, e = sel.shape
         g = config.n_group
         grouped = sel.reshape(m, g, e // g)
-        top2 = jax.lax.top_k(grouped, min(2, e // g))[0].sum(-1)  # (M, G)
-        _, keep = jax.lax.top_k(top2, config.topk_group)  # (M, topk_group)
+        if config.use_correction_bias:
+            group_score = jax.lax.top_k(grouped, min(2, e // g))[0].sum(-1)  # (M, G)
+        else:
+            group_score = jnp.max(grouped, axis=-1)
+        _, keep = jax.lax.top_k(group_score, config.topk_group)  # (M, topk_group)
         group_mask = jnp.zeros((m, g), bool).at[jnp.arange(m)[:, None], keep].set(True)
         sel = jnp.where(jnp.repeat(group_mask, e // g, axis=1), sel, -jnp.inf)
     _, ids = jax.lax.top_k(sel, config.top_k)
@@ -62,8 +66,9 @@ def route(x: jax.Array, params: MoEParams, config: MoEConfig, *,
           token_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """x: (M, H) float -> (topk_ids (M, k) int32 global expert ids, topk_weights (M, k) f32).
 
-    Hash-routed layers (`params.tid2eid` set) take ids from `tid2eid[token_ids]` (token_ids: (M,)
-    int) and weights from the scores at those ids. Weights are the unbiased scores of the chosen
+    Hash-routed layers (`config.hash_routing`) take ids from `params.tid2eid[token_ids]`
+    (token_ids: (M,) int) and weights from the scores at those ids; other layers ignore
+    token_ids, and a tid2eid table in their params is an error (it would mean the wrong config). Weights are the unbiased scores of the chosen
     experts, divided by their sum when `config.norm_topk_prob`. Differentiable w.r.t. x and
     gate_weight (the selection itself is integer-valued).
     """
@@ -71,10 +76,15 @@ def route(x: jax.Array, params: MoEParams, config: MoEConfig, *,
     e, h = config.num_experts, config.hidden_size
     if params.gate_weight.shape != (e, h):
         raise ValueError(f"params.gate_weight: expected shape {(e, h)}, got {tuple(params.gate_weight.shape)}")
+    if config.hash_routing and params.tid2eid is None:
+        raise ValueError("params.tid2eid: required when config.hash_routing is True, got None")
+    if not config.hash_routing and params.tid2eid is not None:
+        raise ValueError(f"params.tid2eid: expected None for a layer with config.hash_routing=False, "
+                         f"got an array of shape {tuple(params.tid2eid.shape)}")
     scores = score(router_logits(x, params.gate_weight), config.scoring)
-    if params.tid2eid is not None:
+    if config.hash_routing:
         if token_ids is None:
-            raise ValueError("token_ids: required for a hash-routed layer (params.tid2eid is set), got None")
+            raise ValueError("token_ids: required for a hash-routed layer (config.hash_routing), got None")
         if token_ids.shape != (x.shape[0],):
             raise ValueError(f"token_ids: expected shape ({x.shape[0]},), got {tuple(token_ids.shape)}")
         if not jnp.issubdtype(token_ids.dtype, jnp.integer):
@@ -83,10 +93,15 @@ def route(x: jax.Array, params: MoEParams, config: MoEConfig, *,
     else:
         sel = jax.lax.stop_gradient(scores)
         bias = params.e_score_correction_bias
-        if bias is not None:
-            if bias.shape != (e,):
-                raise ValueError(f"params.e_score_correction_bias: expected shape {(e,)}, got {tuple(bias.shape)}")
+        if config.use_correction_bias:
+            if bias is None or bias.shape != (e,):
+                got = None if bias is None else tuple(bias.shape)
+                raise ValueError(f"params.e_score_correction_bias: expected shape {(e,)} "
+                                 f"(config.use_correction_bias), got {got}")
             sel = sel + bias.astype(jnp.float32)
+        elif bias is not None:
+            raise ValueError(f"params.e_score_correction_bias: expected None for "
+                             f"config.use_correction_bias=False, got shape {tuple(bias.shape)}")
         ids = select_experts(sel, config)
     weights = jnp.take_along_axis(scores, ids, axis=1)
     if config.norm_topk_prob:

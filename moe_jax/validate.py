@@ -7,11 +7,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from custom_calls._checks import ceil_div, check_dtype, check_shape, round_up
-from moe_jax.config import MoEConfig
+from custom_calls._checks import FLOATS, WEIGHT_GROUP, ceil_div, check_dtype, check_shape, round_up
+from layouts import get_recipe
+from moe_jax.config import ARCHS, RECIPES, MoEConfig
 from moe_jax.params import MoEParams
 
-_FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 _VALUE_DTYPE = {"fp8_block": jnp.float8_e4m3fn, "mxfp8": jnp.float8_e4m3fn, "mxfp4": jnp.int8}
 
 
@@ -23,7 +23,7 @@ def check_x(x: jax.Array, config: MoEConfig) -> None:
         raise ValueError(f"x: expected hidden size {config.hidden_size}, got shape {tuple(x.shape)}")
     if x.shape[0] < 1:
         raise ValueError(f"x: expected at least one token, got shape {tuple(x.shape)}")
-    check_dtype("x", x, _FLOATS)
+    check_dtype("x", x, FLOATS)
 
 
 def expert_sizes(params: MoEParams, config: MoEConfig) -> tuple[int, int]:
@@ -49,16 +49,17 @@ def check_params(params: MoEParams, config: MoEConfig) -> tuple[int, int]:
         raise TypeError(f"params: expected MoEParams, got {type(params).__name__}")
     e, h = config.num_experts, config.hidden_size
     check_shape("params.gate_weight", params.gate_weight, (e, h))
-    check_dtype("params.gate_weight", params.gate_weight, _FLOATS)
+    check_dtype("params.gate_weight", params.gate_weight, FLOATS)
     if config.use_correction_bias:
         check_shape("params.e_score_correction_bias", params.e_score_correction_bias, (e,))
     elif params.e_score_correction_bias is not None:
         raise ValueError("params.e_score_correction_bias is set but config.use_correction_bias is False")
     e_loc, i_loc = expert_sizes(params, config)
     if params.is_prepared:
-        if params.gemm_arch not in (90, 100) or params.gemm_recipe not in ("bf16", "fp8_block", "mxfp8", "mxfp4"):
-            raise ValueError(f"params: bad GEMM form ({params.gemm_recipe!r}, {params.gemm_arch!r})")
-        expect = "fp8_block" if (config.recipe == "mxfp4" and params.gemm_arch == 90) else config.recipe
+        if params.gemm_arch not in ARCHS or params.gemm_recipe not in RECIPES:
+            raise ValueError(f"params: expected gemm_recipe in {RECIPES} and gemm_arch in {ARCHS}, "
+                             f"got ({params.gemm_recipe!r}, {params.gemm_arch!r})")
+        expect = get_recipe(config.recipe).gemm_recipe(params.gemm_arch).name
         if params.gemm_recipe != expect:
             raise ValueError(f"params: prepared as {params.gemm_recipe!r} for arch {params.gemm_arch}, "
                              f"but config.recipe={config.recipe!r} needs {expect!r}")
@@ -74,10 +75,9 @@ def check_params(params: MoEParams, config: MoEConfig) -> tuple[int, int]:
             raise ValueError("params.tid2eid: config.hash_routing is True but tid2eid is None")
         check_shape("params.tid2eid", params.tid2eid, (config.vocab_size, config.top_k))
         check_dtype("params.tid2eid", params.tid2eid, (jnp.int32,))
-    elif params.tid2eid is not None:
-        if params.tid2eid.ndim != 2 or params.tid2eid.shape[1] != config.top_k:
-            raise ValueError(f"params.tid2eid: expected shape (vocab, top_k={config.top_k}), got "
-                             f"{tuple(params.tid2eid.shape)}")
+    elif params.tid2eid is not None:  # route() would ignore it: the config is the wrong one
+        raise ValueError(f"params.tid2eid: expected None for a layer with config.hash_routing=False, "
+                         f"got an array of shape {tuple(params.tid2eid.shape)}")
     return e_loc, i_loc
 
 
@@ -93,8 +93,8 @@ def check_shared(params: MoEParams, config: MoEConfig) -> int:
                          f"{full} (I * n_shared_experts), got {tuple(w2.shape)}")
     i_s = w2.shape[1]
     check_shape("params.shared_w13", w13, (2 * i_s, h))
-    check_dtype("params.shared_w13", w13, _FLOATS)
-    check_dtype("params.shared_w2", w2, _FLOATS)
+    check_dtype("params.shared_w13", w13, FLOATS)
+    check_dtype("params.shared_w2", w2, FLOATS)
     return i_s
 
 
@@ -105,15 +105,15 @@ def _check_expert_weights(params, recipe, e_loc, i_loc, h, prepared_arch):
     check_shape("params.w13", params.w13, (e_loc, 2 * i_loc, k13))
     check_shape("params.w2", params.w2, (e_loc, h, k2))
     if recipe == "bf16":
-        check_dtype("params.w13", params.w13, _FLOATS)
-        check_dtype("params.w2", params.w2, _FLOATS)
+        check_dtype("params.w13", params.w13, FLOATS)
+        check_dtype("params.w2", params.w2, FLOATS)
         return
     check_dtype("params.w13", params.w13, (_VALUE_DTYPE[recipe],))
     check_dtype("params.w2", params.w2, (_VALUE_DTYPE[recipe],))
     for name, n, k in (("w13", 2 * i_loc, h), ("w2", h, i_loc)):
         sf = getattr(params, f"{name}_scale")
         if prepared_arch == 100:
-            gk = 128 if recipe == "fp8_block" else 32
+            gk = WEIGHT_GROUP[recipe]
             check_shape(f"params.{name}_scale", sf, (e_loc, ceil_div(ceil_div(k, gk), 4), round_up(n, 4)))
             check_dtype(f"params.{name}_scale", sf, (jnp.int32,))
         elif recipe == "fp8_block":

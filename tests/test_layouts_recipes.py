@@ -40,13 +40,24 @@ def test_get_recipe_and_arch_errors():
         L.get_recipe("bf16").check_arch(120)
 
 
-@pytest.mark.parametrize("name,arch", [("bf16", 90), ("bf16", 100), ("fp8_block", 90), ("fp8_block", 100),
-                                       ("mxfp8", 100), ("mxfp4", 100), ("mxfp4", 90)])
+# (recipe, use_fp8, block_shape, is_fp4_experts, use_mxfp8, scale_ue8m0) as SPEC §2's table states
+_FOR_RECIPE = {
+    ("bf16", 90): ("bf16", False, None, False, False, False),
+    ("bf16", 100): ("bf16", False, None, False, False, False),
+    ("fp8_block", 90): ("fp8_block", True, (128, 128), False, False, False),
+    ("fp8_block", 100): ("fp8_block", True, (128, 128), False, False, True),
+    ("mxfp8", 100): ("mxfp8", True, (1, 32), False, True, True),
+    ("mxfp4", 100): ("mxfp4", True, (128, 128), True, False, True),
+    ("mxfp4", 90): ("fp8_block", True, (128, 128), False, False, False),  # load-time FP4 -> FP8
+}
+
+
+@pytest.mark.parametrize("name,arch", list(_FOR_RECIPE))
 def test_for_recipe_is_consistent(name, arch):
     info = L.MoEQuantInfo.for_recipe(name, arch)
-    assert info == L.MoEQuantInfo(**{f: getattr(info, f) for f in
-                                     ("recipe", "use_fp8", "block_shape", "is_fp4_experts", "use_mxfp8", "scale_ue8m0")})
-    assert info.scale_ue8m0 == (arch == 100 and name != "bf16")
+    got = (info.recipe, info.use_fp8, info.block_shape, info.is_fp4_experts, info.use_mxfp8,
+           info.scale_ue8m0)
+    assert got == _FOR_RECIPE[(name, arch)]
     hash(info)
 
 

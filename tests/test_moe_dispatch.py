@@ -168,3 +168,65 @@ def test_masked_overflow_poisons_the_tokens_that_lost_a_route():
     yc = np.asarray(mj.routed_experts(x, ids, w, p, cfg, layout="contig").astype(jnp.float32))
     assert np.isfinite(yc).all()  # contig capacity covers any ids
     np.testing.assert_allclose(y[:64], yc[:64], rtol=1e-2, atol=1e-3)
+
+
+def test_unpermute_reads_only_routed_rows():
+    """Rows no route points to (masked tails, padding) may hold anything, NaN included; -1 routes
+    contribute nothing. Checked against a float64 loop."""
+    m, k, r, h = 11, 3, 40, 24
+    d = np.array(jax.random.normal(jax.random.key(11), (r, h), jnp.float32))
+    s2d = np.array(jax.random.permutation(jax.random.key(12), r)[: m * k]).reshape(m, k)
+    s2d = s2d.astype(np.int32)
+    s2d[2] = -1
+    s2d[5, 1] = -1
+    unread = np.setdiff1d(np.arange(r), s2d[s2d >= 0])
+    d[unread] = np.nan
+    d[unread[:1]] = np.inf
+    w = np.asarray(jax.random.uniform(jax.random.key(13), (m, k), jnp.float32, 0.1, 1.0))
+    y = np.asarray(cc.unpermute(jnp.asarray(d), jnp.asarray(s2d), jnp.asarray(w),
+                                routed_scaling_factor=1.5, out_dtype=jnp.float32))
+    expect = np.zeros((m, h))
+    for t, j in itertools.product(range(m), range(k)):
+        if s2d[t, j] >= 0:
+            expect[t] += float(w[t, j]) * d[s2d[t, j]].astype(np.float64)
+    np.testing.assert_allclose(y, expect * 1.5, rtol=1e-6, atol=1e-6)
+    assert np.all(y[2] == 0)
+    # a row index past d (a broken src2dst) poisons that token only, never reads a clamped row
+    s2d[7, 0] = r
+    y = np.asarray(cc.unpermute(jnp.asarray(d), jnp.asarray(s2d), jnp.asarray(w), out_dtype=jnp.float32))
+    np.testing.assert_array_equal(np.nonzero(np.isnan(y).any(1))[0], [7])
+
+
+def test_bad_permute_and_unpermute_inputs():
+    x = jnp.ones((5, 16), jnp.bfloat16)
+    s2d = jnp.zeros((5, 2), jnp.int32)
+    with pytest.raises(ValueError, match=r"src2dst: expected 5 rows \(tokens of x\), got shape \(4, 2\)"):
+        cc.permute_contig(x, s2d[:4], num_rows=128, recipe="bf16", arch=90)
+    with pytest.raises(TypeError, match="src2dst: expected dtype in \\(int32\\), got int16"):
+        cc.permute_contig(x, s2d.astype(jnp.int16), num_rows=128, recipe="bf16", arch=90)
+    with pytest.raises(TypeError, match="x: expected dtype in .*got int32"):
+        cc.permute_contig(x.astype(jnp.int32), s2d, num_rows=128, recipe="bf16", arch=90)
+    with pytest.raises(ValueError, match="m_pad: expected a multiple of 128, got 100"):
+        cc.permute_masked(x, s2d, num_groups=2, m_pad=100, recipe="bf16", arch=90)
+    d = jnp.ones((128, 16), jnp.bfloat16)
+    w = jnp.ones((5, 2), jnp.float32)
+    with pytest.raises(ValueError, match=r"topk_weights: expected shape \(5, 2\) \(as src2dst\)"):
+        cc.unpermute(d, s2d, w[:, :1])
+    with pytest.raises(TypeError, match="topk_weights: expected dtype in .*got int32"):
+        cc.unpermute(d, s2d, w.astype(jnp.int32))
+    with pytest.raises(TypeError, match="d: expected dtype in .*got int8"):
+        cc.unpermute(d.astype(jnp.int8), s2d, w)
+    with pytest.raises(ValueError, match="d: expected rank 2"):
+        cc.unpermute(d[None], s2d, w)
+
+
+def test_bad_dispatch_inputs():
+    ids = jnp.zeros((4, 2), jnp.int32)
+    with pytest.raises(ValueError, match=r"topk_ids: expected rank 2 \(M, top_k\), got shape \(8,\)"):
+        mj.dispatch_contig(ids.reshape(-1), num_local_experts=2, alignment=8)
+    with pytest.raises(TypeError, match="topk_ids: expected an integer dtype, got float32"):
+        mj.dispatch_masked(ids.astype(jnp.float32), num_local_experts=2, m_pad=128, num_experts_global=2)
+    with pytest.raises(ValueError, match="num_local_experts: expected a positive int, got 0"):
+        mj.dispatch_contig(ids, num_local_experts=0, alignment=8)
+    with pytest.raises(ValueError, match="alignment: expected a positive int, got 0"):
+        mj.dispatch_contig(ids, num_local_experts=2, alignment=0)

@@ -68,7 +68,9 @@ def np_route(x, gate_weight, bias, cfg: MoEConfig, tid2eid=None, token_ids=None)
         sel = scores[t] + (0.0 if bias is None else np.asarray(bias, np.float64))
         if cfg.use_grouped_topk and cfg.n_group > 1:
             gs = e // cfg.n_group
-            gscore = [sum(sorted(sel[g * gs:(g + 1) * gs])[-2:]) for g in range(cfg.n_group)]
+            # with a correction bias: sum of the group's two best; without: the group's best
+            best = 2 if cfg.use_correction_bias else 1
+            gscore = [sum(sorted(sel[g * gs:(g + 1) * gs])[-best:]) for g in range(cfg.n_group)]
             keep = _topk_desc(np.array(gscore), cfg.topk_group)
             sel = np.array([sel[i] if i // gs in keep else -np.inf for i in range(e)])
         ids[t] = _topk_desc(sel, cfg.top_k)
@@ -246,6 +248,7 @@ _route = jax.jit(mj.route, static_argnames=("config",))
     BASE,
     BASE.scaled(scoring="softmax", use_correction_bias=False, use_grouped_topk=False),
     BASE.scaled(n_group=4, topk_group=1, top_k=3),
+    BASE.scaled(scoring="softmax", use_correction_bias=False),  # V2: grouped, no bias
     V4,
 ])
 def test_routing_ids_exact_and_weights(cfg):
@@ -257,6 +260,36 @@ def test_routing_ids_exact_and_weights(cfg):
     np.testing.assert_array_equal(np.asarray(ids), rid)
     np.testing.assert_allclose(np.asarray(w), rw, rtol=1e-5, atol=1e-6)
     assert np.all(np.sort(np.asarray(ids), 1)[:, 1:] != np.sort(np.asarray(ids), 1)[:, :-1])
+
+
+def test_grouped_topk_group_score_rule():
+    """Group score: top-2 sum with a correction bias (V3), group maximum without (V2). Group 0 has
+    one strong expert, group 1 two medium ones: the two rules keep different groups."""
+    base = dict(num_experts=4, top_k=1, hidden_size=4, intermediate_size=8, scoring="sigmoid",
+                use_grouped_topk=True, n_group=2, topk_group=1, norm_topk_prob=False)
+    gate = jnp.zeros((4, 4), jnp.float32).at[:, 0].set(jnp.array([3.0, -3.0, 1.0, 1.0]))
+    x = jnp.array([[1.0, 0, 0, 0]], jnp.float32)
+    p = mj.MoEParams(gate_weight=gate, w13=jnp.zeros((4, 16, 4), jnp.bfloat16),
+                     w2=jnp.zeros((4, 4, 8), jnp.bfloat16))
+    ids, w = _route(x, p, config=MoEConfig(**base))
+    assert ids.tolist() == [[0]]  # max: 0.95 (group 0) > 0.73 (group 1)
+    np.testing.assert_allclose(np.asarray(w), 1 / (1 + np.exp(-3.0)), rtol=1e-6)
+    pb = p.replace(e_score_correction_bias=jnp.zeros((4,), jnp.float32))
+    ids, _ = _route(x, pb, config=MoEConfig(**base, use_correction_bias=True))
+    assert ids.tolist() == [[2]]  # top-2 sum: 1.0 (group 0) < 1.46 (group 1); tie -> lower id
+
+
+def test_bad_correction_bias_disagrees_with_config():
+    cfg = MoEConfig(num_experts=4, top_k=1, hidden_size=4, intermediate_size=8)
+    p = mj.MoEParams(gate_weight=jnp.ones((4, 4), jnp.float32), w13=jnp.zeros((4, 16, 4), jnp.bfloat16),
+                     w2=jnp.zeros((4, 4, 8), jnp.bfloat16))
+    x = jnp.ones((2, 4), jnp.float32)
+    with pytest.raises(ValueError, match=r"params.e_score_correction_bias: expected shape \(4,\) "
+                                         r"\(config.use_correction_bias\), got None"):
+        mj.route(x, p, cfg.scaled(use_correction_bias=True))
+    with pytest.raises(ValueError, match="params.e_score_correction_bias: expected None for "
+                                         "config.use_correction_bias=False, got shape \\(4,\\)"):
+        mj.route(x, p.replace(e_score_correction_bias=jnp.zeros((4,), jnp.float32)), cfg)
 
 
 def test_routing_hash_uses_tid2eid():
@@ -418,6 +451,39 @@ def test_bad_hash_routing_without_token_ids():
         mj.route(inputs(4), p, cfg)
 
 
+def test_bad_hash_table_disagrees_with_config():
+    """The config decides hash routing: a table on a non-hash layer (or none on a hash layer) is an
+    error, never a silent switch of the routing rule."""
+    hashed = V4.scaled(recipe="bf16", hash_routing=True)
+    plain = V4.scaled(recipe="bf16")
+    p, _ = params_for(hashed)
+    tok = jnp.arange(4, dtype=jnp.int32)
+    with pytest.raises(ValueError, match="params.tid2eid: expected None for a layer with "
+                                         "config.hash_routing=False, got an array of shape \\(97, 6\\)"):
+        mj.route(inputs(4), p, plain, token_ids=tok)
+    ids, w = mj.route(inputs(4), p.replace(tid2eid=None), plain)
+    with pytest.raises(ValueError, match="params.tid2eid: expected None for a layer with config.hash"):
+        mj.routed_experts(inputs(4), ids, w, p, plain)  # check_params says the same
+    with pytest.raises(ValueError, match="params.tid2eid: required when config.hash_routing is True"):
+        mj.route(inputs(4), p.replace(tid2eid=None), hashed, token_ids=tok)
+
+
+def test_bad_routed_experts_inputs():
+    cfg = BASE.scaled(recipe="bf16")
+    _, pp = params_for(cfg)
+    x = inputs(4)
+    ids = jnp.zeros((4, cfg.top_k), jnp.int32)
+    w = jnp.ones((4, cfg.top_k), jnp.float32)
+    with pytest.raises(ValueError, match=r"topk_ids/topk_weights: expected shape \(4, 4\), got \(4, 3\)"):
+        mj.routed_experts(x, ids[:, :3], w, pp, cfg)
+    with pytest.raises(TypeError, match="topk_ids: expected an integer dtype, got float32"):
+        mj.routed_experts(x, w, w, pp, cfg)
+    with pytest.raises(TypeError, match="topk_weights: expected a float dtype, got int32"):
+        mj.routed_experts(x, ids, ids, pp, cfg)
+    with pytest.raises(ValueError, match=r"num_local_experts: expected an int in \[1, 16\]"):
+        mj.init_params(jax.random.key(0), cfg, num_local_experts=17)
+
+
 def test_bad_masked_capacity_too_small():
     cfg = BASE.scaled(recipe="bf16", masked_m_pad=128)
     _, pp = params_for(cfg)
@@ -428,3 +494,12 @@ def test_bad_masked_capacity_too_small():
 def test_bad_alignment_for_recipe():
     with pytest.raises(ValueError, match="alignment=64 must be a multiple of 128 for recipe 'fp8_block'"):
         BASE.scaled(recipe="fp8_block", alignment=64)
+
+
+def test_bad_moe_forward_with_an_expert_shard():
+    config = mj.MoEConfig.deepseek_v3().scaled(num_experts=8, hidden_size=128, intermediate_size=128,
+                                                recipe="bf16")
+    shard = mj.init_params(jax.random.key(0), config, num_local_experts=4)
+    x = jax.random.normal(jax.random.key(1), (3, 128)).astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"params.w13: moe_forward needs all 8 experts, got 4"):
+        mj.moe_forward(x, shard, config)

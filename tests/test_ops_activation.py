@@ -105,6 +105,14 @@ def test_bad_activation_inputs():
         ActivationSpec(kind="gelu")
     with pytest.raises(ValueError, match="swiglu_limit: does not apply to kind='situ'"):
         ActivationSpec(kind="situ", swiglu_limit=1.0)
+    with pytest.raises(ValueError, match="swiglu_limit: expected None or > 0, got -1.0"):
+        ActivationSpec(swiglu_limit=-1.0)
+    with pytest.raises(ValueError, match="situ_beta: expected > 0, got 0.0"):
+        ActivationSpec(kind="situ", situ_beta=0.0)
+    with pytest.raises(ValueError, match="situ_linear_beta: expected > 0, got -2.0"):
+        ActivationSpec(kind="situ", situ_linear_beta=-2.0)
+    with pytest.raises(ValueError, match="keep_fp32: only for kind='silu', got kind='situ'"):
+        ActivationSpec(kind="situ", keep_fp32=True)
     with pytest.raises(ValueError, match="gateup: last axis must be even"):
         cc.activation_quant_contig(jnp.ones((4, 7), jnp.bfloat16), act=ActivationSpec(), recipe="bf16", arch=90)
     with pytest.raises(ValueError, match="masked_m: expected shape \\(2,\\)"):
