@@ -207,6 +207,12 @@ def test_plan_checks_reject_illegal_descriptors():
         LP.TensorMap(0, LP.TMA_BFLOAT16, (128, 10), (256,), (128, 8), 128).check()
     with pytest.raises(ValueError, match="cluster"):
         LP.LaunchPlan("k", "/x", 131, 256, 2, 0, (), ()).check()
+    with pytest.raises(ValueError, match="cluster must be 1 or 2, got 0"):
+        LP.LaunchPlan("k", "/x", 132, 256, 0, 0, (), ()).check()
+    with pytest.raises(ValueError, match="not a multiple of 16 B"):  # 6 fp32 scales = 24 B
+        LP.TensorMap(2, LP.TMA_FLOAT32, (8, 4), (32,), (6, 1), 0).check()
+    with pytest.raises(ValueError, match="dtype 99"):
+        LP.TensorMap(0, 99, (128, 10), (128,), (128, 8), 0).check()
 
 
 def test_ffi_attribute_encoding():
@@ -224,6 +230,131 @@ def test_ffi_attribute_encoding():
     assert row[4:6].tolist() == [1024, 2 * 512] and row[9] == 512 and row[13:15].tolist() == [128, 128]
     assert row[18] == 3  # CU_TENSOR_MAP_SWIZZLE_128B
     assert all(a.dtype == np.int64 for k, a in attrs.items() if k != "cubin")
+
+
+def _nbytes(*shapes_dtypes):
+    """Operand sizes in bytes, written from the ops' documented operand shapes (not from the plans)."""
+    return tuple(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in shapes_dtypes)
+
+
+def _plans_with_operand_bytes():
+    """(plan, operand bytes) for every plan builder, at odd sizes (M % 4 != 0 where allowed)."""
+    f8, f32, i32, bf, i8 = jnp.float8_e4m3fn, np.float32, np.int32, jnp.bfloat16, np.int8
+    g, n, k, m_pad, m_cap, m = 3, 320, 640, 256, 384, 203
+    out = []
+    c = H.sm90_gemm_config("fp8_1d2d", "masked", m_pad, n, k, g, 132, expected_m=40)
+    out.append((LP.sm90_fp8_plan(c, "/x", m=m_pad, n=n, k=k, num_groups=g),
+                _nbytes(((g, m_pad, k), f8), ((g, n, k), f8), ((g, k // 128, m_pad), f32),
+                        ((g, 3, k // 128), f32), ((g,), i32), ((g, m_pad, n), bf))))
+    c = H.sm90_gemm_config("fp8_1d2d", "contig", m_cap, n, k, g, 132)
+    out.append((LP.sm90_fp8_plan(c, "/x", m=m_cap, n=n, k=k, num_groups=g),
+                _nbytes(((m_cap, k), f8), ((g, n, k), f8), ((k // 128, m_cap), f32),
+                        ((g, 3, k // 128), f32), ((m_cap,), i32), ((m_cap, n), bf))))
+    c = H.sm90_gemm_config("fp8_1d2d", "normal", m, n, k, 1, 132)
+    out.append((LP.sm90_fp8_plan(c, "/x", m=m, n=n, k=k, num_groups=1),
+                _nbytes(((m, k), f8), ((n, k), f8), ((k // 128, 204), f32), ((3, k // 128), f32), ((m, n), bf))))
+    for kind, rows, lhs, d in (("masked", m_pad, (g, m_pad, k), (g, m_pad, n)),
+                               ("contig", m_cap, (m_cap, k), (m_cap, n))):
+        c = H.sm90_gemm_config("bf16", kind, rows, n, k, g, 132)
+        out.append((LP.sm90_bf16_plan(c, "/x", m=rows, n=n, k=k, num_groups=g),
+                    _nbytes((lhs, bf), ((g, n, k), bf), ((lhs[0],), i32), (d, bf))))
+    c = H.sm90_gemm_config("bf16", "normal", m, n, k, 1, 132, cd_dtype="f32")
+    out.append((LP.sm90_bf16_plan(c, "/x", m=m, n=n, k=k, num_groups=1),
+                _nbytes(((m, k), bf), ((n, k), bf), ((m, n), f32))))
+    for splits in (1, 3):
+        c = H.sm90_prenorm_config(24, k, splits)
+        out.append((LP.sm90_prenorm_plan(c, "/x", m=m),
+                    _nbytes(((m, k), bf), ((24, k), f32), ((splits, m, 24), f32), ((splits, m), f32))))
+    for recipe, gka, gkb in (("fp8_block", 128, 128), ("mxfp8", 32, 32), ("mxfp4", 128, 32)):
+        rhs = ((g, n, k // 2), i8) if recipe == "mxfp4" else ((g, n, k), f8)
+        for kind, rows, lhs, d, sa in (("masked", m_pad, (g, m_pad, k), (g, m_pad, n), (g,)),
+                                       ("contig", m_cap, (m_cap, k), (m_cap, n), ())):
+            c = H.sm100_mgrouped_config(recipe, kind, n, k, g, 148)
+            out.append((LP.sm100_plan(c, "/x", m=rows, n=n, k=k),
+                        _nbytes((lhs, f8), rhs, ((*sa, -(-k // (4 * gka)), rows), i32),
+                                ((g, -(-k // (4 * gkb)), n), i32), ((lhs[0],), i32), (d, bf))))
+    return out
+
+
+def test_every_tensor_map_fits_its_operand_exactly():
+    for plan, nbytes in _plans_with_operand_bytes():
+        plan.check_operands(nbytes)
+        for t in plan.tmaps:  # the maps cover the whole operand: no row or scale column is left out
+            assert t.extent_bytes() == nbytes[t.operand], (plan.kernel, t)
+
+
+def test_a_tensor_map_larger_than_its_operand_is_refused():
+    for plan, nbytes in _plans_with_operand_bytes():
+        for t in plan.tmaps:
+            short = list(nbytes)
+            short[t.operand] -= 1
+            with pytest.raises(ValueError, match=rf"spans {t.extent_bytes()} bytes, operand {t.operand} holds"):
+                plan.check_operands(tuple(short))
+    plan, nbytes = _plans_with_operand_bytes()[0]
+    with pytest.raises(ValueError, match="refers to operand 5 of 5"):
+        plan.check_operands(nbytes[:5])
+
+
+def test_launch_refuses_a_plan_larger_than_its_buffers_at_trace_time():
+    from custom_calls.deep_gemm import launch
+
+    c = H.sm90_gemm_config("bf16", "masked", 256, 256, 512, 2, 132, expected_m=8)
+    plan = LP.sm90_bf16_plan(c, "/x", m=256, n=256, k=512, num_groups=2)
+    with pytest.raises(ValueError, match="tensor map 0 .* operand 0 holds"):  # lhs has 128 rows per group, not 256
+        launch.launch(plan, [jnp.zeros((2, 128, 512), jnp.bfloat16), jnp.zeros((2, 256, 512), jnp.bfloat16),
+                             jnp.zeros((2,), jnp.int32)], [jax.ShapeDtypeStruct((2, 256, 256), jnp.bfloat16)])
+
+
+@pytest.fixture
+def captured_launch(monkeypatch):
+    """Runs the ops up to the launch on any machine: environment accepted, 132 SMs, and _run
+    replaced by a recorder returning NaN outputs."""
+    calls = []
+
+    def fake_run(kern, arch, inputs, outputs):
+        calls.append((kern, [np.asarray(x) for x in inputs]))
+        return [jnp.full(o.shape, jnp.nan, o.dtype) for o in outputs]
+
+    monkeypatch.setattr(ops, "_environment_reason", lambda arch: None)
+    monkeypatch.setattr(ops, "_num_sms", lambda: 132)
+    monkeypatch.setattr(ops, "_run", fake_run)
+    return calls
+
+
+def test_contig_expert_ids_reach_the_kernel_clamped_to_the_groups(captured_launch):
+    # The FP8 kernel offsets its raw B-scale pointer by the id: an id >= G would read past rhs_scale
+    # (those rows are unspecified; the reference marks them NaN).
+    g, m_cap, n, k = 3, 256, 128, 256
+    rng = np.random.default_rng(0)
+    ids = rng.integers(-4, g + 4, m_cap).astype(np.int32)
+    ids[:3] = [-7, g, 1 << 30]
+    lhs = jnp.asarray(rng.standard_normal((m_cap, k)), jnp.float8_e4m3fn)
+    rhs = jnp.asarray(rng.standard_normal((g, n, k)), jnp.float8_e4m3fn)
+    ops.m_grouped_gemm_contig(lhs, rhs, jnp.asarray(ids), lhs_scale=jnp.ones((k // 128, m_cap), jnp.float32),
+                              rhs_scale=jnp.ones((g, 1, k // 128), jnp.float32), recipe="fp8_block", arch=90)
+    (_, inputs), = captured_launch
+    want = np.where(ids < 0, -1, np.minimum(ids, g - 1))
+    assert np.array_equal(inputs[4], want)
+
+
+def test_masked_counts_reach_the_kernel_clamped_to_m_pad(captured_launch):
+    g, m_pad, n, k = 4, 128, 128, 128
+    counts = np.array([-5, 0, 77, 129], np.int32)
+    ops.m_grouped_gemm_masked(jnp.ones((g, m_pad, k), jnp.bfloat16), jnp.ones((g, n, k), jnp.bfloat16),
+                              jnp.asarray(counts), expected_m=16, recipe="bf16", arch=90)
+    (_, inputs), = captured_launch
+    assert inputs[2].tolist() == [0, 0, 77, 128]
+
+
+@pytest.mark.parametrize("expected_m", [0, 5, 100, 4096])
+def test_warmup_compiles_the_kernel_the_masked_op_launches(captured_launch, expected_m):
+    from custom_calls.deep_gemm.warmup import GemmShape, kernel_for
+
+    g, m_pad, n, k = 8, 512, 1024, 512
+    ops.m_grouped_gemm_masked(jnp.ones((g, m_pad, k), jnp.bfloat16), jnp.ones((g, n, k), jnp.bfloat16),
+                              jnp.full((g,), 3, jnp.int32), expected_m=expected_m, recipe="bf16", arch=90)
+    ((name, src, _), _), = captured_launch
+    assert kernel_for(GemmShape("masked", m_pad, n, k, g, "bf16", expected_m=expected_m), 90, 132) == (name, src)
 
 
 # --- argument checks (trace time, no GPU needed) ------------------------------------------------

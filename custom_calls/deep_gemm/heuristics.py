@@ -23,8 +23,6 @@ _SM90_MAX_STAGES = 16
 _SM100_MAX_STAGES = 32
 
 
-
-
 def swizzle_mode(num_bytes: int) -> int:
     """Largest TMA swizzle (128/64/32/16 B) dividing a row of ``num_bytes``; 16 means none."""
     for mode in (128, 64, 32, 16):

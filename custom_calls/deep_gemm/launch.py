@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from . import toolchain
 from .launch_plan import LaunchPlan
@@ -96,9 +98,13 @@ def launch(plan: LaunchPlan, inputs: Sequence[jax.Array],
            outputs: Sequence[jax.ShapeDtypeStruct]) -> list[jax.Array]:
     """Run ``plan`` as a custom call; operands are ``inputs`` then ``outputs`` (fresh XLA buffers).
 
+    Raises ValueError at trace time when a tensor map of the plan spans more than its operand.
+
     The handler has no command-buffer trait, so XLA calls it on every execution and the TMA
     descriptors always hold the buffers' current addresses (measured cost: ~3-5 µs per launch).
     """
+    plan.check_operands(tuple(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                              for x in (*inputs, *outputs)))
     register()
     call = jax.ffi.ffi_call(FFI_TARGET, list(outputs), has_side_effect=False)
     res = call(*inputs, **plan.ffi_attributes())

@@ -25,6 +25,7 @@ TMA_TFLOAT32 = 11
 TMA_16U4_ALIGN8B = 13
 TMA_16U4_ALIGN16B = 14
 TMA_ELEM_BYTES = {TMA_UINT8: 1, TMA_INT32: 4, TMA_FLOAT32: 4, TMA_BFLOAT16: 2, TMA_TFLOAT32: 4}
+_TMA_4BIT = (TMA_16U4_ALIGN8B, TMA_16U4_ALIGN16B)  # dims count 4-bit elements, two per byte
 _SWIZZLE_ENUM = {0: 0, 16: 0, 32: 1, 64: 2, 128: 3}
 
 ARG_PTR, ARG_U32, ARG_TMAP, ARG_NULL, ARG_BYTES = 0, 1, 2, 3, 4
@@ -53,9 +54,18 @@ class TensorMap:
             raise ValueError(f"tensor map strides {self.strides} must be positive multiples of 16 bytes")
         if self.swizzle not in _SWIZZLE_ENUM:
             raise ValueError(f"swizzle {self.swizzle} not in {sorted(_SWIZZLE_ENUM)}")
+        if self.dtype not in TMA_ELEM_BYTES and self.dtype not in _TMA_4BIT:
+            raise ValueError(f"tensor map dtype {self.dtype} is not one this host emits")
         esize = TMA_ELEM_BYTES.get(self.dtype)
         if esize is not None and self.swizzle >= 32 and self.box[0] * esize > self.swizzle:
             raise ValueError(f"swizzled box inner {self.box[0]}x{esize} B exceeds the {self.swizzle} B swizzle")
+        if esize is not None and self.box[0] * esize % 16:
+            raise ValueError(f"box inner {self.box[0]}x{esize} B is not a multiple of 16 B (TMA rule)")
+
+    def extent_bytes(self) -> int:
+        """Bytes from the base address to one past the last element the map can address."""
+        inner = -(-self.dims[0] // 2) if self.dtype in _TMA_4BIT else self.dims[0] * TMA_ELEM_BYTES[self.dtype]
+        return inner + sum((d - 1) * s for d, s in zip(self.dims[1:], self.strides))
 
     def words(self) -> list[int]:
         rank = len(self.dims)
@@ -83,15 +93,30 @@ class LaunchPlan:
     tmaps: tuple[TensorMap, ...]
 
     def check(self) -> None:
-        if self.grid <= 0 or self.grid % self.cluster:
-            raise ValueError(f"grid {self.grid} must be a positive multiple of the cluster size {self.cluster}")
         if self.cluster not in (1, 2):
             raise ValueError(f"cluster must be 1 or 2, got {self.cluster}")
+        if self.grid <= 0 or self.grid % self.cluster:
+            raise ValueError(f"grid {self.grid} must be a positive multiple of the cluster size {self.cluster}")
+        if self.block <= 0 or self.smem < 0:
+            raise ValueError(f"block {self.block} must be > 0 and smem {self.smem} >= 0")
         for t in self.tmaps:
             t.check()
         for a in self.args:
             if a.kind == ARG_TMAP and not 0 <= a.value < len(self.tmaps):
                 raise ValueError(f"argument refers to tensor map {a.value} of {len(self.tmaps)}")
+
+    def check_operands(self, nbytes: tuple[int, ...]) -> None:
+        """Every tensor map must stay inside its operand (``nbytes``: size of each operand in bytes,
+        inputs then outputs); a map larger than its buffer would let the kernel touch other memory."""
+        for i, t in enumerate(self.tmaps):
+            if not 0 <= t.operand < len(nbytes):
+                raise ValueError(f"{self.kernel}: tensor map {i} refers to operand {t.operand} of {len(nbytes)}")
+            if t.extent_bytes() > nbytes[t.operand]:
+                raise ValueError(f"{self.kernel}: tensor map {i} (dims {t.dims}, strides {t.strides}) spans "
+                                 f"{t.extent_bytes()} bytes, operand {t.operand} holds {nbytes[t.operand]}")
+        for a in self.args:
+            if a.kind == ARG_PTR and not 0 <= a.value < len(nbytes):
+                raise ValueError(f"{self.kernel}: pointer argument refers to operand {a.value} of {len(nbytes)}")
 
     def ffi_attributes(self) -> dict:
         """Static attributes of the custom call (hashable by XLA; part of the compiled program)."""

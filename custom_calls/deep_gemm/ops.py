@@ -9,7 +9,10 @@ ValueError with that reason.
 Output contracts:
 * contig: rows whose ``m_indices`` is -1 are computed from lhs's rows there (or stored as zeros by
   the FP8 kernel when a whole 64-row slice is padding); with zero lhs padding rows, which the permute
-  op guarantees, they come out 0. No extra pass zeroes them.
+  op guarantees, they come out 0. No extra pass zeroes them. Rows whose id is >= G are unspecified
+  (the reference marks them NaN); ``m_indices`` is clamped to [-1, G-1] on the device before the
+  launch because the FP8 kernel offsets its raw B-scale pointer by the id, so an id >= G would read
+  past ``rhs_scale``.
 * masked: rows >= masked_m[g] are unspecified. ``masked_m`` is clamped to [0, m_pad] on the device
   before the launch, so an out-of-range count can never make the kernel touch another group's slab.
 * SM100 (arch 100): instantiations are generated and compiled for sm_100a and their launch geometry
@@ -164,6 +167,7 @@ def supports_gemm_nt(*, n: int, k: int, recipe: str, arch: int = 90, out_dtype: 
 
 def supports_tf32_prenorm_gemm(*, n: int, k: int, num_splits: int = 1, arch: int = 90,
                                **_unused: Any) -> tuple[bool, str]:
+    """(ok, reason) for ``tf32_prenorm_gemm`` with these static arguments on this machine."""
     reason = None
     if arch != 90:
         reason = f"the prenorm GEMM is wired for arch 90 only, got {arch}"
@@ -180,7 +184,13 @@ def supports_tf32_prenorm_gemm(*, n: int, k: int, num_splits: int = 1, arch: int
 
 def grouped_kernel(kind: str, rows: int, n: int, k: int, num_groups: int, recipe: str, arch: int,
                    num_sms: int, expected_m: int | None = None):
-    """(name, source, plan_fn) for a grouped GEMM; plan_fn(cubin_path) -> LaunchPlan."""
+    """(name, source, plan_fn) for a grouped GEMM; plan_fn(cubin_path) -> LaunchPlan.
+
+    expected_m (masked only; None = rows) is clamped to [1, rows] here, so the op and the warm-up
+    pick the same tile for the same hint.
+    """
+    if kind == "masked":
+        expected_m = rows if expected_m is None else max(1, min(expected_m, rows))
     if arch == 90:
         kernel = "bf16" if recipe == "bf16" else "fp8_1d2d"
         cfg = sm90_gemm_config(kernel, kind, rows, n, k, num_groups, num_sms,
@@ -197,6 +207,7 @@ def grouped_kernel(kind: str, rows: int, n: int, k: int, num_groups: int, recipe
 
 
 def dense_kernel(m: int, n: int, k: int, recipe: str, out_dtype: Any, num_sms: int):
+    """(name, source, plan_fn) for a dense SM90 GEMM (a: (m, k), b: (n, k) -> (m, n) out_dtype)."""
     kernel = "bf16" if recipe == "bf16" else "fp8_1d2d"
     cd = "bf16" if jnp.dtype(out_dtype) == jnp.bfloat16 else "f32"
     cfg = sm90_gemm_config(kernel, "normal", m, n, k, 1, num_sms, cd_dtype=cd)
@@ -207,6 +218,7 @@ def dense_kernel(m: int, n: int, k: int, recipe: str, out_dtype: Any, num_sms: i
 
 
 def prenorm_kernel(m: int, n: int, k: int, num_splits: int):
+    """(name, source, plan_fn) for the TF32 prenorm GEMM (x: (m, k), fn: (n, k))."""
     cfg = sm90_prenorm_config(n, k, num_splits)
     plan_fn = functools.partial(_plan, launch_plan.sm90_prenorm_plan, cfg, m=m)
     return f"sm90_tf32_prenorm_n{n}_k{k}_s{num_splits}", sm90_prenorm_source(cfg), plan_fn
@@ -292,7 +304,8 @@ def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, 
     if m_cap == 0:
         return jnp.zeros((0, n), jnp.bfloat16)
     kern = grouped_kernel("contig", m_cap, n, k, g, recipe, arch, _num_sms())
-    (out,) = _run(kern, arch, _operands(lhs, rhs, lhs_scale, rhs_scale, m_indices, recipe),
+    groups = jnp.clip(m_indices, -1, g - 1)
+    (out,) = _run(kern, arch, _operands(lhs, rhs, lhs_scale, rhs_scale, groups, recipe),
                   [jax.ShapeDtypeStruct((m_cap, n), jnp.bfloat16)])
     return out
 
@@ -321,24 +334,25 @@ def m_grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *
                                                  arch=arch, expected_m=expected_m))
     if m_pad == 0:
         return jnp.zeros((g, 0, n), jnp.bfloat16)
-    kern = grouped_kernel("masked", m_pad, n, k, g, recipe, arch, _num_sms(),
-                          expected_m=max(1, min(expected_m, m_pad)))
+    kern = grouped_kernel("masked", m_pad, n, k, g, recipe, arch, _num_sms(), expected_m=expected_m)
     counts = jnp.clip(masked_m, 0, m_pad)
     (out,) = _run(kern, arch, _operands(lhs, rhs, lhs_scale, rhs_scale, counts, recipe),
                   [jax.ShapeDtypeStruct((g, m_pad, n), jnp.bfloat16)])
     return out
 
 
-def _dense_operands(a: jax.Array, b: jax.Array, dtype) -> tuple[int, int, int]:
-    """Checks a: (M, K), b: (N, K), both `dtype`; returns (M, N, K)."""
-    check_rank("a", a, 2, "(M, K)")
-    check_rank("b", b, 2, "(N, K)")
+def _nt_operands(a: jax.Array, b: jax.Array, a_dtype, b_dtype, names: tuple[str, str] = ("a", "b")
+                 ) -> tuple[int, int, int]:
+    """Checks a: (M, K) a_dtype and b: (N, K) b_dtype (argument names ``names``); returns (M, N, K)."""
+    an, bn = names
+    check_rank(an, a, 2, "(M, K)")
+    check_rank(bn, b, 2, "(N, K)")
     m, k = a.shape
     n = b.shape[0]
     if b.shape[1] != k:
-        raise ValueError(f"b: expected shape (N, {k}) to match a {tuple(a.shape)}, got {tuple(b.shape)}")
-    check_dtype("a", a, (dtype,))
-    check_dtype("b", b, (dtype,))
+        raise ValueError(f"{bn}: expected shape (N, {k}) to match {an} {tuple(a.shape)}, got {tuple(b.shape)}")
+    check_dtype(an, a, (a_dtype,))
+    check_dtype(bn, b, (b_dtype,))
     return m, n, k
 
 
@@ -349,7 +363,7 @@ def gemm_nt_fp8(a: jax.Array, b: jax.Array, *, a_scale: jax.Array, b_scale: jax.
     a: (M, K) e4m3; a_scale: (ceil(K/128), align(M,4)) f32 MN-major TMA-aligned image of the 1x128
     scales; b: (N, K) e4m3; b_scale: (ceil(N/128), ceil(K/128)) f32 128x128 block scales -> (M, N) bf16.
     """
-    m, n, k = _dense_operands(a, b, jnp.float8_e4m3fn)
+    m, n, k = _nt_operands(a, b, jnp.float8_e4m3fn, jnp.float8_e4m3fn)
     check_shape("a_scale", a_scale, (ceil_div(k, 128), align(m, 4)))
     check_dtype("a_scale", a_scale, (jnp.float32,))
     check_shape("b_scale", b_scale, (ceil_div(n, 128), ceil_div(k, 128)))
@@ -364,7 +378,7 @@ def gemm_nt_fp8(a: jax.Array, b: jax.Array, *, a_scale: jax.Array, b_scale: jax.
 
 def gemm_nt_bf16(a: jax.Array, b: jax.Array, *, out_dtype: Any = jnp.bfloat16, arch: int = 90) -> jax.Array:
     """Dense D = A·Bᵀ in bf16. a: (M, K) bf16; b: (N, K) bf16 -> (M, N) out_dtype (bf16 or f32)."""
-    m, n, k = _dense_operands(a, b, jnp.bfloat16)
+    m, n, k = _nt_operands(a, b, jnp.bfloat16, jnp.bfloat16)
     _raise_unless(supports_gemm_nt(n=n, k=k, recipe="bf16", arch=arch, out_dtype=out_dtype))
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
@@ -380,14 +394,7 @@ def tf32_prenorm_gemm(x: jax.Array, fn: jax.Array, *, num_splits: int = 1,
     x: (M, K) bf16; fn: (N, K) f32, N <= 32, N % 8 == 0, K % 64 == 0 -> ((M, N) f32, (M,) f32).
     num_splits > 1 splits K across CTAs (for small M); the partial results are summed here.
     """
-    check_rank("x", x, 2, "(M, K)")
-    check_rank("fn", fn, 2, "(N, K)")
-    m, k = x.shape
-    n = fn.shape[0]
-    if fn.shape[1] != k:
-        raise ValueError(f"fn: expected shape (N, {k}) to match x {tuple(x.shape)}, got {tuple(fn.shape)}")
-    check_dtype("x", x, (jnp.bfloat16,))
-    check_dtype("fn", fn, (jnp.float32,))
+    m, n, k = _nt_operands(x, fn, jnp.bfloat16, jnp.float32, names=("x", "fn"))
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected a static int >= 1, got {num_splits!r}")
     _raise_unless(supports_tf32_prenorm_gemm(n=n, k=k, num_splits=num_splits, arch=arch))

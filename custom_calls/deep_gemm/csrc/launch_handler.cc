@@ -85,6 +85,20 @@ std::string CuError(const Driver& d, CUresult r, const char* what) {
   return std::string(what) + " failed: " + (s ? s : "unknown CUDA error") + " (" + std::to_string(r) + ")";
 }
 
+// Bytes per element of the tensor-map data types launch_plan.py emits (4-bit types handled apart).
+uint64_t ElementBytes(int64_t dtype) {
+  switch (dtype) {
+    case CU_TENSOR_MAP_DATA_TYPE_UINT8: return 1;
+    case CU_TENSOR_MAP_DATA_TYPE_BFLOAT16: return 2;
+    case CU_TENSOR_MAP_DATA_TYPE_INT32:
+    case CU_TENSOR_MAP_DATA_TYPE_FLOAT32:
+    case CU_TENSOR_MAP_DATA_TYPE_TFLOAT32: return 4;
+    case CU_TENSOR_MAP_DATA_TYPE_16U4_ALIGN8B:
+    case CU_TENSOR_MAP_DATA_TYPE_16U4_ALIGN16B: return 1;  // two elements per byte, rounded up below
+    default: return 0;
+  }
+}
+
 struct LoadedKernel {
   CUfunction fn = nullptr;
   int smem = -1;
@@ -140,17 +154,25 @@ ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64
   if (launch.size() != 4) return ffi::Error::InvalidArgument("launch attribute must hold 4 values");
   if (args.size() % 3 != 0) return ffi::Error::InvalidArgument("args attribute must hold triples");
 
-  // Operand addresses: inputs first, then outputs.
+  if (launch[0] <= 0 || launch[1] <= 0 || launch[2] <= 0 || launch[3] < 0)
+    return ffi::Error::InvalidArgument("launch attribute: grid, block and cluster must be > 0, smem >= 0");
+  if (tmaps.size() % kTmapWords != 0)
+    return ffi::Error::InvalidArgument("tmaps attribute must hold " + std::to_string(kTmapWords) + " words per map");
+
+  // Operand addresses and sizes: inputs first, then outputs.
   std::vector<void*> buffers;
+  std::vector<uint64_t> sizes;
   for (size_t i = 0; i < ins.size(); ++i) {
     auto b = ins.get<ffi::AnyBuffer>(i);
     if (b.has_error()) return b.error();
     buffers.push_back(b->untyped_data());
+    sizes.push_back(b->size_bytes());
   }
   for (size_t i = 0; i < outs.size(); ++i) {
     auto b = outs.get<ffi::AnyBuffer>(i);
     if (b.has_error()) return b.error();
     buffers.push_back((*b)->untyped_data());
+    sizes.push_back((*b)->size_bytes());
   }
 
   // Tensor maps: encoded for the current addresses, 64-byte aligned, passed by value.
@@ -169,6 +191,19 @@ ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64
       estrides[i] = 1;
       if (i + 1 < rank) strides[i] = static_cast<cuuint64_t>(w[9 + i]);
     }
+    // The map must stay inside its buffer (launch_plan.py checks the same at trace time).
+    const uint64_t esize = ElementBytes(dtype);
+    if (esize == 0) return ffi::Error::InvalidArgument("tensor map " + std::to_string(m) + ": unknown data type");
+    for (int i = 0; i < rank; ++i)
+      if (w[4 + i] <= 0) return ffi::Error::InvalidArgument("tensor map " + std::to_string(m) + ": a dimension is 0");
+    const bool four_bit =
+        dtype == CU_TENSOR_MAP_DATA_TYPE_16U4_ALIGN8B || dtype == CU_TENSOR_MAP_DATA_TYPE_16U4_ALIGN16B;
+    uint64_t extent = four_bit ? (dims[0] + 1) / 2 : dims[0] * esize;
+    for (int i = 1; i < rank; ++i) extent += (dims[i] - 1) * strides[i - 1];
+    if (offset < 0 || static_cast<uint64_t>(offset) + extent > sizes[operand])
+      return ffi::Error::InvalidArgument("tensor map " + std::to_string(m) + " spans " + std::to_string(extent) +
+                                         " bytes past offset " + std::to_string(offset) + ", operand " +
+                                         std::to_string(operand) + " holds " + std::to_string(sizes[operand]));
     void* base = static_cast<char*>(buffers[operand]) + offset;
     CUresult r = d.TensorMapEncodeTiled(&maps[m], static_cast<CUtensorMapDataType>(dtype),
                                         static_cast<cuuint32_t>(rank), base, dims, strides, box, estrides,
@@ -219,9 +254,13 @@ ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64
   CUcontext ctx = nullptr, current = nullptr;
   CUresult r = d.StreamGetCtx(stream, &ctx);
   if (r != CUDA_SUCCESS) return ffi::Error::Internal(CuError(d, r, "cuStreamGetCtx"));
-  d.CtxGetCurrent(&current);
+  r = d.CtxGetCurrent(&current);
+  if (r != CUDA_SUCCESS) return ffi::Error::Internal(CuError(d, r, "cuCtxGetCurrent"));
   const bool pushed = current != ctx;
-  if (pushed) d.CtxPushCurrent(ctx);
+  if (pushed) {
+    r = d.CtxPushCurrent(ctx);
+    if (r != CUDA_SUCCESS) return ffi::Error::Internal(CuError(d, r, "cuCtxPushCurrent"));
+  }
 
   const int smem = static_cast<int>(launch[3]);
   CUfunction fn = nullptr;
@@ -248,8 +287,9 @@ ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64
     if (r != CUDA_SUCCESS) err = ffi::Error::Internal(CuError(d, r, "cuLaunchKernelEx") + " for " + std::string(cubin));
   }
   if (pushed) {
-    CUcontext popped;
-    d.CtxPopCurrent(&popped);
+    CUcontext popped = nullptr;
+    r = d.CtxPopCurrent(&popped);
+    if (r != CUDA_SUCCESS && err.success()) err = ffi::Error::Internal(CuError(d, r, "cuCtxPopCurrent"));
   }
   return err;
 }
