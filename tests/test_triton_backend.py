@@ -177,8 +177,9 @@ def test_kernels_compile_for_sm90_and_sm100(arch):
     _lean(c)
     c = _compile(scatter_quant_kernel, {"x_ptr": "*bf16", "src2dst_ptr": "*i32", "inv_ptr": "*i32",
                                         "lhs_ptr": "*fp8e4nv", "img_ptr": img},
-                 dict(M=256, H=h, TOPK=8, R=rows, MN=rows, G=56, IMG_LD=rows, IMG_SLAB=56 * rows,
-                      ZERO_PROGRAMS_ROWS=rows, GROUP=128, QUANT=True, UE8M0=ue8m0, GROUPS=8, ZERO_ROWS=64, ZERO_SUB=4), arch)
+                 dict(M=256, H=h, TOPK=8, R=rows, MN=rows, G=56, IMG_LD=rows, IMG_SLAB=56 * rows, ZERO_LD=rows,
+                      ZERO_PROGRAMS_ROWS=rows, GROUP=128, QUANT=True, UE8M0=ue8m0, GROUPS=8, ZERO_ROWS=64,
+                      ZERO_SUB=4), arch)
     assert _vector_loads(c.asm["ptx"]) > 0 and "e4m3x2" in c.asm["ptx"] and c.asm["cubin"]
     _lean(c)
     cfg = kernel_config(inter, "fp8_block", ActivationSpec(kind="silu", swiglu_limit=7.0))
@@ -187,7 +188,7 @@ def test_kernels_compile_for_sm90_and_sm100(arch):
     assert _vector_loads(c.asm["ptx"]) > 0 and "e4m3x2" in c.asm["ptx"] and c.asm["cubin"]
     _lean(c)
     c = _compile(weighted_gather_kernel, {"d_ptr": "*bf16", "src2dst_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16"},
-                 dict(H=h, TOPK=8, SCALE=2.5, BLOCK_H=1024), arch)
+                 dict(R=rows, H=h, TOPK=8, SCALE=2.5, BLOCK_H=1024), arch)
     assert _vector_loads(c.asm["ptx"]) >= 8 and c.asm["cubin"]  # the 8 route rows in flight at once
     _lean(c)
     from custom_calls.triton.dispatch_kernel import chunk_count_kernel, chunk_rank_kernel

@@ -24,12 +24,14 @@ import pytest
 CASES = [
     "quant_fp32_image", "quant_ue8m0_image", "quant_mxfp8_partial_group",
     "permute_contig_fp8_90", "permute_contig_fp8_100", "permute_contig_mxfp8_100", "permute_contig_bf16",
-    "permute_masked_fp8_90", "permute_masked_fp8_100",
+    "permute_masked_fp8_90", "permute_masked_fp8_100", "permute_masked_odd_pad_stray_90",
+    "permute_masked_odd_pad_100",
     "act_contig_silu_90", "act_contig_silu_limit_100", "act_contig_oai_90", "act_contig_situ_100",
     "act_contig_keep_fp32_90", "act_contig_mxfp8_100", "act_contig_bf16",
-    "act_masked_silu_limit_90", "act_masked_situ_100", "act_masked_oai_100",
-    "unpermute_bf16", "unpermute_f32_out", "dispatch_rank_e32", "dispatch_rank_e5",
-    "route_sigmoid_grouped_bias", "route_softmax_e20", "route_sqrtsoftplus_bias",
+    "act_masked_silu_limit_90", "act_masked_situ_100", "act_masked_oai_100", "act_masked_count_over_m_pad",
+    "unpermute_bf16", "unpermute_f32_out", "unpermute_row_past_end", "dispatch_rank_e32", "dispatch_rank_e5",
+    "route_sigmoid_grouped_bias", "route_softmax_grouped_no_bias", "route_softmax_e20",
+    "route_sqrtsoftplus_bias",
 ]
 
 
@@ -294,7 +296,8 @@ def _inverse(src2dst, rows):
     return inv
 
 
-def _permute_case(seed, *, masked, recipe, arch):
+def _permute_case(seed, *, masked, recipe, arch, m_pad=12, stray=False):
+    """stray: one dropped route instead points past the buffer (row R + 5); it must be dropped."""
     from custom_calls.triton.permute_kernel import scatter_quant_kernel
 
     ml = _ml()
@@ -303,14 +306,17 @@ def _permute_case(seed, *, masked, recipe, arch):
     x = (rng.standard_normal((m, h)) * rng.uniform(0.1, 20, (m, 1))).astype(ml.bfloat16)
     ids = _routes(rng, m, k, e)
     if masked:
-        m_pad = 12
-        src2dst, _ = _masked_src2dst(ids, e, m_pad)
+        src2dst, fill = _masked_src2dst(ids, e, m_pad)
+        assert fill.max() <= m_pad
         slabs, mn = e, m_pad
     else:
         src2dst, used = _contig_src2dst(ids, e, 4)
         slabs, mn = 1, used + 6  # spare rows past the last segment; mn % 4 == 2 (image padding)
     rows = slabs * mn
     inv = _inverse(src2dst, rows)
+    if stray:
+        t0, j0 = np.argwhere(src2dst < 0)[0]
+        src2dst[t0, j0] = rows + 5
     quant = recipe != "bf16"
     group = {"fp8_block": 128, "mxfp8": 32, "bf16": 128}[recipe]
     ue8m0 = arch == 100
@@ -323,17 +329,18 @@ def _permute_case(seed, *, masked, recipe, arch):
         img_shape, img = (1, 4), _poison((1,), np.int32)
         lhs = _poison((rows, h), ml.bfloat16)
     ld = img_shape[-1]
-    zero_rows = ld if (not masked and quant) else rows
+    zero_ld = ld if quant else mn  # zero programs also cover every slab's image padding columns
+    zero_rows = slabs * zero_ld
     groups = 1024 // group if quant else 4
     _launch(scatter_quant_kernel, (m + ceil_div(zero_rows, 8), ceil_div(g, groups)), x, src2dst, inv, lhs, img,
-            M=m, H=h, TOPK=k, R=rows, MN=mn, G=g, IMG_LD=ld, IMG_SLAB=img_shape[-2] * ld,
+            M=m, H=h, TOPK=k, R=rows, MN=mn, G=g, IMG_LD=ld, IMG_SLAB=img_shape[-2] * ld, ZERO_LD=zero_ld,
             ZERO_PROGRAMS_ROWS=zero_rows, GROUP=group, QUANT=quant, UE8M0=ue8m0, GROUPS=groups, ZERO_ROWS=8, ZERO_SUB=4)
     # model: each row holds its token's x, or zeros
     placed = np.zeros((rows, h), np.float32)
     for r in range(rows):
         if inv[r] >= 0:
             placed[r] = x[inv[r]].astype(np.float32)
-    assert (inv >= 0).sum() == (src2dst >= 0).sum() and (inv < 0).any()
+    assert (inv >= 0).sum() == ((src2dst >= 0) & (src2dst < rows)).sum() and (inv < 0).any()
     if not quant:
         assert np.array_equal(lhs.astype(np.float32), placed)
         return
@@ -365,6 +372,14 @@ def case_permute_masked_fp8_90():
 
 def case_permute_masked_fp8_100():
     _permute_case(15, masked=True, recipe="fp8_block", arch=100)
+
+
+def case_permute_masked_odd_pad_stray_90():
+    _permute_case(16, masked=True, recipe="fp8_block", arch=90, m_pad=14, stray=True)  # m_pad % 4 == 2
+
+
+def case_permute_masked_odd_pad_100():
+    _permute_case(17, masked=True, recipe="mxfp8", arch=100, m_pad=13)  # m_pad % 4 == 1
 
 
 def _check_act(a, img, y64, group, ue8m0, label, rows_ok=None):
@@ -400,16 +415,17 @@ _ACT = {
 _KIND = {"silu": 0, "swiglu_oai": 1, "situ": 2}
 
 
-def _act_case(seed, *, variant, recipe, arch, keep_fp32=False, masked=False):
+def _act_case(seed, *, variant, recipe, arch, keep_fp32=False, masked=False, mn=None, counts=(5, 0, 12)):
+    """counts: masked_m per slab (masked only); a count above mn covers the whole slab, no more."""
     from custom_calls.triton.activation_kernel import act_quant_kernel
 
     ml = _ml()
     rng = _rng(seed)
     spec = _ACT[variant]
     inter = 96 if recipe == "mxfp8" else 384
-    slabs, mn = (3, 12) if masked else (1, 19)
+    slabs, mn = (len(counts), mn or 12) if masked else (1, 19)
     gateup = (rng.standard_normal((slabs, mn, 2 * inter)) * 4).astype(ml.bfloat16)
-    masked_m = np.array([5, 0, 12], np.int32) if masked else np.zeros(1, np.int32)
+    masked_m = np.array(counts, np.int32) if masked else np.zeros(1, np.int32)
     quant = recipe != "bf16"
     group = {"fp8_block": 128, "mxfp8": 32, "bf16": 128}[recipe]
     ue8m0 = arch == 100
@@ -427,7 +443,7 @@ def _act_case(seed, *, variant, recipe, arch, keep_fp32=False, masked=False):
             BETA_L=spec.get("bl", 1.0), KEEP_FP32=keep_fp32, BLOCK_M=block_m, GROUPS=groups)
     y64 = model_activation(gateup, spec["kind"], spec.get("limit"), spec.get("alpha"),
                            spec.get("bs", 1.0), spec.get("bl", 1.0))
-    rows_ok = (np.arange(mn)[None, :] < masked_m[:, None]) if masked else np.ones((1, mn), bool)
+    rows_ok = (np.arange(mn)[None, :] < np.minimum(masked_m, mn)[:, None]) if masked else np.ones((1, mn), bool)
     if masked:  # rows past masked_m are never touched
         untouched = np.isnan(a.astype(np.float32)[~rows_ok]).all()
         assert untouched, "masked: rows >= masked_m were written"
@@ -489,7 +505,14 @@ def case_act_masked_oai_100():
     _act_case(29, variant="oai", recipe="mxfp8", arch=100, masked=True)
 
 
-def _unpermute_case(seed, out_dtype):
+def case_act_masked_count_over_m_pad():
+    # m_pad 10 is not a multiple of BLOCK_M 4: slab 0's count 40 must not spill into slab 1 (count 0)
+    _act_case(32, variant="silu", recipe="fp8_block", arch=90, masked=True, mn=10, counts=(40, 0, 7, 11))
+
+
+def _unpermute_case(seed, out_dtype, stray=False):
+    """stray: one route points past the last row (R + 7): as in the reference, its token's row is NaN
+    and the index is never loaded."""
     from custom_calls.triton.unpermute_kernel import weighted_gather_kernel
 
     ml = _ml()
@@ -498,25 +521,32 @@ def _unpermute_case(seed, out_dtype):
     d = rng.standard_normal((rows, h)).astype(ml.bfloat16)
     perm = rng.permutation(rows)[: m * k].reshape(m, k).astype(np.int32)
     perm[rng.random((m, k)) < 0.2] = -1
-    unused = np.setdiff1d(np.arange(rows), perm[perm >= 0])
+    if stray:
+        perm[3, 1] = rows + 7
+    unused = np.setdiff1d(np.arange(rows), perm[(perm >= 0) & (perm < rows)])
     d[unused] = np.nan  # a row no route reads must not leak in
     w = rng.uniform(0.05, 1.0, (m, k)).astype(np.float32)
     out = _poison((m, h), out_dtype)
-    _launch(weighted_gather_kernel, (m, ceil_div(h, 128)), d, perm, w, out, H=h, TOPK=k, SCALE=rsf, BLOCK_H=128)
+    _launch(weighted_gather_kernel, (m, ceil_div(h, 128)), d, perm, w, out, R=rows, H=h, TOPK=k, SCALE=rsf,
+            BLOCK_H=128)
     d64 = d.astype(np.float64)
     want = np.zeros((m, h))
     mag = np.zeros((m, h))
     for t in range(m):
         for j in range(k):
-            if perm[t, j] >= 0:
+            if perm[t, j] >= rows:
+                want[t] = np.nan
+            elif perm[t, j] >= 0:
                 want[t] += w[t, j] * d64[perm[t, j]]
                 mag[t] += abs(w[t, j] * d64[perm[t, j]])
     want *= rsf
     mag *= rsf
     got = out.astype(np.float64)
     rel = 2**-8 if out_dtype == ml.bfloat16 else 2**-20
-    assert np.isfinite(got).all(), "unpermute: an output is NaN (unwritten or leaked)"
-    assert (np.abs(got - want) <= rel * mag + 1e-6).all()
+    nan_rows = (perm >= rows).any(1)
+    assert np.isnan(got[nan_rows]).all(), "unpermute: a token with a row past d is not NaN"
+    assert np.isfinite(got[~nan_rows]).all(), "unpermute: an output is NaN (unwritten or leaked)"
+    assert (np.abs(got - want) <= rel * mag + 1e-6)[~nan_rows].all()
 
 
 def case_unpermute_bf16():
@@ -527,21 +557,31 @@ def case_unpermute_f32_out():
     _unpermute_case(31, np.float32)
 
 
-def _dispatch_case(seed, r, e, e_pad, chunk):
+def case_unpermute_row_past_end():
+    _unpermute_case(33, np.float32, stray=True)
+
+
+def _dispatch_case(seed, r, e, e_pad, chunk, strays=()):
+    """strays: values outside [0, e] placed at the start; not counted, never indexing out of bounds."""
     from custom_calls.triton.dispatch_kernel import chunk_count_kernel, chunk_rank_kernel
 
     rng = _rng(seed)
     ids = rng.integers(0, e + 1, r).astype(np.int32)  # value e: a route not held here
+    ids[:len(strays)] = strays
     nc = ceil_div(r, chunk)
     counts = np.full((nc, e_pad), -7, np.int32)
     _launch(chunk_count_kernel, (nc,), ids, counts, R=r, E_PAD=e_pad, CHUNK=chunk)
     offs = (np.cumsum(counts, axis=0) - counts).astype(np.int32)
     rank = np.full(r, -7, np.int32)
     _launch(chunk_rank_kernel, (nc,), ids, offs, rank, R=r, E_PAD=e_pad, CHUNK=chunk)
-    want_counts = np.bincount(ids, minlength=e_pad)
+    held = (ids >= 0) & (ids < e_pad)
+    want_counts = np.bincount(ids[held], minlength=e_pad)
     assert np.array_equal(counts.sum(0), want_counts)
-    seen = np.zeros(e + 1, int)
+    seen = np.zeros(e_pad, int)
     for i, ex in enumerate(ids):  # rank = routes of the same expert before this one, (token, k) order
+        if not held[i]:
+            assert rank[i] == -1, (i, rank[i])
+            continue
         assert rank[i] == seen[ex], (i, rank[i], seen[ex])
         seen[ex] += 1
 
@@ -551,7 +591,7 @@ def case_dispatch_rank_e32():
 
 
 def case_dispatch_rank_e5():
-    _dispatch_case(41, 333, 5, 8, 64)
+    _dispatch_case(41, 333, 5, 8, 64, strays=(-1, 8, 1 << 20))
 
 
 def model_route(logits, bias, top_k, scoring, n_group, topk_group, renorm):
@@ -568,7 +608,7 @@ def model_route(logits, bias, top_k, scoring, n_group, topk_group, renorm):
     m, e = sel.shape
     if n_group > 1:
         g = sel.reshape(m, n_group, e // n_group)
-        gs = np.sort(g, axis=2)[:, :, -2:].sum(2)
+        gs = np.sort(g, axis=2)[:, :, -2:].sum(2) if bias is not None else g.max(2)
         keep = np.argsort(-gs, axis=1, kind="stable")[:, :topk_group]
         mask = np.zeros((m, n_group), bool)
         np.put_along_axis(mask, keep, True, axis=1)
@@ -601,6 +641,10 @@ def _route_case(seed, m, e, top_k, scoring, n_group, topk_group, with_bias, reno
 
 def case_route_sigmoid_grouped_bias():
     _route_case(50, 37, 64, 8, "sigmoid", 8, 4, True, True)
+
+
+def case_route_softmax_grouped_no_bias():
+    _route_case(53, 29, 32, 4, "softmax", 4, 2, False, True)
 
 
 def case_route_softmax_e20():

@@ -61,7 +61,8 @@ def act_quant_kernel(
     slab = pid_m // BLOCKS
     start = (pid_m % BLOCKS) * BLOCK_M
     if MASKED:
-        limit = tl.load(masked_m_ptr + slab)
+        # a count above m_pad must not reach the next slab (or past the last one)
+        limit = tl.minimum(tl.load(masked_m_ptr + slab), MN)
     else:
         limit = MN
     if start < limit:

@@ -3,7 +3,8 @@ route among the routes of its expert, in (token, k) order — what `moe_jax.disp
 stable argsort (`_rank_within_expert`), without the sort.
 
   rank_within_expert(e_flat (R,) int32 in [0, E], num_experts=E) -> (counts (E,) int32, rank (R,) int32)
-  (value E marks a route not held here; its rank is among those routes, as the argsort gives it)
+  (value E marks a route not held here; its rank is among those routes, as the argsort gives it;
+  a value outside [0, E] is not counted and never indexes memory out of bounds)
 
 Pass 1: each program one-hot counts its chunk of CHUNK routes -> chunk_counts (NC, E + 1).
 Between: an exclusive cumsum over chunks (NC x (E+1) int32, jnp).
@@ -42,7 +43,8 @@ def chunk_rank_kernel(e_ptr, offs_ptr, rank_ptr, R: tl.constexpr, E_PAD: tl.cons
     hot = tl.expand_dims(e, 1) == tl.expand_dims(tl.arange(0, E_PAD), 0)
     seen = tl.cumsum(hot.to(tl.int32), axis=0)  # inclusive: routes of each expert so far in the chunk
     within = tl.sum(tl.where(hot, seen, 0), axis=1) - 1
-    base = tl.load(offs_ptr + c * E_PAD + e, mask=ok, other=0)
+    # a value outside [0, E_PAD) matches no column (rank -1) and must not index offs
+    base = tl.load(offs_ptr + c * E_PAD + e, mask=ok & (e >= 0) & (e < E_PAD), other=0)
     tl.store(rank_ptr + i, within + base, mask=ok)
 
 

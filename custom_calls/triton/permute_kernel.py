@@ -11,7 +11,8 @@ One launch, two kinds of programs (grid axis 0):
   * programs [0, M): token t reads its row chunk once, quantizes it once and stores it to each
     of its top_k destinations (reads x once instead of top_k times);
   * programs [M, M + Z): a block of ZERO_ROWS destination rows; the rows nothing lands on
-    (inv[r] < 0) get q = 0 and the scale of a zero row, as the reference quantizer gives them.
+    (inv[r] < 0) get q = 0 and the scale of a zero row, as the reference quantizer gives them, and
+    each slab's image padding columns (MN % 4 != 0) get scale 0.
 `inv` (row -> token, -1 = empty) is a small jnp scatter of M * k int32 before the kernel.
 Grid axis 1 splits H into chunks of GROUPS groups.
 """
@@ -40,10 +41,17 @@ def scatter_quant_kernel(
     x_ptr, src2dst_ptr, inv_ptr,
     lhs_ptr, img_ptr,
     M: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, R: tl.constexpr, MN: tl.constexpr,
-    G: tl.constexpr, IMG_LD: tl.constexpr, IMG_SLAB: tl.constexpr, ZERO_PROGRAMS_ROWS: tl.constexpr,
+    G: tl.constexpr, IMG_LD: tl.constexpr, IMG_SLAB: tl.constexpr, ZERO_LD: tl.constexpr,
+    ZERO_PROGRAMS_ROWS: tl.constexpr,
     GROUP: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
     GROUPS: tl.constexpr, ZERO_ROWS: tl.constexpr, ZERO_SUB: tl.constexpr,
 ):
+    """Grid (M + cdiv(ZERO_PROGRAMS_ROWS, ZERO_ROWS), cdiv(G, GROUPS)).
+
+    Zero programs walk virtual rows v = slab * ZERO_LD + r, r < ZERO_LD: ZERO_LD = IMG_LD when
+    quantizing (r >= MN is an image padding column of the slab, scale 0), else MN;
+    ZERO_PROGRAMS_ROWS = R // MN * ZERO_LD.
+    """
     pid = tl.program_id(0)
     group0 = tl.program_id(1) * GROUPS
     cols = group0 * GROUP + tl.arange(0, GROUPS * GROUP)
@@ -58,21 +66,23 @@ def scatter_quant_kernel(
         one = tl.arange(0, 1)
         for j in tl.static_range(TOPK):
             dst = tl.load(src2dst_ptr + t * TOPK + j + one)  # [1]
-            ok = dst >= 0
-            d64 = tl.maximum(dst, 0).to(tl.int64)
+            ok = (dst >= 0) & (dst < R)  # a row outside the buffer is dropped, as the reference drops it
+            d64 = tl.minimum(tl.maximum(dst, 0), R - 1).to(tl.int64)
             tl.store(lhs_ptr + tl.expand_dims(d64 * H, 1) + tl.expand_dims(cols, 0), q,
                      mask=tl.expand_dims(ok, 1) & col_ok)
             if QUANT:
                 col = (d64 // MN) * IMG_SLAB + d64 % MN
                 store_scale_image(img_ptr, sf, exp, col, ok, group0, G, IMG_LD, 1, GROUPS, UE8M0)
     else:
-        # A zero program owns ZERO_ROWS rows but writes them ZERO_SUB at a time: a [ZERO_ROWS, tile]
-        # block held at once would set the register count (and occupancy) of the whole kernel.
+        # A zero program owns ZERO_ROWS virtual rows but writes them ZERO_SUB at a time: a
+        # [ZERO_ROWS, tile] block held at once would set the register count (and occupancy) of the
+        # whole kernel.
         z0 = (pid - M) * ZERO_ROWS
-        r = z0 + tl.arange(0, ZERO_ROWS)
-        src = tl.load(inv_ptr + r, mask=r < R, other=0)
-        # image padding columns (contig with R % 4 != 0) get scale 0, as `layouts` pads them
-        need = ((r < R) & (src < 0)) | ((r >= R) & (r < ZERO_PROGRAMS_ROWS))
+        v = z0 + tl.arange(0, ZERO_ROWS)
+        live = v < ZERO_PROGRAMS_ROWS
+        real = live & (v % ZERO_LD < MN)
+        src = tl.load(inv_ptr + (v // ZERO_LD) * MN + v % ZERO_LD, mask=real, other=0)
+        need = (real & (src < 0)) | (live & ~real)
         if tl.max(need.to(tl.int32), axis=0) > 0:
             zero_row = tl.zeros((1, GROUPS * GROUP), tl.float32)
             if QUANT:
@@ -81,20 +91,22 @@ def scatter_quant_kernel(
                 q0 = zero_row.to(lhs_ptr.dtype.element_ty)
             q = tl.broadcast_to(q0, (ZERO_SUB, GROUPS * GROUP))
             for sub in range(ZERO_ROWS // ZERO_SUB):
-                rs = z0 + sub * ZERO_SUB + tl.arange(0, ZERO_SUB)
-                srcs = tl.load(inv_ptr + rs, mask=rs < R, other=0)
-                empty = (rs < R) & (srcs < 0)
-                img_pad = (rs >= R) & (rs < ZERO_PROGRAMS_ROWS)
-                r64 = rs.to(tl.int64)
-                tl.store(lhs_ptr + tl.expand_dims(r64 * H, 1) + tl.expand_dims(cols, 0), q,
+                vs = (z0 + sub * ZERO_SUB + tl.arange(0, ZERO_SUB)).to(tl.int64)
+                slab = vs // ZERO_LD
+                r = vs % ZERO_LD
+                live_s = vs < ZERO_PROGRAMS_ROWS
+                real_s = live_s & (r < MN)
+                rows = slab * MN + r
+                srcs = tl.load(inv_ptr + rows, mask=real_s, other=0)
+                empty = real_s & (srcs < 0)
+                img_pad = live_s & ~real_s
+                tl.store(lhs_ptr + tl.expand_dims(rows * H, 1) + tl.expand_dims(cols, 0), q,
                          mask=tl.expand_dims(empty, 1) & col_ok)
                 if QUANT:
                     pad = tl.expand_dims(img_pad, 1)
                     sf = tl.where(pad, 0.0, tl.broadcast_to(sf0, (ZERO_SUB, GROUPS)))
                     exp = tl.where(pad, 0, tl.broadcast_to(exp0, (ZERO_SUB, GROUPS)))
-                    # padding columns exist only for one slab (contig): their column is r itself
-                    col = tl.where(r64 < R, (r64 // MN) * IMG_SLAB + r64 % MN, r64)
-                    store_scale_image(img_ptr, sf, exp, col, empty | img_pad, group0, G, IMG_LD,
+                    store_scale_image(img_ptr, sf, exp, slab * IMG_SLAB + r, empty | img_pad, group0, G, IMG_LD,
                                       ZERO_SUB, GROUPS, UE8M0)
 
 
@@ -129,15 +141,16 @@ def _permute(x: jax.Array, src2dst: jax.Array, *, slabs: int, mn: int, recipe: s
         gi, img_ld, img_dtype, img_shape = 1, round_up(mn, 4), jnp.int32, (1,)  # unused output
         lhs_dtype = jnp.bfloat16
     g = ceil_div(h, cfg["GROUP"])
-    # contig: zero programs also cover the image's padding columns [R, align(R, 4))
-    zero_rows = img_ld if (slabs == 1 and quant) else rows
+    # zero programs also cover each slab's image padding columns [MN, align(MN, 4))
+    zero_ld = img_ld if quant else mn
+    zero_rows = slabs * zero_ld
     grid = (m + ceil_div(zero_rows, _ZERO_ROWS), ceil_div(g, cfg["GROUPS"]))
     inv = inverse_map(src2dst, rows)
     lhs, img = triton_call(
         x, src2dst, inv, kernel=scatter_quant_kernel,
         out_shape=[jax.ShapeDtypeStruct((rows, h), lhs_dtype), jax.ShapeDtypeStruct(img_shape, img_dtype)],
         grid=grid, num_warps=_NUM_WARPS, name="moe_permute_quant",
-        M=m, H=h, TOPK=top_k, R=rows, MN=mn, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld,
+        M=m, H=h, TOPK=top_k, R=rows, MN=mn, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, ZERO_LD=zero_ld,
         ZERO_PROGRAMS_ROWS=zero_rows, UE8M0=arch == 100, ZERO_ROWS=_ZERO_ROWS, ZERO_SUB=_ZERO_SUB, **cfg)
     return lhs, (img if quant else None)
 

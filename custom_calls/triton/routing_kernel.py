@@ -7,7 +7,7 @@ after the gate GEMM, for E <= 1024 experts.
 
 Semantics of the reference (moe_jax.routing): scores = softmax | sigmoid | sqrt(softplus) of the
 logits; sel = scores + bias; grouped (n_group > 1): group score = sum of the two largest sel of
-each of n_group equal groups, only the topk_group best groups stay eligible; ids = top_k of sel,
+each of n_group equal groups with a correction bias, the largest without one, only the topk_group best groups stay eligible; ids = top_k of sel,
 ties to the lower index (as jax.lax.top_k); weights = scores at ids, divided by their sum + 1e-20
 when norm_topk_prob. routed_scaling_factor is not applied here.
 
@@ -75,7 +75,11 @@ def route_topk_kernel(
         top1 = tl.max(g3, axis=2)
         at1 = tl.min(tl.where(g3 == tl.expand_dims(top1, 2), gi, GS), axis=2)
         top2 = tl.max(tl.where(gi == tl.expand_dims(at1, 2), float("-inf"), g3), axis=2)
-        gscore = top1 + top2  # [BLOCK_T, N_GROUP]
+        # group score as in moe_jax.routing: top-2 sum with a correction bias (V3), else the max
+        if HAS_BIAS:
+            gscore = top1 + top2  # [BLOCK_T, N_GROUP]
+        else:
+            gscore = top1
         gidx = tl.broadcast_to(tl.expand_dims(tl.arange(0, N_GROUP), 0), (BLOCK_T, N_GROUP))
         keep = tl.zeros((BLOCK_T, N_GROUP), tl.int1)
         for _ in tl.static_range(TOPK_GROUP):

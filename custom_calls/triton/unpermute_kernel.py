@@ -2,7 +2,8 @@
 fp32 accumulation, one pass (each GEMM2 output row read once, each output row written once).
 
 Same signature and numerics as `custom_calls.unpermute` (the reference); a -1 route contributes
-exactly nothing (its row is never loaded).
+exactly nothing (its row is never loaded); a token with a row index >= R gets a NaN row, as in the
+reference, and that index is never loaded (no memory outside `d` is read).
 """
 
 from __future__ import annotations
@@ -23,20 +24,22 @@ _NUM_WARPS = 4
 def weighted_gather_kernel(
     d_ptr, src2dst_ptr, w_ptr,
     out_ptr,
-    H: tl.constexpr, TOPK: tl.constexpr, SCALE: tl.constexpr, BLOCK_H: tl.constexpr,
+    R: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, SCALE: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Grid (M, cdiv(H, BLOCK_H))."""
+    """Grid (M, cdiv(H, BLOCK_H)); d is (R, H)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
     acc = tl.zeros((BLOCK_H,), tl.float32)
+    beyond = False
     for j in tl.static_range(TOPK):
         dst = tl.load(src2dst_ptr + t * TOPK + j)
         w = tl.load(w_ptr + t * TOPK + j).to(tl.float32)
-        ok = dst >= 0
+        ok = (dst >= 0) & (dst < R)
+        beyond = beyond | (dst >= R)
         row = tl.load(d_ptr + tl.maximum(dst, 0).to(tl.int64) * H + cols, mask=col_ok & ok, other=0.0)
         acc += tl.where(ok, w, 0.0) * row.to(tl.float32)
-    acc = acc * SCALE
+    acc = tl.where(beyond, float("nan"), acc * SCALE)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -50,6 +53,6 @@ def unpermute(d: jax.Array, src2dst: jax.Array, topk_weights: jax.Array, *,
     (out,) = triton_call(
         d, src2dst, topk_weights.astype(jnp.float32), kernel=weighted_gather_kernel,
         out_shape=[jax.ShapeDtypeStruct((m, h), out_dtype)], grid=(m, ceil_div(h, _BLOCK_H)),
-        num_warps=_NUM_WARPS, name="moe_unpermute", H=h, TOPK=top_k, SCALE=float(routed_scaling_factor),
-        BLOCK_H=_BLOCK_H)
+        num_warps=_NUM_WARPS, name="moe_unpermute", R=d.shape[0], H=h, TOPK=top_k,
+        SCALE=float(routed_scaling_factor), BLOCK_H=_BLOCK_H)
     return out

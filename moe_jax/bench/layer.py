@@ -25,26 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from typing import Callable
 
-
-def _time(fn: Callable, arg_sets: list[tuple], rounds: int = 5, chain: int = 3) -> float:
-    """Seconds per call: `chain` dispatches of a jitted function over all argument sets, back to
-    back (dispatch overlaps the GPU), one sync; median over `rounds`."""
-    import jax
-
-    many = jax.jit(lambda sets: [fn(*s) for s in sets])
-    jax.block_until_ready(many(arg_sets))
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        outs = [many(arg_sets) for _ in range(chain)]
-        jax.block_until_ready(outs)
-        del outs
-        times.append((time.perf_counter() - t0) / (chain * len(arg_sets)))
-    return statistics.median(times)
+from custom_calls._timing import time_op
 
 
 def _config(small: bool = False):
@@ -194,11 +176,11 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
         # block: one input set, fewer rounds, so no dispatch holds several of those at once.
         slow = be == "reference"
         n_sets = 1 if slow else reps
-        kw = dict(rounds=2, chain=1) if slow else {}
+        kw = dict(rounds=2, chain=1) if slow else dict(chain=3)
 
         def timed(label, fn, arg_sets):
             progress.step(f"{name} {be}: {label}")
-            return _time(fn, arg_sets[:n_sets], **kw)
+            return time_op(fn, arg_sets[:n_sets], **kw)
 
         try:
             f = forward(be)
@@ -378,7 +360,7 @@ def _copy_bandwidth(n: int) -> float:
     import jax.numpy as jnp
 
     x = [jax.random.normal(jax.random.PRNGKey(i), (n,), jnp.bfloat16) for i in range(2)]
-    return 2 * x[0].size * 2 / _time(lambda a: -a, [(a,) for a in x])
+    return 2 * x[0].size * 2 / time_op(lambda a: -a, [(a,) for a in x], chain=3)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
