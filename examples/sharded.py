@@ -2,6 +2,9 @@
 
     python examples/sharded.py          # on CPU: 8 host devices are simulated
 
+Prints each pattern's max error relative to max |moe_forward|; exits with status 1 if one exceeds
+TOLERANCE (bf16 outputs, partial sums added in another order).
+
 DP attention hands the MoE per-rank token buffers padded to a static size; the real counts travel
 as an array (`num_tokens`). Attention-TP x EP keeps 1/attn_tp of the (replicated) tokens per rank.
 """
@@ -18,8 +21,10 @@ from jax.sharding import Mesh  # noqa: E402
 from moe_jax import MoEConfig, init_params, moe_forward  # noqa: E402
 from moe_jax.parallel import ParallelConfig, check_stats, shard_params, sharded_moe_forward  # noqa: E402
 
+TOLERANCE = 2**-6
 
-def main() -> None:
+
+def main() -> int:
     devices = np.array(jax.devices()[:8])
     mesh = Mesh(devices.reshape(2, 4), ("dp", "mp"))  # 2 data-parallel replicas x 4-way MoE group
     config = MoEConfig.deepseek_v3().scaled(num_experts=16, top_k=4, hidden_size=256,
@@ -41,6 +46,7 @@ def main() -> None:
                                                 num_max_dispatch_tokens_per_rank=8),
         "DP x EP (ring)": ParallelConfig("dp_ep", moe_axes=("dp", "mp"), ep_mode="ring"),
     }
+    failed = []
     step = jax.jit(sharded_moe_forward, static_argnames=("config", "mesh", "pc", "return_stats"))
     for name, pc in layouts.items():
         placed = shard_params(params, config, mesh, pc)  # weights stay put across steps
@@ -50,8 +56,13 @@ def main() -> None:
         check_stats(stats)  # LL overflow / bad lengths would raise here
         want = np.where(real[:, None], ref, 0) if dp else ref
         err = np.abs(np.asarray(y, np.float32) - want).max() / np.abs(ref).max()
-        print(f"{name:28s} max |y - moe_forward| / max |y| = {err:.1e}")
+        print(f"{name:28s} max |y - moe_forward| / max |moe_forward| = {err:.1e}")
+        if not err <= TOLERANCE:  # also catches nan
+            failed.append(name)
+    if failed:
+        print(f"FAILED (error above {TOLERANCE:.1e}): {failed}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

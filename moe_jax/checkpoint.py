@@ -39,8 +39,9 @@ tensor is a read-only view of a memory map; numpy cannot name FP8 dtypes, so
 `safetensors.safe_open(framework="numpy")` (0.8) refuses F8_E4M3/F8_E8M0 tensors — ml_dtypes
 supplies them. Each expert tensor is copied once, straight into a preallocated stacked host buffer
 (E_local, N, K): the layer's experts are never held twice on the host. Every tensor name, dtype and
-shape is checked from the headers before any data is read; all problems are reported together in
-one `CheckpointError`, and nothing is returned half-loaded.
+shape is checked from the headers, and the small tensors whose values can be invalid (MX scales,
+tid2eid) are checked, before any weight is stacked; all problems are reported together in one
+`CheckpointError`, and nothing is returned half-loaded.
 """
 
 from __future__ import annotations
@@ -150,8 +151,15 @@ class SafetensorsCheckpoint:
             if p.is_dir():
                 index = p / INDEX_FILE
                 if index.exists():
-                    weight_map = json.loads(index.read_text())["weight_map"]
-                    files = sorted({p / f for f in weight_map.values()})
+                    try:
+                        weight_map = json.loads(index.read_text())["weight_map"]
+                        files = sorted({p / f for f in weight_map.values()})
+                    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+                        raise ValueError(f"path: {index} is not an index with a 'weight_map' of "
+                                         f"tensor name -> file ({type(exc).__name__}: {exc})") from None
+                    absent = [str(f) for f in files if not f.is_file()]
+                    if absent:
+                        raise ValueError(f"path: {index} names file(s) that do not exist: {absent}")
                 else:
                     files = sorted(p.glob("*.safetensors"))
                 if not files:
@@ -164,6 +172,9 @@ class SafetensorsCheckpoint:
             files = [Path(f) for f in path]
             if not files:
                 raise ValueError("path: expected at least one safetensors file, got an empty list")
+            absent = [str(f) for f in files if not f.is_file()]
+            if absent:
+                raise ValueError(f"path: no such safetensors file(s): {absent}")
         self.files = files
         self._table: dict[str, TensorInfo] = {}
         for f in files:
@@ -221,7 +232,9 @@ def _scale_name(ckpt: SafetensorsCheckpoint, w: str) -> str | None:
 
 
 def _classify(ckpt: SafetensorsCheckpoint, w: str, n: int, k: int, problems: list[str]):
-    """Format of projection `w` ((N, K) logical), or None after appending its problems."""
+    """Format of projection `w` ((N, K) logical), or None after appending its problems. Scale
+    values are part of a projection's validity: they are read and checked here (small tensors),
+    before any weight is stacked."""
     if w not in ckpt:
         problems.append(f"missing {w}")
         return None
@@ -264,6 +277,14 @@ def _classify(ckpt: SafetensorsCheckpoint, w: str, n: int, k: int, problems: lis
         if sinfo.dtype not in allowed:
             problems.append(f"{sname}: expected dtype in {allowed} for format {fmt}, got {sinfo.dtype}")
             return None
+        if fmt == "mxfp8" and _mx_scale_problem(ckpt, sname, problems):
+            return None
+        if fmt != "mxfp8":  # block / per-tensor scales multiply the values: 0, < 0, inf, nan are corrupt
+            sc = ckpt.read(sname)
+            bad = int(np.count_nonzero(~(np.isfinite(sc) & (sc > 0))))
+            if bad:
+                problems.append(f"{sname}: {bad} F32 scale(s) are not positive finite numbers")
+                return None
         return fmt, _ProjPlan(w, sname)
     if info.dtype in ("I8", "U8"):
         if k % 2 or info.shape != (n, k // 2):
@@ -278,6 +299,8 @@ def _classify(ckpt: SafetensorsCheckpoint, w: str, n: int, k: int, problems: lis
             return None
         if sinfo.dtype not in _E8M0 + ("F32",):
             problems.append(f"{sname}: expected dtype U8, F8_E8M0 or F32 (MXFP4 scales), got {sinfo.dtype}")
+            return None
+        if _mx_scale_problem(ckpt, sname, problems):
             return None
         return "mxfp4", _ProjPlan(w, sname)
     problems.append(f"{w}: dtype {info.dtype} is not an accepted expert weight dtype "
@@ -338,19 +361,21 @@ def _check_small(ckpt, name, shape, kinds, problems, required: bool):
 
 # -- reading --------------------------------------------------------------------------------------
 
-def _check_e8m0_bytes(name: str, b: np.ndarray) -> None:
-    bad = (b == 0) | (b == 255)
-    if bad.any():
-        raise CheckpointError("checkpoint", [f"{name}: {int(bad.sum())} scale byte(s) are 0 or 255 "
-                                             "(zero / NaN scales are not valid UE8M0 scales)"])
-
-
-def _check_pow2(name: str, s: np.ndarray) -> None:
-    mant, _ = np.frexp(s)
-    bad = ~((mant == 0.5) & np.isfinite(s))
-    if bad.any():
-        raise CheckpointError("checkpoint", [f"{name}: {int(bad.sum())} F32 scale(s) are not positive "
-                                             "powers of two (MX formats need UE8M0 scales)"])
+def _mx_scale_problem(ckpt: SafetensorsCheckpoint, name: str, problems: list[str]) -> bool:
+    """Appends the problem with the values of MX scale tensor `name` (UE8M0 bytes or F32), if any.
+    Byte 0 (2^-127, below fp32's normal range) and 255 (NaN) are refused, as are F32 scales that
+    are not positive powers of two (the GEMMs would silently round them)."""
+    s = ckpt.read(name)
+    if s.dtype == np.uint8:
+        bad = int(np.count_nonzero((s == 0) | (s == 255)))
+        msg = f"{name}: {bad} scale byte(s) are 0 or 255 (2^-127 / NaN are not usable UE8M0 scales)"
+    else:
+        mant, _ = np.frexp(s)
+        bad = int(np.count_nonzero(~((mant == 0.5) & np.isfinite(s))))
+        msg = f"{name}: {bad} F32 scale(s) are not positive powers of two (MX formats need UE8M0 scales)"
+    if bad:
+        problems.append(msg)
+    return bool(bad)
 
 
 def _stack_experts(ckpt, plan: _Plan, config: MoEConfig, which: str):
@@ -389,10 +414,8 @@ def _stack_experts(ckpt, plan: _Plan, config: MoEConfig, which: str):
                 scale[e, r0 // BLOCK:r0 // BLOCK + rb] = ckpt.read(pp.scale)
             elif fmt == "fp8_per_tensor":
                 scale[e, j] = ckpt.read(pp.scale).reshape(())
-            elif fmt in ("mxfp8", "mxfp4"):
-                s = ckpt.read(pp.scale)
-                (_check_e8m0_bytes if plan.scale_dtype == "U8" else _check_pow2)(pp.scale, s)
-                scale[e, r0:r0 + rows] = s
+            elif fmt in ("mxfp8", "mxfp4"):  # values checked by _classify
+                scale[e, r0:r0 + rows] = ckpt.read(pp.scale)
             r0 += rows
     return values, scale
 
@@ -430,13 +453,8 @@ def _dequantize_shared(ckpt, fmt: str, pp: _ProjPlan, n: int, k: int):
     if fmt == "bf16":
         return jnp.asarray(w).astype(jnp.bfloat16)
     s = np.array(ckpt.read(pp.scale))
-    if fmt in ("mxfp8", "mxfp4"):
-        if s.dtype == np.uint8:
-            _check_e8m0_bytes(pp.scale, s)
-            s = layouts.ue8m0_bytes_to_fp32(jnp.asarray(s))
-        else:
-            _check_pow2(pp.scale, s)
-            s = jnp.asarray(s)
+    if fmt in ("mxfp8", "mxfp4"):  # values checked by _classify
+        s = layouts.ue8m0_bytes_to_fp32(jnp.asarray(s)) if s.dtype == np.uint8 else jnp.asarray(s)
         if fmt == "mxfp4":
             return layouts.dequantize_mxfp4(jnp.asarray(w.view(np.int8)), s, MX_GROUP, jnp.bfloat16)
         return layouts.dequantize_fp8_per_token_group(jnp.asarray(w), s, MX_GROUP, jnp.bfloat16)
@@ -500,7 +518,14 @@ def load_moe_params(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckp
                         "silently differ from the model's)")
     tid = f"{prefix}gate.tid2eid"
     if config.hash_routing:
+        n_before = len(problems)
         _check_small(ckpt, tid, (config.vocab_size, config.top_k), _INT, problems, required=True)
+        if len(problems) == n_before:  # well-formed: its ids must name experts (routing gathers them)
+            ids = ckpt.read(tid)
+            bad = int(np.count_nonzero((ids < 0) | (ids >= e)))
+            if bad:
+                problems.append(f"{tid}: {bad} expert id(s) outside [0, {e}) (values "
+                                f"{int(ids.min())}..{int(ids.max())})")
     elif tid in ckpt:
         problems.append(f"{tid}: present (a hash-routed layer), but config.hash_routing is False")
     plan = _plan(ckpt, config, prefix, expert_range, problems)

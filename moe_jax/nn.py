@@ -93,12 +93,13 @@ class MoE(nnx.Module):
         ep_default, tp_default = DEFAULT_EXPERT_AXIS, DEFAULT_INTERMEDIATE_AXIS
         if parallel is not None:
             from moe_jax.parallel import ParallelConfig
+            from moe_jax.parallel.a2a import axis_name
 
             if not isinstance(parallel, ParallelConfig):
                 raise TypeError(f"parallel: expected ParallelConfig or None, got {type(parallel).__name__}")
             if mesh is None:
                 raise ValueError(f"mesh: required with parallel={parallel.pattern!r}, got None")
-            axes = parallel.moe_axes if len(parallel.moe_axes) > 1 else parallel.moe_axes[0]
+            axes = axis_name(parallel.moe_axes)
             ep_default, tp_default = (axes, None) if parallel.is_ep else (None, axes)
         if params is None:
             if rngs is None:
@@ -161,7 +162,8 @@ class MoE(nnx.Module):
                         layer: int | None = None, prefix: str | None = None,
                         expert_range: tuple[int, int] | None = None, **kwargs) -> "MoE":
         """Load layer `layer` of a DeepSeek-style safetensors checkpoint (`load_moe_params`, GEMM
-        form for config.gemm_arch); kwargs as in `MoE(...)`."""
+        form for config.gemm_arch); kwargs as in `MoE(...)`. With `expert_range` the module holds
+        only those experts (one EP rank's weights): calling it is refused, the layer needs all."""
         from moe_jax.checkpoint import load_moe_params
 
         params = load_moe_params(checkpoint, config, layer=layer, prefix=prefix,
@@ -188,12 +190,21 @@ class MoE(nnx.Module):
         )
 
     def __call__(self, x: jax.Array, *, token_ids: jax.Array | None = None,
-                 num_tokens: jax.Array | None = None) -> jax.Array:
+                 num_tokens: jax.Array | None = None, return_stats: bool = False):
         """x: (M, H) float -> (M, H) x.dtype. token_ids: (M,) int for hash-routed layers.
-        num_tokens (sharded patterns only): (n_token_shards,) int32 real rows per shard."""
+        num_tokens / return_stats (parallel patterns only): (n_token_shards,) int32 real rows per
+        shard; True -> (y, stats) as in `sharded_moe_forward`."""
         if self.parallel is None:
             if num_tokens is not None:
                 raise ValueError("num_tokens: only used with a parallel pattern (parallel=...), got an array")
+            if return_stats:
+                raise ValueError("return_stats: only used with a parallel pattern (parallel=...), got True")
+            e_loc = self.w13.get_value().shape[0]
+            if e_loc != self.config.num_experts:
+                # moe_forward would take the held experts for experts 0..E_local-1: wrong routes
+                raise ValueError(f"w13: the layer needs all {self.config.num_experts} experts, this module "
+                                 f"holds {e_loc} (loaded with expert_range); run one EP rank's share "
+                                 f"with moe_jax.routed_experts(..., expert_offset=start) on moe_params()")
             return moe_forward(x, self.moe_params(), self.config, token_ids=token_ids,
                                layout=self.layout, backend=self.backend)
         from moe_jax.parallel import sharded_moe_forward
@@ -201,7 +212,7 @@ class MoE(nnx.Module):
         params = self.moe_params(tp_view=not self.parallel.is_ep)
         return sharded_moe_forward(x, params, self.config, self.mesh, self.parallel,
                                    token_ids=token_ids, num_tokens=num_tokens, layout=self.layout,
-                                   backend=self.backend)
+                                   backend=self.backend, return_stats=return_stats)
 
 
 def partition_specs(module: MoE):

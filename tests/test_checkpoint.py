@@ -504,3 +504,60 @@ def test_bad_arguments(tmp_path, fp8_tensors):
         load_moe_params(f, cfg, layer=4)
     p = load_moe_params(f, cfg, prefix=P, prepare=False)  # explicit prefix, same tensors
     assert p.w13.shape == (E, 2 * I, H)
+
+
+def test_scale_value_problems_are_listed_with_every_other_problem(tmp_path):
+    """Invalid MX scale values of several experts and of the shared expert, plus a missing tensor:
+    one CheckpointError lists them all, before any weight is stacked."""
+    t, _ = build("mxfp4", seed=16, shared_fmt="mxfp4")
+    for name, (r, c) in (("experts.0.gate_proj", (1, 2)), ("experts.4.down_proj", (5, 0)),
+                         ("shared_experts.up_proj", (0, 7))):
+        b, kind = t[P + name + ".weight_scale"]
+        b = b.copy()
+        b[r, c] = 255
+        t[P + name + ".weight_scale"] = (b, kind)
+    del t[P + "experts.2.up_proj.weight"]
+    msg = _load_err(tmp_path, t, cfg=config("mxfp4"))
+    assert "4 problem(s)" in msg, msg
+    for name in ("experts.0.gate_proj", "experts.4.down_proj", "shared_experts.up_proj"):
+        assert f"{P}{name}.weight_scale: 1 scale byte(s) are 0 or 255" in msg
+    assert f"missing {P}experts.2.up_proj.weight" in msg
+
+
+def test_hash_table_with_ids_outside_the_experts(tmp_path, fp8_tensors):
+    t = dict(fp8_tensors)
+    tid = rng(17).integers(0, E, (50, K_TOP)).astype(np.int32)
+    tid[3, 1], tid[9, 0] = E, -1  # routing would gather past the experts / drop the route
+    t[P + "gate.tid2eid"] = tid
+    msg = _load_err(tmp_path, t, cfg=config("fp8_block", hash_routing=True, vocab_size=50))
+    assert "1 problem(s)" in msg
+    assert f"{P}gate.tid2eid: 2 expert id(s) outside [0, {E}) (values -1..{E})" in msg
+
+
+def test_index_or_list_naming_a_missing_file(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    write_st(d / "a.safetensors", {"x": np.ones(2, np.float32)})
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"x": "a.safetensors", "y": "b.safetensors"}}))
+    with pytest.raises(ValueError, match=r"names file\(s\) that do not exist: \[.*b.safetensors'\]"):
+        SafetensorsCheckpoint(d)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match="is not an index with a 'weight_map'"):
+        SafetensorsCheckpoint(d)
+    with pytest.raises(ValueError, match=r"path: no such safetensors file\(s\): \[.*nope.safetensors'\]"):
+        SafetensorsCheckpoint([d / "a.safetensors", d / "nope.safetensors"])
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "fp8_per_tensor"])
+def test_fp8_scales_that_are_not_positive_finite(tmp_path, fmt):
+    t, _ = build(fmt, seed=18)
+    suffix = ".weight_scale_inv" if fmt == "fp8_block" else ".weight_scale"
+    for name, v in (("experts.1.up_proj", 0.0), ("experts.5.down_proj", np.nan)):
+        sc = t[P + name + suffix].copy()
+        sc.reshape(-1)[0] = v
+        t[P + name + suffix] = sc
+    msg = _load_err(tmp_path, t)
+    assert "2 problem(s)" in msg, msg
+    for name in ("experts.1.up_proj", "experts.5.down_proj"):
+        assert f"{P}{name}{suffix}: 1 F32 scale(s) are not positive finite numbers" in msg

@@ -225,3 +225,31 @@ def test_gpu_auto_backend_matches_reference():
     y_ref = np.asarray(fwd(MoE.from_params(raw, cfg, backend="reference"), x).astype(jnp.float32), np.float64)
     assert np.isfinite(y_auto).all()
     assert np.linalg.norm(y_auto - y_ref) / np.linalg.norm(y_ref) < 2e-2
+
+
+def test_module_with_a_subset_of_experts_refuses_to_run(tmp_path):
+    """A module loaded with expert_range holds experts [start, stop): moe_forward would take them for
+    experts 0..E_local-1 and silently route to the wrong weights."""
+    raw = init_params(jax.random.key(0), bf16_config())
+    sub = raw.replace(w13=raw.w13[2:8], w2=raw.w2[2:8])
+    moe = MoE.from_params(sub, bf16_config())
+    assert moe.w13.get_value().shape == (6, 2, I, H)  # the weights are held, only running is refused
+    with pytest.raises(ValueError, match=r"w13: the layer needs all 8 experts, this module holds 6 "
+                                         r"\(loaded with expert_range\)"):
+        moe(x_input())
+
+
+def test_return_stats_reaches_the_parallel_pattern(mesh):
+    cfg = bf16_config()
+    raw = init_params(jax.random.key(11), cfg)
+    x = x_input(32, seed=4)  # 4 rows per device
+    ll = ParallelConfig("dp_ep", moe_axes=("dp", "mp"), ep_mode="low_latency",
+                        num_max_dispatch_tokens_per_rank=1)
+    moe = MoE.from_params(raw, cfg, mesh=mesh, parallel=ll)
+    with pytest.raises(ValueError, match="return_stats=False would hide their count"):
+        moe(x)
+    y, stats = nnx.jit(lambda m, v: m(v, return_stats=True))(moe, x)
+    assert y.shape == (32, H) and stats["dropped"].shape == (8,)
+    assert int(np.asarray(stats["dropped"]).sum()) > 0  # 4 tokens per rank, 1 slot per peer
+    with pytest.raises(ValueError, match="return_stats: only used with a parallel pattern"):
+        MoE.from_params(raw, cfg)(x, return_stats=True)

@@ -8,12 +8,13 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from moe_jax import MoEConfig
 from moe_jax.parallel._compat import shard_map
 from moe_jax.parallel.bytes import layer_traffic, main, remote_ranks_per_token, row_bytes
-from moe_jax.parallel.ep_common import EPGroup, SendQuant
+from moe_jax.parallel.ep_common import EPGroup, send_quant_for
 from moe_jax.parallel.ep_normal import ep_moe_normal
 
 V3 = MoEConfig.deepseek_v3()
@@ -61,15 +62,18 @@ def test_table_relations():
     assert not dec[("dp_ep", "low_latency C=128", "fp8")].note
 
 
-def test_model_matches_the_buffers_in_the_lowered_hlo():
-    """The dense normal-mode all-to-all carries n * M rows of row_bytes each (uint8)."""
+@pytest.mark.parametrize("recipe", ["fp8_block", "mxfp8"])
+def test_model_matches_the_buffers_in_the_lowered_hlo(recipe):
+    """The dense normal-mode all-to-all carries n * M rows of row_bytes each (uint8), with the
+    recipe's activation group (128, or 32 for mxfp8) on the wire."""
     n, m, e, k, h = 8, 5, 16, 4, 256
     mesh = Mesh(np.array(jax.devices()[:n]), ("ep",))
     group = EPGroup(("ep",), n, e)
+    quant = send_quant_for(recipe, 90 if recipe == "fp8_block" else 100)
 
     def body(x, ids, w):
         fn = lambda xr, i, ww: xr.astype(jnp.float32)  # noqa: E731
-        return ep_moe_normal(x, ids, w, group, fn, impl="dense", quant=SendQuant(128, False),
+        return ep_moe_normal(x, ids, w, group, fn, impl="dense", quant=quant,
                              combine_dtype=jnp.bfloat16)[0]
 
     x = jax.ShapeDtypeStruct((n * m, h), jnp.bfloat16)
@@ -77,8 +81,13 @@ def test_model_matches_the_buffers_in_the_lowered_hlo():
     w = jax.ShapeDtypeStruct((n * m, k), jnp.float32)
     text = jax.jit(shard_map(body, mesh, (P("ep"),) * 3, P("ep"))).lower(x, ids, w).as_text()
     shapes = re.findall(r"stablehlo\.all_to_all.*?->\s*tensor<([0-9x]+)x(ui8|bf16)>", text)
-    assert sorted(shapes) == sorted([(f"{n * m}x{row_bytes(h, k, fp8=True, routing=True)}", "ui8"),
-                                     (f"{n * m}x{h}", "bf16")])
+    rb = h + 4 * (h // quant.group_size) + 8 * k  # FP8 values, f32 scales, ids, weights
+    assert sorted(shapes) == sorted([(f"{n * m}x{rb}", "ui8"), (f"{n * m}x{h}", "bf16")])
+    # the table's rows use the same row size: dense normal mode sends (n - 1) * M of them + returns
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=128, recipe=recipe)
+    dense = {t.wire: t.bytes_per_gpu for t in layer_traffic(cfg, n, m)
+             if t.pattern == "dp_ep" and t.mode == "normal (dense)"}
+    assert dense["fp8"] == (n - 1) * m * (rb + 2 * h)
 
 
 def test_cli_prints_every_pattern(capsys):

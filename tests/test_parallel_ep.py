@@ -342,6 +342,9 @@ def test_bad_inputs():
     ws = jax.ShapeDtypeStruct((M, K), jnp.float32)
     with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank: expected a positive int, got 0"):
         jax.eval_shape(lambda x, i, w: ll_dispatch(x, i, w, group, capacity=0, quant=None), xs, ks, ws)
+    with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank: expected a positive int, "
+                                         "got True"):
+        jax.eval_shape(lambda x, i, w: ll_dispatch(x, i, w, group, capacity=True, quant=None), xs, ks, ws)
     with pytest.raises(ValueError, match=r"slots: the ragged exchange is exact \(slots = M = 7\), got 3"):
         jax.eval_shape(lambda x, i, w: normal_dispatch(x, i, w, group, impl="ragged", quant=None, slots=3),
                        xs, ks, ws)

@@ -246,5 +246,100 @@ def test_bad_parallel_config():
         ParallelConfig("dp_ep", ("mp",), combine_dtype="float16")
     with pytest.raises(ValueError, match="ParallelConfig.shared_on_local_tokens: only meaningful"):
         ParallelConfig("tp", ("mp",), shared_on_local_tokens=True)
+    with pytest.raises(TypeError, match=r"ParallelConfig.moe_axes: expected axis names \(str\), got 3"):
+        ParallelConfig("tp", 3)
+    with pytest.raises(TypeError, match="ParallelConfig.quantize_dispatch: expected a bool, got 'no'"):
+        ParallelConfig("dp_ep", ("mp",), quantize_dispatch="no")
+    with pytest.raises(TypeError, match="ParallelConfig.strict_capacity: expected a bool, got 1"):
+        ParallelConfig("dp_ep", ("mp",), strict_capacity=1)
+    assert ParallelConfig("tp", ["mp"]).moe_axes == ("mp",)  # a list becomes a (hashable) tuple
     assert ParallelConfig("tp_ep", "mp").attn_tp_axes == ("mp",)  # default: the EP axes
     assert hash(ParallelConfig("tp", "mp")) == hash(ParallelConfig("tp", ("mp",)))
+
+
+def test_params_without_every_expert_refused_for_tp_patterns_too():
+    """TP patterns route over all experts with expert offset 0: a subset would be silently taken
+    for experts 0..E_local-1."""
+    local = jax.eval_shape(lambda k: init_params(k, CFG, num_local_experts=8), jax.random.key(0))
+    for pc in (ParallelConfig("tp", ("mp",)), ParallelConfig("dp_tp", ("mp",))):
+        with pytest.raises(ValueError, match=rf"params.w13: expected all 16 experts on axis 0 \(pattern "
+                                             rf"'{pc.pattern}' takes global params\), got shape "
+                                             r"\(8, 512, 256\)"):
+            _lower(CFG, pc, params=local)
+        with pytest.raises(ValueError, match=r"params.w13: expected all 16 experts"):
+            shard_params(init_params(jax.random.key(0), CFG, num_local_experts=8), CFG, _mesh((2, 4)), pc)
+
+
+def test_float_token_ids_refused():
+    tok = jnp.arange(T, dtype=jnp.float32)  # the DP gather would have cast them to int32
+    with pytest.raises(TypeError, match="token_ids: expected an integer dtype, got float32"):
+        _lower(CFG_HASH, ParallelConfig("dp_tp", ("mp",)), params=_abstract_params(CFG_HASH), token_ids=tok)
+
+
+def test_low_latency_capacity_that_can_drop_needs_stats():
+    pc = ParallelConfig("dp_ep", ("dp", "mp"), ep_mode="low_latency", num_max_dispatch_tokens_per_rank=5)
+    with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank=5 is below the static worst "
+                                         r"case of 6 tokens per rank, so routes can be dropped, and "
+                                         r"return_stats=False would hide their count"):
+        _lower(CFG, pc)
+    _lower(CFG, pc, return_stats=True)  # counted and returned: allowed
+    # attention-TP x EP: the worst case is the rank's 1/attn_tp share: 48 / dp 4 / mp 2 = 6 rows
+    tp_ep = ParallelConfig("tp_ep", ("dp", "mp"), attn_tp_axes=("mp",), ep_mode="low_latency",
+                           num_max_dispatch_tokens_per_rank=5)
+    with pytest.raises(ValueError, match="=5 is below the static worst case of 6 tokens per rank, so"):
+        _lower(CFG, tp_ep, shape=(4, 2))
+    _lower(CFG, dataclasses.replace(tp_ep, num_max_dispatch_tokens_per_rank=6), shape=(4, 2))
+
+
+def test_fp8_wire_follows_the_arch_prepared_params_run():
+    """config.arch None (fp8_block -> 90) with params prepared for 100: the GEMMs quantize
+    activations with UE8M0 scales, so the wire must too — then it is lossless (equal to bf16 rows)."""
+    from moe_jax import prepare_params
+
+    cfg = CFG_FP8
+    assert cfg.arch is None and cfg.gemm_arch == 90
+    params = prepare_params(_inputs(cfg)[0], cfg, 100)
+    x = _inputs(cfg)[1]
+    mesh = _mesh((2, 4))
+    pc = ParallelConfig("dp_ep", ("dp", "mp"))
+    placed = shard_params(params, cfg, mesh, pc)
+    f = jax.jit(sharded_moe_forward, static_argnames=_STATIC)
+    y_fp8 = np.asarray(f(x, placed, config=cfg, mesh=mesh, pc=pc).astype(jnp.float32))
+    y_bf16 = np.asarray(f(x, placed, config=cfg, mesh=mesh,
+                          pc=dataclasses.replace(pc, quantize_dispatch=False)).astype(jnp.float32))
+    assert np.isfinite(y_fp8).all() and np.abs(y_fp8).max() > 0
+    np.testing.assert_array_equal(y_fp8, y_bf16)
+
+
+def test_sharded_example_runs_and_checks_itself():
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "examples" / "sharded.py")], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if "max |y - moe_forward|" in ln]
+    assert len(lines) == 6, proc.stdout
+    for ln in lines:
+        assert float(ln.split("=")[-1]) <= 2**-6, ln
+
+
+def test_traced_out_of_range_counts_without_stats_poison_their_shard():
+    """Under jit the counts are data: without return_stats nobody would see a clamp, so the shard
+    whose count is outside [0, M] returns nan rows; the other shards are unaffected."""
+    cfg, mesh = CFG, _mesh((2, 4))
+    params, x, _, ref = _inputs(cfg)
+    pc = ParallelConfig("dp_tp", ("mp",))
+    lengths = np.array([6, 7, 3, 6, 0, 5, -1, 6], np.int32)  # shards 1 and 6 are out of range
+    f = jax.jit(sharded_moe_forward, static_argnames=_STATIC)
+    y = np.asarray(f(x, shard_params(params, cfg, mesh, pc), config=cfg, mesh=mesh, pc=pc,
+                     num_tokens=jnp.asarray(lengths)).astype(jnp.float32)).reshape(8, 6, -1)
+    assert np.isnan(y[[1, 6]]).all()
+    good = [0, 2, 3, 4, 5, 7]
+    assert np.isfinite(y[good]).all()
+    real = np.arange(6)[None, :] < lengths[good][:, None]
+    ref = ref.reshape(8, 6, -1)[good]
+    assert not y[good][~real].any()
+    np.testing.assert_allclose(y[good][real], ref[real], rtol=2 ** -6, atol=2 ** -6 * np.abs(ref).max())

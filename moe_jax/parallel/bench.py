@@ -6,8 +6,9 @@
 One row per (pattern, EP mode, tokens per device): median step time over --iters timed runs after
 --warmup runs (block_until_ready; fresh random inputs, burst protocol: the GPU idles between
 configurations), tokens/s, the bytes per device the layout moves (moe_jax.parallel.bytes, uniform
-routing), the implied GB/s, and the max error against single-device `moe_forward` (--check, small
-shapes only: the reference runs on one device). Everything is one 1-D mesh over all devices.
+routing), the implied GB/s, the max error against single-device `moe_forward` (--check, small
+shapes only: the reference runs on one device), and the routes the low-latency mode dropped over
+the timed runs (--capacity below the tokens per device). Everything is one 1-D mesh over all devices.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def bench(model: str = "small", recipe: str = "bf16", tokens=(128,), iters: int 
     mesh = Mesh(devs, ("x",))
     config = _config(model, n, recipe)
     params = init_params(jax.random.key(0), config)
-    f = jax.jit(sharded_moe_forward, static_argnames=("config", "mesh", "pc", "backend"))
+    f = jax.jit(sharded_moe_forward, static_argnames=("config", "mesh", "pc", "backend", "return_stats"))
     ref_fn = jax.jit(moe_forward, static_argnames=("config",))
     rows = []
     for t in tokens:
@@ -78,15 +79,17 @@ def bench(model: str = "small", recipe: str = "bf16", tokens=(128,), iters: int 
             # tokens per device t: replicated patterns ("tp", "tp_ep") hold t rows on every device
             total = t if pattern in ("tp", "tp_ep") else t * n
             spec = P(None, None) if pattern in ("tp", "tp_ep") else P("x", None)
-            times = []
+            times, dropped = [], 0
             for i in range(warmup + iters):
                 x = jax.random.normal(jax.random.key(100 + i), (total, config.hidden_size), jnp.bfloat16)
                 x = jax.device_put(x, NamedSharding(mesh, spec))
                 jax.block_until_ready(x)
                 t0 = time.perf_counter()
-                y = jax.block_until_ready(f(x, placed, config=config, mesh=mesh, pc=pc, backend=backend))
+                y, stats = jax.block_until_ready(f(x, placed, config=config, mesh=mesh, pc=pc,
+                                                   backend=backend, return_stats=True))
                 if i >= warmup:
                     times.append(time.perf_counter() - t0)
+                    dropped += int(np.asarray(stats["dropped"]).sum())
             sec = float(np.median(times))
             err = float("nan")
             if check:
@@ -95,7 +98,8 @@ def bench(model: str = "small", recipe: str = "bf16", tokens=(128,), iters: int 
                 err = float(np.abs(np.asarray(y, np.float32) - r).max() / max(np.abs(r).max(), 1e-30))
             b = _traffic(config, n, t, pattern, mode, cap, devs.flat[0].platform)
             rows.append(dict(pattern=pattern, mode=mode, tokens=t, devices=n, ms=sec * 1e3,
-                             tok_per_s=total / sec, mb=b / 1e6, gbps=b / sec / 1e9, rel_err=err))
+                             tok_per_s=total / sec, mb=b / 1e6, gbps=b / sec / 1e9, rel_err=err,
+                             dropped=dropped))
     return rows
 
 
@@ -115,14 +119,15 @@ def main(argv=None) -> None:
     dev = jax.devices()[0]
     print(f"# {len(jax.devices())} x {dev.device_kind} ({dev.platform}), model={a.model}, "
           f"recipe={a.recipe}, backend={a.backend}, median of {a.iters} after {a.warmup} warm-up (burst)")
-    print("| pattern | EP mode | tok/dev | ms | tok/s | MB/dev (computed) | GB/s | rel err |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| pattern | EP mode | tok/dev | ms | tok/s | MB/dev (computed) | GB/s | rel err "
+          "| dropped routes |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['pattern']} | {r['mode']} | {r['tokens']} | skipped: {r['error']} |||||")
+            print(f"| {r['pattern']} | {r['mode']} | {r['tokens']} | skipped: {r['error']} ||||||")
             continue
         print(f"| {r['pattern']} | {r['mode']} | {r['tokens']} | {r['ms']:.3f} | {r['tok_per_s']:.0f} | "
-              f"{r['mb']:.2f} | {r['gbps']:.2f} | {r['rel_err']:.1e} |")
+              f"{r['mb']:.2f} | {r['gbps']:.2f} | {r['rel_err']:.1e} | {r['dropped']} |")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ Model (n = ranks of the MoE group, T = tokens per GPU entering the layer, H hidd
   * ring algorithms: all-gather / reduce-scatter send (n-1)/n of the full buffer per GPU,
     all-reduce twice that; an all-to-all sends the (n-1)/n of its buffer meant for other GPUs,
     a ragged all-to-all only the real rows for other GPUs.
-  * a token row on the wire: FP8 H bytes + 4 bytes per 128-group scale (bf16: 2H), plus 4k bytes
-    of expert ids and 4k of weights when routing travels with it.
+  * a token row on the wire: FP8 H bytes + one f32 scale per activation group (128; 32 for mxfp8)
+    (bf16: 2H), plus 4k bytes of expert ids and 4k of weights when routing travels with it.
   * EP "normal" sends each token once to each remote GPU holding one of its experts; expected
     number under uniform routing: (n-1) * (1 - C(E - E/n, k) / C(E, k)) (DeepSeek-V3's group-limited
     routing lowers it further: at most topk_group groups per token).
@@ -27,9 +27,10 @@ from moe_jax.config import MoEConfig
 F32, BF16 = 4, 2
 
 
-def row_bytes(hidden: int, top_k: int, *, fp8: bool, routing: bool) -> int:
-    """Bytes of one token message: hidden row (FP8 + f32 scale per 128, or bf16) + ids/weights."""
-    x = hidden + 4 * -(-hidden // 128) if fp8 else BF16 * hidden
+def row_bytes(hidden: int, top_k: int, *, fp8: bool, routing: bool, group: int = 128) -> int:
+    """Bytes of one token message: hidden row (FP8 + f32 scale per `group` values, or bf16) +
+    ids/weights."""
+    x = hidden + F32 * -(-hidden // group) if fp8 else BF16 * hidden
     return x + (8 * top_k if routing else 0)
 
 
@@ -54,6 +55,7 @@ def layer_traffic(config: MoEConfig, n: int, tokens: int, *, capacity: int = 128
     """Every (pattern, EP mode, wire) for `tokens` per GPU over n ranks."""
     h, k, e = config.hidden_size, config.top_k, config.num_experts
     fp8 = config.recipe != "bf16"
+    group = 32 if config.recipe == "mxfp8" else 128  # the activation group (ep_common.send_quant_for)
     frac = (n - 1) / n
     r = remote_ranks_per_token(e, k, n)
     out = []
@@ -68,7 +70,7 @@ def layer_traffic(config: MoEConfig, n: int, tokens: int, *, capacity: int = 128
 
     def ep(t: float, pattern: str, extra: float, extra_name: str):
         for q in ([True, False] if fp8 else [False]):
-            rb = row_bytes(h, k, fp8=q, routing=True)
+            rb = row_bytes(h, k, fp8=q, routing=True, group=group)
             w = "fp8" if q else "bf16"
             back = BF16 * h
             out.append(Traffic(pattern, "normal (ragged)", w, "count a2a + 2 ragged a2a" + extra_name,

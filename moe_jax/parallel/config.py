@@ -21,8 +21,9 @@ EP modes (patterns "tp_ep" / "dp_ep"), the user's trade-off:
                    "auto" picks ragged on GPU/TPU.
   * "low_latency"  fixed buffers (DeepEP LL): `num_max_dispatch_tokens_per_rank` rows per peer
                    whatever the batch, masked layout on arrival; tokens beyond it are not sent and
-                   their routes counted (stats["dropped"]); `strict_capacity` makes a capacity
-                   below the static worst case (the rank's token buffer) a trace-time error.
+                   their routes counted (stats["dropped"]). A capacity below the static worst case
+                   (the rank's token buffer) needs `return_stats=True` (else a trace-time error:
+                   drops are never silent); `strict_capacity` makes it a trace-time error always.
   * "ring"         all-gather the tokens over the EP group, every rank runs its experts on all of
                    them, psum_scatter back: n x the bytes of an exact all-to-all, but two dense
                    collectives with no data-dependent sizes. Public reports measured
@@ -51,9 +52,9 @@ DEFAULT_NUM_MAX_DISPATCH_TOKENS_PER_RANK = 128
 def _axes(name: str, v) -> tuple[str, ...]:
     if isinstance(v, str):
         v = (v,)
-    v = tuple(v)
-    if not all(isinstance(a, str) for a in v):
+    if not isinstance(v, (tuple, list)) or not all(isinstance(a, str) for a in v):
         raise TypeError(f"ParallelConfig.{name}: expected axis names (str), got {v!r}")
+    v = tuple(v)
     if len(set(v)) != len(v):
         raise ValueError(f"ParallelConfig.{name}: repeated axis in {v!r}")
     return v
@@ -105,6 +106,9 @@ class ParallelConfig:
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"ParallelConfig.{name}: expected one of {DTYPES}, "
                                  f"got {getattr(self, name)!r}")
+        for name in ("strict_capacity", "quantize_dispatch", "shared_on_local_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ParallelConfig.{name}: expected a bool, got {getattr(self, name)!r}")
         if self.shared_on_local_tokens and self.pattern != "dp_tp":
             raise ValueError(f"ParallelConfig.shared_on_local_tokens: only meaningful for pattern "
                              f"'dp_tp', got {self.pattern!r}")

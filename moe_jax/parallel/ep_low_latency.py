@@ -10,8 +10,8 @@ m_pad >= n * C: one expert may receive every arrival).
 
 A rank sending more than C tokens to one peer cannot fit them: those (token, rank) rows are not
 sent and their routes are COUNTED (`dropped`), never silently lost. C >= M, the rank's token
-buffer, is the static worst case and never drops; `ParallelConfig.strict_capacity` turns a smaller C
-into a trace-time error.
+buffer, is the static worst case and never drops; `sharded_moe_forward` accepts a smaller C only
+with `return_stats=True`, and `ParallelConfig.strict_capacity` turns it into a trace-time error.
 
 Why not DeepEP's (source, expert) slots: a dense XLA all-to-all moves the whole buffer, and
 E * C rows (256 * 128 for DeepSeek-V3) would move 32x the rows of n * C per decode step.
@@ -32,7 +32,7 @@ def ll_dispatch(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, grou
     """x: (M, H), topk_ids (M, k) int32 global (-1 = no route), topk_weights (M, k) f32
     -> arrival rows (n * capacity of them, normal-mode format) and the return-trip handle
     (handle.dropped: routes not sent)."""
-    if not isinstance(capacity, int) or capacity < 1:
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
         raise ValueError(f"num_max_dispatch_tokens_per_rank: expected a positive int, got {capacity!r}")
     return normal_dispatch(x, topk_ids, topk_weights, group, impl="dense", quant=quant, slots=capacity)
 

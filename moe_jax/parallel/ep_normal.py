@@ -57,7 +57,6 @@ class NormalHandle(NamedTuple):
 
 
 def _plan(topk_ids: jax.Array, group: EPGroup, ragged: bool, slots: int):
-    m = topk_ids.shape[0]
     n = group.size
     dest = jnp.where(topk_ids >= 0, topk_ids // group.num_local_experts, -1)  # (M, k)
     has = jnp.any(dest[:, :, None] == jnp.arange(n, dtype=jnp.int32)[None, None, :], axis=1)  # (M, n)

@@ -44,7 +44,8 @@ from moe_jax.parallel.sharding import (axes_size, check_divisibility, from_tp_vi
 
 
 def _spec(axes: tuple[str, ...]):
-    return None if not axes else (axes if len(axes) > 1 else axes[0])
+    """PartitionSpec entry for rows sharded over `axes` (None: replicated)."""
+    return axis_name(axes) if axes else None
 
 
 def _routed_only(params: MoEParams, config: MoEConfig) -> tuple[MoEParams, MoEConfig]:
@@ -64,7 +65,13 @@ def _ep(x, topk_ids, topk_weights, params, config, pc: ParallelConfig, group: EP
     """The EP exchange + this rank's experts: (M, H) -> ((M, H) f32, dropped () int32)."""
     p, cfg = _routed_only(params, config)
     rank = group.rank()
-    quant = send_quant_for(config.recipe, config.gemm_arch) if pc.quantize_dispatch else None
+    # the wire carries what the GEMMs quantize to: prepared params fix the GEMM form (their arch may
+    # differ from config.gemm_arch when config.arch is None), checkpoint form is prepared for config's
+    if params.is_prepared:
+        recipe, arch = params.gemm_recipe, params.gemm_arch
+    else:
+        recipe, arch = config.recipe, config.gemm_arch
+    quant = send_quant_for(recipe, arch) if pc.quantize_dispatch else None
     combine_dtype = jnp.dtype(pc.combine_dtype)
 
     def expert_fn(xr, ids, w, layout=layout):
@@ -157,7 +164,7 @@ def _ep_pattern(x, token_ids, n_valid, params, config, pc: ParallelConfig, sizes
 
 
 def _body(x, token_ids, num_tokens, params, *, config: MoEConfig, pc: ParallelConfig,
-          mesh_axes: tuple[str, ...], sizes: dict, impl: str, layout, backend):
+          mesh_axes: tuple[str, ...], sizes: dict, impl: str, layout, backend, return_stats: bool):
     """Per device: x (M, H) -> (y (M, H) x.dtype, dropped (1,), num_tokens_out_of_range (1,))."""
     m = x.shape[0]
     tok_axes = pc.token_axes(mesh_axes)
@@ -178,11 +185,13 @@ def _body(x, token_ids, num_tokens, params, *, config: MoEConfig, pc: ParallelCo
     else:
         y, dropped = _ep_pattern(x, token_ids, n_valid, params, config, pc, sizes, impl=impl, **kw)
     y = jnp.where(valid[:, None], y, 0)
+    if not return_stats:  # nobody would see the count: the shard's rows carry it instead (nan)
+        y = jnp.where(bad_len > 0, jnp.asarray(jnp.nan, y.dtype), y)
     return y.astype(x.dtype), dropped[None], bad_len[None]
 
 
 def _check_inputs(x, token_ids, num_tokens, config: MoEConfig, pc: ParallelConfig, n_tok: int,
-                  tp_ep_size: int) -> int:
+                  tp_ep_size: int, return_stats: bool) -> int:
     if x.ndim != 2 or x.shape[1] != config.hidden_size:
         raise ValueError(f"x: expected (T, H={config.hidden_size}), got shape {tuple(x.shape)}")
     t = x.shape[0]
@@ -190,8 +199,11 @@ def _check_inputs(x, token_ids, num_tokens, config: MoEConfig, pc: ParallelConfi
         raise ValueError(f"x: {t} rows cannot be split over the {n_tok} token shards of pattern "
                          f"{pc.pattern!r} (T must be a multiple of {n_tok})")
     m = t // n_tok
-    if token_ids is not None and tuple(token_ids.shape) != (t,):
-        raise ValueError(f"token_ids: expected shape ({t},), got {tuple(token_ids.shape)}")
+    if token_ids is not None:
+        if tuple(token_ids.shape) != (t,):
+            raise ValueError(f"token_ids: expected shape ({t},), got {tuple(token_ids.shape)}")
+        if not jnp.issubdtype(token_ids.dtype, jnp.integer):  # the DP gather packs them as int32
+            raise TypeError(f"token_ids: expected an integer dtype, got {token_ids.dtype}")
     if num_tokens is not None:
         if pc.pattern == "cp":
             raise ValueError("num_tokens: pattern 'cp' gathers sequence segments whose every row is "
@@ -206,13 +218,19 @@ def _check_inputs(x, token_ids, num_tokens, config: MoEConfig, pc: ParallelConfi
             if (v < 0).any() or (v > m).any():
                 raise ValueError(f"num_tokens: every count must be in [0, {m}] (the padded per-rank "
                                  f"buffer of {m} rows), got {v.tolist()}")
-    if pc.is_ep and pc.ep_mode == "low_latency" and pc.strict_capacity:
+    if pc.is_ep and pc.ep_mode == "low_latency":
         per_rank = -(-m // tp_ep_size) if pc.pattern == "tp_ep" else m
         c = pc.num_max_dispatch_tokens_per_rank
-        if c < per_rank:
+        if c < per_rank and pc.strict_capacity:
             raise ValueError(f"num_max_dispatch_tokens_per_rank={c} is below the static worst case of "
                              f"{per_rank} tokens per rank (one expert can receive all of them); "
                              f"raise it or drop strict_capacity to get a dropped-route count instead")
+        if c < per_rank and not return_stats:
+            # routes past the capacity are dropped; without stats nobody would see the count
+            raise ValueError(f"num_max_dispatch_tokens_per_rank={c} is below the static worst case of "
+                             f"{per_rank} tokens per rank, so routes can be dropped, and return_stats="
+                             f"False would hide their count: pass return_stats=True (check_stats) or "
+                             f"raise the capacity to {per_rank}")
     return m
 
 
@@ -230,10 +248,12 @@ def sharded_moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, mesh
     `moe_forward`. Call under `jax.jit` with config, mesh, pc, layout, backend static.
 
     Returns y (T, H) x.dtype sharded like x, and with return_stats also a dict of (n_devices,)
-    int32 per device: "dropped" routes (LL mode over capacity; else 0) and
+    int32 per device: "dropped" routes (LL mode over capacity; else 0; a capacity below the static
+    worst case needs return_stats=True, else ValueError: drops are never silent) and
     "num_tokens_out_of_range" (1 where the shard's count was outside [0, M]: concrete counts raise
-    ValueError at call time, traced ones are clamped and reported here). `check_stats` raises on
-    either after the step.
+    ValueError at call time, traced ones are clamped and reported here; without return_stats that
+    shard's output rows are nan instead, never a silent clamp). `check_stats` raises on either
+    after the step.
     """
     check_auto_axes(mesh)
     if not isinstance(pc, ParallelConfig):
@@ -242,7 +262,7 @@ def sharded_moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, mesh
     sizes = {"moe": axes_size(mesh, pc.moe_axes), "attn_tp": axes_size(mesh, pc.attn_tp_axes)}
     tok_axes = pc.token_axes(mesh_axes)
     n_tok = axes_size(mesh, tok_axes)
-    _check_inputs(x, token_ids, num_tokens, config, pc, n_tok, sizes["attn_tp"])
+    _check_inputs(x, token_ids, num_tokens, config, pc, n_tok, sizes["attn_tp"], return_stats)
     check_divisibility(params, config, mesh, pc)
     if config.hash_routing and token_ids is None:
         raise ValueError("token_ids: required for a hash-routed layer (config.hash_routing), got None")
@@ -266,7 +286,7 @@ def sharded_moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, mesh
     specs.append(pspecs)
 
     body = partial(_body, config=config, pc=pc, mesh_axes=mesh_axes, sizes=sizes, impl=impl,
-                   layout=layout, backend=backend)
+                   layout=layout, backend=backend, return_stats=return_stats)
 
     def f(*a):
         kw = dict(zip(names, a[:-1]))

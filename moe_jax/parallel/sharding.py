@@ -19,12 +19,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moe_jax.config import MoEConfig
 from moe_jax.params import MoEParams
+from moe_jax.parallel.a2a import axis_name
 from moe_jax.parallel.config import ParallelConfig
 
 _EXPERT_FIELDS = ("w13", "w2", "w13_scale", "w2_scale")
 
 
 def axes_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    """Number of devices spanned by mesh axes `axes` (1 for ()); ValueError for an unknown axis."""
     for a in axes:
         if a not in mesh.shape:
             raise ValueError(f"mesh: axis {a!r} not in mesh axes {tuple(mesh.axis_names)}")
@@ -34,18 +36,16 @@ def axes_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
     return n
 
 
-def _spec_axes(axes: tuple[str, ...]):
-    return axes if len(axes) > 1 else axes[0]
-
-
 def check_divisibility(params: MoEParams, config: MoEConfig, mesh: Mesh, pc: ParallelConfig) -> None:
-    """Trace-time errors for mesh axes that do not divide E (EP) or I (TP)."""
+    """Trace-time errors for params that do not hold every expert, and for mesh axes that do not
+    divide E (EP) or I (TP)."""
     n = axes_size(mesh, pc.moe_axes)
+    e = params.w13.shape[0]
+    if e != config.num_experts:
+        # global params: EP shards them here, TP routes over all of them (expert_offset 0)
+        raise ValueError(f"params.w13: expected all {config.num_experts} experts on axis 0 (pattern "
+                         f"{pc.pattern!r} takes global params), got shape {tuple(params.w13.shape)}")
     if pc.is_ep:
-        e = params.w13.shape[0]
-        if e != config.num_experts:
-            raise ValueError(f"params.w13: expected all {config.num_experts} experts on axis 0 (the EP "
-                             f"patterns shard them), got shape {tuple(params.w13.shape)}")
         if e % n:
             raise ValueError(f"moe_axes {pc.moe_axes} (size {n}) must divide num_experts={e} for "
                              f"pattern {pc.pattern!r}")
@@ -96,7 +96,7 @@ def from_tp_view(params: MoEParams) -> MoEParams:
 
 def param_specs(params: MoEParams, pc: ParallelConfig) -> MoEParams:
     """A MoEParams of PartitionSpecs (None where the field is None). TP patterns expect the TP view."""
-    ax = _spec_axes(pc.moe_axes)
+    ax = axis_name(pc.moe_axes)
 
     def spec(name, a):
         if a is None:
