@@ -96,11 +96,17 @@ def _contig_reference(lhs, rhs, m_indices, *, lhs_scale, rhs_scale, recipe, arch
     m_cap, k = a.shape
     nb = m_cap // alignment
     # every segment starts at a multiple of `alignment`, so each block of `alignment` rows holds one
-    # expert's rows (plus its tail padding): one batched matmul per block, weights gathered per block
+    # expert's rows (plus its tail padding): one matmul per block against that expert's weights,
+    # looped so that no per-block copy of the weights is ever materialized (at a DeepSeek-V3
+    # prefill shape that copy would be ~34 GB)
     block_expert = jnp.max(m_indices.reshape(nb, alignment), axis=1)
-    wb = b[jnp.clip(block_expert, 0, b.shape[0] - 1)]  # (nb, N, K)
-    d = jnp.einsum("bmk,bnk->bmn", a.reshape(nb, alignment, k), wb, precision=_HI,
-                   preferred_element_type=jnp.float32).reshape(m_cap, -1)
+
+    def one_block(args):
+        a_blk, e = args
+        return jnp.einsum("mk,nk->mn", a_blk, b[e], precision=_HI, preferred_element_type=jnp.float32)
+
+    d = jax.lax.map(one_block, (a.reshape(nb, alignment, k), jnp.clip(block_expert, 0, b.shape[0] - 1)))
+    d = d.reshape(m_cap, -1)
     # m_indices that break the block contract (two experts in one block, i.e. segments not aligned
     # as `alignment` says) or name no expert of rhs would be multiplied with the wrong expert: such
     # rows become NaN instead

@@ -172,8 +172,8 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
     m_pad = default_masked_m_pad(m)
     for be in backends:
         row = dict(backend=be)
-        # The reference backend is slow and its contig GEMM holds a dequantized weight copy per row
-        # block: one input set, fewer rounds, so no dispatch holds several of those at once.
+        # The reference backend is slow (one matmul per 128-row block against dequantized fp32
+        # weights): one input set, fewer rounds.
         slow = be == "reference"
         n_sets = 1 if slow else reps
         kw = dict(rounds=2, chain=1) if slow else dict(chain=3)
