@@ -3,8 +3,9 @@
 Method: inputs are fresh random normals (weights ×0.05) quantized on the device (1x128 activation
 groups, 128x128 weight blocks); every weight set is larger than the L2. Times come from
 back-to-back asynchronous dispatch of a jitted call, divided by the number of calls:
-* burst: after 1 s idle and ~30 ms of untimed warm-up calls (the clock ramps up from idle), 10
-  calls; median of 3 rounds;
+* burst: after 1 s idle and ~30 ms of untimed warm-up calls (the clock ramps up from idle), at
+  least 10 calls and at least ~20 ms of them (so the host's dispatch gap before the first call is
+  under ~0.5 % of the window even for 0.3 ms GEMMs); median of 3 rounds;
 * sustained: 100 calls back to back, 400 for the masked decode (the H200 lowers its clock under its
   power cap).
 Error: relative Frobenius norm ‖D − R‖/‖R‖ over every row, R = float32 (HIGHEST) product of the
@@ -18,6 +19,7 @@ stderr; `--json PATH` (every row), `--markdown PATH`, `--plot PATH` (PNG: TFLOPS
 from __future__ import annotations
 
 import argparse
+import math
 import datetime
 import glob
 import json
@@ -78,7 +80,11 @@ def _timeit(f, args, *, burst_rounds=3, burst_iters=10, sustained_iters=150, idl
     jax.block_until_ready(f(*args))
     t0 = time.perf_counter()
     jax.block_until_ready(f(*args))
-    warm = max(1, int(0.03 / max(time.perf_counter() - t0, 1e-6)))  # ~30 ms of work brings the clock up
+    t_one = max(time.perf_counter() - t0, 1e-6)
+    warm = max(1, int(0.03 / t_one))  # ~30 ms of work brings the clock up
+    # a window of >= ~20 ms: the idle gap before the first call's kernel starts must not weigh on
+    # short calls (10 calls of a 0.28 ms GEMM made burst read lower than sustained)
+    burst_iters = max(burst_iters, math.ceil(0.02 / t_one)) if burst_iters > 2 else burst_iters
     burst = []
     for _ in range(burst_rounds):
         time.sleep(idle)
