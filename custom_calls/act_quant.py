@@ -22,7 +22,7 @@ def quantize_activation(x: jax.Array, recipe: str, arch: int) -> tuple[jax.Array
     """x: (..., rows, K) float -> (q, lhs_scale) in the (recipe, arch) format of the module table."""
     check_recipe_arch(recipe, arch)
     if recipe == "bf16":
-        return x.astype(jnp.bfloat16), None
+        return layouts.store_as(x, jnp.bfloat16), None
     if x.ndim < 2:
         raise ValueError(f"x: expected rank >= 2 (..., rows, K), got shape {tuple(x.shape)}")
     if recipe == "mxfp8":

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from layouts import store_as
 from custom_calls._checks import FLOATS, check_dtype, check_rank, check_recipe_arch, check_shape
 from custom_calls.act_quant import quantize_activation
 from custom_calls.backends import REFERENCE, register, resolve
@@ -80,7 +81,7 @@ def gated_activation(gateup: jax.Array, act: ActivationSpec) -> jax.Array:
 def _act_quant(gateup, act: ActivationSpec, recipe: str, arch: int):
     y = gated_activation(gateup, act)
     if not act.keep_fp32:
-        y = y.astype(jnp.bfloat16)
+        y = store_as(y, jnp.bfloat16)
     return quantize_activation(y, recipe, arch)
 
 

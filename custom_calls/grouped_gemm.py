@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import layouts
+from layouts import store_as
 from custom_calls._checks import (ACT_GROUP, FLOATS, WEIGHT_GROUP, act_scale_image_shape, ceil_div,
                                   check_dtype, check_rank, check_recipe_arch, check_shape, round_up)
 from custom_calls.backends import REFERENCE, register, resolve
@@ -113,7 +114,7 @@ def _contig_reference(lhs, rhs, m_indices, *, lhs_scale, rhs_scale, recipe, arch
     wrong = (m_indices >= 0) & ((m_indices != jnp.repeat(block_expert, alignment))
                                 | (m_indices >= b.shape[0]))
     d = jnp.where(wrong[:, None], jnp.nan, d)
-    return jnp.where((m_indices >= 0)[:, None], d, 0.0).astype(jnp.bfloat16)
+    return store_as(jnp.where((m_indices >= 0)[:, None], d, 0.0), jnp.bfloat16)
 
 
 def _masked_reference(lhs, rhs, masked_m, *, expected_m, lhs_scale, rhs_scale, recipe, arch):
@@ -122,7 +123,7 @@ def _masked_reference(lhs, rhs, masked_m, *, expected_m, lhs_scale, rhs_scale, r
     b = dequantize_rhs(rhs, rhs_scale, recipe, arch)
     d = jnp.einsum("gmk,gnk->gmn", a, b, precision=_HI, preferred_element_type=jnp.float32)
     valid = jnp.arange(a.shape[1])[None, :] < masked_m[:, None]
-    return jnp.where(valid[..., None], d, 0.0).astype(jnp.bfloat16)
+    return store_as(jnp.where(valid[..., None], d, 0.0), jnp.bfloat16)
 
 
 # jitted: one fused computation per static configuration, also when called eagerly

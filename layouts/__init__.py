@@ -22,6 +22,7 @@ from layouts.fp8 import (
     quantize_fp8_per_token_group,
     quantize_mxfp8,
 )
+from layouts.rounding import store_as
 from layouts.recipes import RECIPE_NAMES, MoEQuantInfo, QuantRecipe, get_recipe
 from layouts.scale_layout import (
     broadcast_block_scale_to_rows,
@@ -49,7 +50,7 @@ from layouts.weight_paths import (
 )
 
 __all__ = [
-    "SUPPORTED_ARCHS", "align", "ceil_div",
+    "SUPPORTED_ARCHS", "align", "ceil_div", "store_as",
     # recipes
     "RECIPE_NAMES", "QuantRecipe", "get_recipe", "MoEQuantInfo",
     # UE8M0

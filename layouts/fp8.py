@@ -23,6 +23,7 @@ from layouts._checks import (
     check_positive_int,
     check_shape,
 )
+from layouts.rounding import store_as
 from layouts.ue8m0 import ue8m0_scale_from_amax
 
 FP8_E4M3_MAX = 448.0
@@ -40,8 +41,9 @@ def fp8_scale_from_amax(amax: jax.Array, ue8m0: bool) -> jax.Array:
 
 
 def cast_to_e4m3(x: jax.Array) -> jax.Array:
-    """Saturating round-to-nearest-even cast: f32 (...) -> float8_e4m3fn (...), |q| <= 448."""
-    return jnp.clip(x, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(FP8_DTYPE)
+    """Saturating round-to-nearest-even cast: f32 (...) -> float8_e4m3fn (...), |q| <= 448
+    (through `store_as`: a later dequantization in the same program still sees the rounding)."""
+    return store_as(jnp.clip(x, -FP8_E4M3_MAX, FP8_E4M3_MAX), FP8_DTYPE)
 
 
 def _pad_last(x: jax.Array, axis: int, multiple: int) -> jax.Array:

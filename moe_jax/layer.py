@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from custom_calls import gated_activation, permute_contig, permute_masked, unpermute
-from layouts import get_recipe
+from layouts import get_recipe, store_as
 from moe_jax.config import MoEConfig
 from moe_jax.core import activation_spec, expert_core_contig, expert_core_masked
 from moe_jax.dispatch import (choose_layout, default_masked_m_pad, dispatch_contig, dispatch_masked,
@@ -138,9 +138,9 @@ def shared_experts(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dt
     check_shared(params, config)
     w13, w2 = params.shared_w13, params.shared_w2
     hi = jax.lax.Precision.HIGHEST
-    xb = x.astype(jnp.bfloat16).astype(jnp.float32)
-    gateup = jnp.einsum("mh,nh->mn", xb, w13.astype(jnp.float32), precision=hi).astype(jnp.bfloat16)
-    a = gated_activation(gateup, activation_spec(config)).astype(jnp.bfloat16)
+    xb = store_as(x, jnp.bfloat16).astype(jnp.float32)
+    gateup = store_as(jnp.einsum("mh,nh->mn", xb, w13.astype(jnp.float32), precision=hi), jnp.bfloat16)
+    a = store_as(gated_activation(gateup, activation_spec(config)), jnp.bfloat16)
     y = jnp.einsum("mi,hi->mh", a.astype(jnp.float32), w2.astype(jnp.float32), precision=hi)
     return y.astype(out_dtype)
 

@@ -44,6 +44,7 @@ CASES = {
     "pack_ue8m0": (functools.partial(L.pack_ue8m0, check=False), lambda: (_pow2(B, 5, 7),)),
     "unpack_ue8m0": (lambda p: L.unpack_ue8m0(p, 7), lambda: (L.pack_ue8m0(_pow2(B, 5, 7)),)),
     "cast_to_e4m3": (L.cast_to_e4m3, lambda: (_normal(B, 9) * 100,)),
+    "store_as": (lambda x: L.store_as(x, jnp.bfloat16), lambda: (_normal(B, 9),)),
     "fp8_scale_from_amax": (lambda a: L.fp8_scale_from_amax(a, True), lambda: (jnp.abs(_normal(B, 7)),)),
     "quantize_fp8_per_token_group": (functools.partial(L.quantize_fp8_per_token_group, group_size=32),
                                      lambda: (_normal(B, 4, 70),)),
