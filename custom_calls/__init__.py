@@ -9,15 +9,17 @@ from custom_calls.activation import (ActivationSpec, activation_quant_contig,
                                      activation_quant_masked, gated_activation)
 from custom_calls.backends import (AUTO, REFERENCE, Implementation, backends, get_default_backend,
                                    register, register_lazy, resolve, use_backend)
+from custom_calls.expert_rank import rank_within_expert
 from custom_calls.grouped_gemm import (dequantize_lhs, dequantize_rhs, m_grouped_gemm_contig,
                                        m_grouped_gemm_masked)
 from custom_calls.permute import permute_contig, permute_masked, scatter_rows
+from custom_calls.route_topk import route_topk
 from custom_calls.unpermute import unpermute
 
 __all__ = [
     "AUTO", "REFERENCE", "ActivationSpec", "Implementation", "activation_quant_contig",
     "activation_quant_masked", "backends", "dequantize_lhs", "dequantize_rhs", "gated_activation",
     "get_default_backend", "m_grouped_gemm_contig", "m_grouped_gemm_masked", "permute_contig",
-    "permute_masked", "quantize_activation", "register", "register_lazy", "resolve",
+    "permute_masked", "quantize_activation", "rank_within_expert", "register", "route_topk", "register_lazy", "resolve",
     "scatter_rows", "unpermute", "use_backend",
 ]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from custom_calls.expert_rank import rank_within_expert
 from moe_jax.validate import ceil_div, round_up
 
 MASKED_M_PAD_MULTIPLE = 256
@@ -66,19 +67,6 @@ def local_expert_ids(topk_ids: jax.Array, expert_offset, num_local_experts: int)
     return jnp.where(here, local, num_local_experts)
 
 
-def _rank_within_expert(e_flat: jax.Array, num_local_experts: int):
-    """e_flat (R,) in [0, E_local] -> (counts (E_local,), rank (R,) position of each route among the
-    routes of its expert, in (token, k) order)."""
-    r = e_flat.shape[0]
-    order = jnp.argsort(e_flat, stable=True)
-    counts_all = jnp.zeros((num_local_experts + 1,), jnp.int32).at[e_flat].add(1)
-    starts = jnp.cumsum(counts_all) - counts_all
-    sorted_e = e_flat[order]
-    rank_sorted = jnp.arange(r, dtype=jnp.int32) - starts[sorted_e]
-    rank = jnp.zeros((r,), jnp.int32).at[order].set(rank_sorted, unique_indices=True)
-    return counts_all[:num_local_experts], rank
-
-
 @dataclass(frozen=True)
 class ContigDispatch:
     """src2dst (M, k) int32 row of each route or -1; m_indices (M_cap,) int32 expert per row, -1 =
@@ -114,11 +102,12 @@ jax.tree_util.register_dataclass(MaskedDispatch, data_fields=["src2dst", "masked
                                  meta_fields=["m_pad", "expected_m"])
 
 
-@functools.partial(jax.jit, static_argnames=("num_local_experts", "alignment"))
+@functools.partial(jax.jit, static_argnames=("num_local_experts", "alignment", "backend"))
 def dispatch_contig(topk_ids: jax.Array, *, num_local_experts: int, alignment: int,
-                    expert_offset=0) -> ContigDispatch:
+                    expert_offset=0, backend: str | None = None) -> ContigDispatch:
     """topk_ids (M, k) global int ids -> ContigDispatch. Segments in expert order, each starting at
-    a multiple of `alignment`; within a segment routes keep (token, k) order."""
+    a multiple of `alignment`; within a segment routes keep (token, k) order. `backend` runs the
+    ranking (`custom_calls.rank_within_expert`); the result does not depend on it."""
     _check_dispatch_args(topk_ids, num_local_experts)
     if not isinstance(alignment, int) or alignment < 1:
         raise ValueError(f"alignment: expected a positive int, got {alignment!r}")
@@ -126,24 +115,28 @@ def dispatch_contig(topk_ids: jax.Array, *, num_local_experts: int, alignment: i
     e_loc = num_local_experts
     cap = contig_capacity(m, k, e_loc, alignment)
     e_flat = local_expert_ids(topk_ids, expert_offset, e_loc).reshape(-1)
-    counts, rank = _rank_within_expert(e_flat, e_loc)
+    counts, rank = rank_within_expert(e_flat, num_experts=e_loc, backend=backend)
     padded = (counts + alignment - 1) // alignment * alignment
     seg_start = jnp.cumsum(padded) - padded
     here = e_flat < e_loc
     dst = jnp.where(here, seg_start[jnp.minimum(e_flat, e_loc - 1)] + rank, -1)
-    # routes not held here go to distinct rows past the end (dropped): unique_indices stays true
-    beyond = cap + jnp.arange(e_flat.shape[0], dtype=jnp.int32)
-    m_indices = jnp.full((cap,), -1, jnp.int32).at[jnp.where(here, dst, beyond)].set(
-        e_flat, mode="drop", unique_indices=True)
+    # row r belongs to the last expert whose segment starts at or before r (empty segments start
+    # where the next one does), and holds a route if it lies within that expert's count: one
+    # compare-and-count pass instead of a scatter
+    row = jnp.arange(cap, dtype=jnp.int32)
+    owner = jnp.sum(seg_start[None, :] <= row[:, None], axis=1, dtype=jnp.int32) - 1
+    m_indices = jnp.where(row < seg_start[owner] + counts[owner], owner, -1)
     return ContigDispatch(src2dst=dst.reshape(m, k).astype(jnp.int32), m_indices=m_indices,
                           num_rows=jnp.sum(padded).astype(jnp.int32), counts=counts,
                           num_rows_cap=cap, alignment=alignment)
 
 
-@functools.partial(jax.jit, static_argnames=("num_local_experts", "m_pad", "num_experts_global"))
+@functools.partial(jax.jit, static_argnames=("num_local_experts", "m_pad", "num_experts_global", "backend"))
 def dispatch_masked(topk_ids: jax.Array, *, num_local_experts: int, m_pad: int,
-                    num_experts_global: int, expert_offset=0) -> MaskedDispatch:
-    """topk_ids (M, k) global int ids -> MaskedDispatch with (E_local, m_pad) slabs."""
+                    num_experts_global: int, expert_offset=0,
+                    backend: str | None = None) -> MaskedDispatch:
+    """topk_ids (M, k) global int ids -> MaskedDispatch with (E_local, m_pad) slabs; `backend` as
+    in `dispatch_contig`."""
     _check_dispatch_args(topk_ids, num_local_experts)
     m, k = topk_ids.shape
     if not isinstance(m_pad, int) or m_pad < 1 or m_pad % 128:
@@ -154,7 +147,7 @@ def dispatch_masked(topk_ids: jax.Array, *, num_local_experts: int, m_pad: int,
                          f"{default_masked_m_pad(m)})")
     e_loc = num_local_experts
     e_flat = local_expert_ids(topk_ids, expert_offset, e_loc).reshape(-1)
-    counts, rank = _rank_within_expert(e_flat, e_loc)
+    counts, rank = rank_within_expert(e_flat, num_experts=e_loc, backend=backend)
     fits = (e_flat < e_loc) & (rank < m_pad)
     dst = jnp.where(fits, e_flat * m_pad + rank, -1)
     return MaskedDispatch(src2dst=dst.reshape(m, k).astype(jnp.int32),

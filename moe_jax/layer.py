@@ -3,8 +3,9 @@ experts and the tail rule (routed + shared).
 
 Backends: `backend` is a name applied to every stage ("reference", "auto"), the name of an
 accelerated backend that implements some stages (`BACKEND_STAGES`: "deep_gemm" runs the GEMMs,
-"triton" the permute/activation/un-permute; the other stages use the reference), or a dict {stage: name} over the stages "permute", "gemm", "activation",
-"unpermute" (missing stages -> "reference"; as a tuple of (stage, name) pairs it is hashable, for
+"triton" the routing epilogue, dispatch ranking, permute, activation and un-permute; the other
+stages use the reference), or a dict {stage: name} over the stages "route", "dispatch", "permute",
+"gemm", "activation", "unpermute" (missing stages -> "reference"; as a tuple of (stage, name) pairs it is hashable, for
 static jit arguments). None -> the `custom_calls.use_backend` default.
 Resolution happens at trace time.
 """
@@ -26,10 +27,11 @@ from moe_jax.params import MoEParams, prepare_params
 from moe_jax.routing import route
 from moe_jax.validate import check_params, check_shared, check_x
 
-STAGES = ("permute", "gemm", "activation", "unpermute")
+STAGES = ("route", "dispatch", "permute", "gemm", "activation", "unpermute")
 # Accelerated backends that implement only some stages: a bare name runs those stages on it and the
 # others on the reference (backend="deep_gemm" = DeepGEMM GEMMs around reference permute/activation).
-BACKEND_STAGES = {"deep_gemm": ("gemm",), "triton": ("permute", "activation", "unpermute")}
+BACKEND_STAGES = {"deep_gemm": ("gemm",),
+                  "triton": ("route", "dispatch", "permute", "activation", "unpermute")}
 
 
 def _stage_backends(backend) -> dict[str, str | None]:
@@ -46,6 +48,11 @@ def _stage_backends(backend) -> dict[str, str | None]:
         return {s: backend.get(s, "reference") for s in STAGES}
     raise TypeError(f"backend: expected a name, a {{stage: name}} dict / pairs, or None, got "
                     f"{type(backend).__name__}")
+
+
+def stage_backend(backend, stage: str) -> str | None:
+    """The backend name `backend` (as `moe_forward` takes it) gives stage `stage` (one of STAGES)."""
+    return _stage_backends(backend)[stage]
 
 
 def resolve_layout(layout: str, config: MoEConfig, *, num_tokens: int, num_local_experts: int,
@@ -101,7 +108,7 @@ def routed_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, p
                             local_intermediate_size=i_loc)
     if layout == "contig":
         disp = dispatch_contig(topk_ids, num_local_experts=e_loc, alignment=config.alignment,
-                               expert_offset=expert_offset)
+                               expert_offset=expert_offset, backend=be["dispatch"])
         lhs, lhs_scale = permute_contig(x, disp.src2dst, num_rows=disp.num_rows_cap, recipe=recipe,
                                         arch=arch, backend=be["permute"])
         d = expert_core_contig(lhs, lhs_scale, disp, params, act, gemm_backend=be["gemm"],
@@ -109,7 +116,8 @@ def routed_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, p
     else:
         m_pad = config.masked_m_pad if config.masked_m_pad is not None else default_masked_m_pad(m)
         disp = dispatch_masked(topk_ids, num_local_experts=e_loc, m_pad=m_pad,
-                               num_experts_global=config.num_experts, expert_offset=expert_offset)
+                               num_experts_global=config.num_experts, expert_offset=expert_offset,
+                               backend=be["dispatch"])
         lhs, lhs_scale = permute_masked(x, disp.src2dst, num_groups=e_loc, m_pad=m_pad,
                                         recipe=recipe, arch=arch, backend=be["permute"])
         d = expert_core_masked(lhs, lhs_scale, disp, params, act, gemm_backend=be["gemm"],
@@ -159,7 +167,8 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
         raise ValueError(f"params.w13: moe_forward needs all {config.num_experts} experts, got "
                          f"{params.w13.shape[0]}; for an expert shard call routed_experts(..., "
                          f"expert_offset=first_expert) or moe_jax.parallel.sharded_moe_forward")
-    topk_ids, topk_weights = route(x, params, config, token_ids=token_ids)
+    topk_ids, topk_weights = route(x, params, config, token_ids=token_ids,
+                                   backend=stage_backend(backend, "route"))
     routed = routed_experts(x, topk_ids, topk_weights, params, config, layout=layout,
                             backend=backend, out_dtype=jnp.float32)
     shared = shared_experts(x, params, config, out_dtype=jnp.float32)

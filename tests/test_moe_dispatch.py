@@ -220,6 +220,32 @@ def test_bad_permute_and_unpermute_inputs():
         cc.unpermute(d[None], s2d, w)
 
 
+@pytest.mark.parametrize("r,e", [(0, 3), (1, 1), (517, 7), (4096, 32)])
+def test_rank_within_expert_reference_against_numpy(r, e):
+    from custom_calls import rank_within_expert
+
+    ids = np.asarray(jax.random.randint(jax.random.key(r + e), (r,), 0, e + 1, jnp.int32))
+    counts, rank = jax.jit(lambda i: rank_within_expert(i, num_experts=e))(jnp.asarray(ids))
+    seen = np.zeros(e + 1, np.int64)
+    want = np.empty(r, np.int64)
+    for i, v in enumerate(ids):  # routes of the same value before this one
+        want[i] = seen[v]
+        seen[v] += 1
+    np.testing.assert_array_equal(np.asarray(rank), want)
+    np.testing.assert_array_equal(np.asarray(counts), seen[:e])
+
+
+def test_bad_rank_within_expert_inputs():
+    from custom_calls import rank_within_expert
+
+    with pytest.raises(ValueError, match=r"e_flat: expected rank 1"):
+        rank_within_expert(jnp.zeros((2, 2), jnp.int32), num_experts=2)
+    with pytest.raises(TypeError, match=r"e_flat: expected dtype in \(int32\), got float32"):
+        rank_within_expert(jnp.zeros((4,), jnp.float32), num_experts=2)
+    with pytest.raises(ValueError, match="num_experts: expected a positive int, got 0"):
+        rank_within_expert(jnp.zeros((4,), jnp.int32), num_experts=0)
+
+
 def test_bad_dispatch_inputs():
     ids = jnp.zeros((4, 2), jnp.int32)
     with pytest.raises(ValueError, match=r"topk_ids: expected rank 2 \(M, top_k\), got shape \(8,\)"):

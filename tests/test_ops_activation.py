@@ -166,11 +166,12 @@ def test_gpu_backends_are_lazy_and_refused_off_gpu():
 def test_layer_stage_backends():
     from moe_jax.layer import _stage_backends
 
-    assert _stage_backends("auto") == dict.fromkeys(("permute", "gemm", "activation", "unpermute"), "auto")
-    assert _stage_backends("deep_gemm") == {"permute": "reference", "gemm": "deep_gemm",
-                                            "activation": "reference", "unpermute": "reference"}
-    assert _stage_backends("triton") == {"permute": "triton", "gemm": "reference",
-                                         "activation": "triton", "unpermute": "triton"}
+    stages = ("route", "dispatch", "permute", "gemm", "activation", "unpermute")
+    assert _stage_backends("auto") == dict.fromkeys(stages, "auto")
+    assert _stage_backends("deep_gemm") == {"route": "reference", "dispatch": "reference", "permute": "reference",
+                                            "gemm": "deep_gemm", "activation": "reference", "unpermute": "reference"}
+    assert _stage_backends("triton") == {"route": "triton", "dispatch": "triton", "permute": "triton",
+                                         "gemm": "reference", "activation": "triton", "unpermute": "triton"}
     got = _stage_backends((("gemm", "deep_gemm"),))
     assert got["gemm"] == "deep_gemm" and got["permute"] == "reference"
     with pytest.raises(ValueError, match="unknown stage\\(s\\) \\['gemmm'\\]"):

@@ -16,7 +16,8 @@ from custom_calls.activation import ActivationSpec
 
 backends = importlib.import_module("custom_calls.backends")
 
-OPS = ("permute_contig", "permute_masked", "activation_quant_contig", "activation_quant_masked", "unpermute")
+OPS = ("permute_contig", "permute_masked", "activation_quant_contig", "activation_quant_masked", "unpermute",
+       "rank_within_expert", "route_topk")
 
 
 def test_importing_custom_calls_imports_no_gpu_dependency():
@@ -44,6 +45,17 @@ def test_auto_on_cpu_is_the_reference():
     impl = backends.resolve("permute_contig", "auto", platform="cpu", num_tokens=4, hidden=256, top_k=2,
                             num_rows=128, recipe="fp8_block", arch=90, dtype=jnp.bfloat16)
     assert impl.backend == "reference"
+
+
+def test_dispatch_with_triton_ranking_on_cpu_is_an_error_naming_the_platform():
+    from moe_jax.dispatch import dispatch_contig
+
+    with pytest.raises(ValueError, match=r"rank_within_expert.*platform is 'cpu'"):
+        dispatch_contig(jnp.zeros((4, 2), jnp.int32), num_local_experts=2, alignment=8, backend="triton")
+    from custom_calls.triton import supports_rank_within_expert
+
+    ok, reason = supports_rank_within_expert(platform="gpu", num_experts=1024)
+    assert not ok and "num_experts: at most 1023 local experts, got 1024" in reason
 
 
 def test_supports_names_the_missing_gpu():
@@ -191,9 +203,11 @@ def test_kernels_compile_for_sm90_and_sm100(arch):
                  dict(R=rows, H=h, TOPK=8, SCALE=2.5, BLOCK_H=1024), arch)
     assert _vector_loads(c.asm["ptx"]) >= 8 and c.asm["cubin"]  # the 8 route rows in flight at once
     _lean(c)
-    from custom_calls.triton.dispatch_kernel import chunk_count_kernel, chunk_rank_kernel
+    from custom_calls.triton.dispatch_kernel import chunk_count_kernel, chunk_offsets_kernel, chunk_rank_kernel
 
     _lean(_compile(chunk_count_kernel, {"e_ptr": "*i32", "counts_ptr": "*i32"}, dict(R=32768, E_PAD=64, CHUNK=128), arch))
+    _lean(_compile(chunk_offsets_kernel, {"counts_ptr": "*i32", "offs_ptr": "*i32", "totals_ptr": "*i32"},
+                   dict(NC=256, NC_PAD=256, E_PAD=64), arch))
     _lean(_compile(chunk_rank_kernel, {"e_ptr": "*i32", "offs_ptr": "*i32", "rank_ptr": "*i32"},
                    dict(R=32768, E_PAD=64, CHUNK=128), arch))
     from custom_calls.triton.routing_kernel import route_topk_kernel

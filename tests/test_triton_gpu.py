@@ -234,7 +234,7 @@ def test_rank_within_expert_matches_the_argsort(r, e):
     from custom_calls.triton.dispatch_kernel import rank_within_expert
 
     ids = jax.random.randint(jax.random.PRNGKey(r), (r,), 0, e + 1, jnp.int32)
-    counts, rank = jax.jit(lambda i: rank_within_expert(i, e))(ids)
+    counts, rank = jax.jit(lambda i: rank_within_expert(i, num_experts=e))(ids)
     order = np.argsort(_np(ids), kind="stable")
     want = np.empty(r, np.int64)
     sorted_ids = _np(ids)[order]
@@ -244,33 +244,37 @@ def test_rank_within_expert_matches_the_argsort(r, e):
     assert np.array_equal(_np(counts), np.bincount(_np(ids), minlength=e + 1)[:e])
 
 
+@pytest.mark.parametrize("m,k,e_loc,offset", [(4096, 8, 32, 0), (37, 6, 5, 3), (0, 8, 4, 0)])
+def test_dispatch_with_triton_ranking_is_the_reference(m, k, e_loc, offset):
+    from moe_jax.dispatch import dispatch_contig, dispatch_masked
+
+    ids = jax.random.randint(jax.random.PRNGKey(m + k), (m, k), -1, e_loc + 2 * offset + 1, jnp.int32)
+    for be in ("triton", "auto"):
+        for fn, kw in ((dispatch_contig, dict(alignment=128)),
+                       (dispatch_masked, dict(m_pad=max(128, -(-m // 128) * 128), num_experts_global=64))):
+            got = fn(ids, num_local_experts=e_loc, expert_offset=offset, backend=be, **kw)
+            want = fn(ids, num_local_experts=e_loc, expert_offset=offset, backend="reference", **kw)
+            for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+                assert np.array_equal(_np(a), _np(b)), (fn.__name__, be)
+
+
 @pytest.mark.parametrize("scoring,e,k,n_group,topk_group,bias", [
     ("sigmoid", 256, 8, 8, 4, True),  # DeepSeek-V3
+    ("sigmoid", 32, 8, 8, 4, False),  # grouped, no bias: groups scored by their maximum
     ("sqrtsoftplus", 256, 6, 1, 1, True),  # DeepSeek-V4
     ("softmax", 60, 6, 1, 1, False),
 ])
 def test_route_topk_matches_routing(scoring, e, k, n_group, topk_group, bias):
-    from custom_calls.triton import route_topk
-    from moe_jax.config import MoEConfig
-    from moe_jax.routing import score, select_experts
+    from custom_calls import route_topk
 
     m = 1000
     key = jax.random.PRNGKey(e + k)
     logits = jax.random.normal(key, (m, e)) * 2
     b = 0.3 * jax.random.normal(jax.random.fold_in(key, 1), (e,)) if bias else None
-    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=128, intermediate_size=128, scoring=scoring,
-                    use_correction_bias=bias, use_grouped_topk=n_group > 1, n_group=n_group,
-                    topk_group=topk_group, norm_topk_prob=True)
-
-    def ref(lg, b):
-        s = score(lg, scoring)
-        ids = select_experts(s + (b if b is not None else 0.0), cfg)
-        w = jnp.take_along_axis(s, ids, axis=1)
-        return ids, w / (w.sum(-1, keepdims=True) + 1e-20)
-
     ids, w = jax.jit(lambda lg, b: route_topk(lg, b, top_k=k, scoring=scoring, n_group=n_group,
-                                              topk_group=topk_group))(logits, b)
-    rids, rw = jax.jit(ref)(logits, b)
+                                              topk_group=topk_group, backend="triton"))(logits, b)
+    rids, rw = jax.jit(lambda lg, b: route_topk(lg, b, top_k=k, scoring=scoring, n_group=n_group,
+                                                topk_group=topk_group, backend="reference"))(logits, b)
     same = (_np(ids) == _np(rids)).all(axis=1)
     assert same.mean() > 0.995  # a near-tie may order differently under different exp/sigmoid ulps
     np.testing.assert_allclose(_np(w)[same], _np(rw)[same], rtol=1e-5, atol=1e-7)

@@ -563,7 +563,7 @@ def case_unpermute_row_past_end():
 
 def _dispatch_case(seed, r, e, e_pad, chunk, strays=()):
     """strays: values outside [0, e] placed at the start; not counted, never indexing out of bounds."""
-    from custom_calls.triton.dispatch_kernel import chunk_count_kernel, chunk_rank_kernel
+    from custom_calls.triton.dispatch_kernel import chunk_count_kernel, chunk_offsets_kernel, chunk_rank_kernel
 
     rng = _rng(seed)
     ids = rng.integers(0, e + 1, r).astype(np.int32)  # value e: a route not held here
@@ -571,7 +571,12 @@ def _dispatch_case(seed, r, e, e_pad, chunk, strays=()):
     nc = ceil_div(r, chunk)
     counts = np.full((nc, e_pad), -7, np.int32)
     _launch(chunk_count_kernel, (nc,), ids, counts, R=r, E_PAD=e_pad, CHUNK=chunk)
-    offs = (np.cumsum(counts, axis=0) - counts).astype(np.int32)
+    offs = np.full((nc, e_pad), -7, np.int32)
+    totals = np.full(e_pad, -7, np.int32)
+    _launch(chunk_offsets_kernel, (e_pad,), counts, offs, totals, NC=nc, NC_PAD=1 << (nc - 1).bit_length(),
+            E_PAD=e_pad)
+    np.testing.assert_array_equal(offs, np.cumsum(counts, axis=0) - counts)
+    np.testing.assert_array_equal(totals, counts.sum(0))
     rank = np.full(r, -7, np.int32)
     _launch(chunk_rank_kernel, (nc,), ids, offs, rank, R=r, E_PAD=e_pad, CHUNK=chunk)
     held = (ids >= 0) & (ids < e_pad)

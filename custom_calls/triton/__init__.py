@@ -5,10 +5,10 @@ custom calls through jax_triton, behind the reference ops' names and signatures.
   permute_contig / _masked     custom_calls.triton.permute_kernel     x read once, top_k rows written
   activation_quant_contig/_m.  custom_calls.triton.activation_kernel  2I bf16 read, I e4m3 written
   unpermute                    custom_calls.triton.unpermute_kernel   top_k rows read, 1 row written
+  rank_within_expert           custom_calls.triton.dispatch_kernel    dispatch slot ranks, no sort
+  route_topk                   custom_calls.triton.routing_kernel     scores + grouped top-k + weights
   (quantize_activation)        custom_calls.triton.quant_kernel       x read, e4m3 + image written
-  (rank_within_expert)         custom_calls.triton.dispatch_kernel    dispatch slot ranks, no sort
-  (route_topk)                 custom_calls.triton.routing_kernel     scores + grouped top-k + weights
-The last three are plain functions (no registry op exists for them).
+The last is a plain function (the layer quantizes inside permute and activation).
 
 Scales are written directly in the grouped GEMM's memory image (fp32 MN-major TMA-aligned for
 arch 90, packed UE8M0 for arch 100). Importing this package imports neither triton nor jax_triton
@@ -30,6 +30,8 @@ from custom_calls.triton.support import (
     supports_activation_masked,
     supports_permute_contig,
     supports_permute_masked,
+    supports_rank_within_expert,
+    supports_route_topk,
     supports_unpermute,
 )
 
@@ -87,18 +89,18 @@ def quantize_activation(x: jax.Array, recipe: str, arch: int) -> tuple[jax.Array
     return quant_kernel.quantize_activation(x, recipe, arch)
 
 
-def rank_within_expert(e_flat: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
-    """Triton form of the dispatcher's stable-argsort ranking: e_flat (R,) int32 in [0, E] ->
+def rank_within_expert(e_flat: jax.Array, *, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """As `custom_calls.expert_rank.rank_within_expert`: e_flat (R,) int32 in [0, E] ->
     (counts (E,) int32, rank (R,) int32), rank = routes of the same value before it."""
     from custom_calls.triton import dispatch_kernel
 
-    return dispatch_kernel.rank_within_expert(e_flat, num_experts)
+    return dispatch_kernel.rank_within_expert(e_flat, num_experts=num_experts)
 
 
 def route_topk(logits: jax.Array, bias: jax.Array | None, *, top_k: int, scoring: str, n_group: int = 1,
                topk_group: int = 1, norm_topk_prob: bool = True) -> tuple[jax.Array, jax.Array]:
-    """Triton routing epilogue (see custom_calls.triton.routing_kernel): logits (M, E) f32 ->
-    (topk_ids (M, top_k) int32, topk_weights (M, top_k) f32), as moe_jax.routing after the gate GEMM."""
+    """As `custom_calls.route_topk.route_topk`: logits (M, E) f32 ->
+    (topk_ids (M, top_k) int32, topk_weights (M, top_k) f32)."""
     from custom_calls.triton import routing_kernel
 
     return routing_kernel.route_topk(logits, bias, top_k=top_k, scoring=scoring, n_group=n_group,
@@ -110,11 +112,15 @@ def _register() -> None:
     _permute_ref = importlib.import_module("custom_calls.permute")
     _activation_ref = importlib.import_module("custom_calls.activation")
     _unpermute_ref = importlib.import_module("custom_calls.unpermute")
+    _rank_ref = importlib.import_module("custom_calls.expert_rank")
+    _route_ref = importlib.import_module("custom_calls.route_topk")
     register(_permute_ref.OP_CONTIG, BACKEND, permute_contig, supports_permute_contig)
     register(_permute_ref.OP_MASKED, BACKEND, permute_masked, supports_permute_masked)
     register(_activation_ref.OP_CONTIG, BACKEND, activation_quant_contig, supports_activation_contig)
     register(_activation_ref.OP_MASKED, BACKEND, activation_quant_masked, supports_activation_masked)
     register(_unpermute_ref.OP, BACKEND, unpermute, supports_unpermute)
+    register(_rank_ref.OP, BACKEND, rank_within_expert, supports_rank_within_expert)
+    register(_route_ref.OP, BACKEND, route_topk, supports_route_topk)
 
 
 _register()
@@ -134,6 +140,8 @@ __all__ = [
     "supports_activation_masked",
     "supports_permute_contig",
     "supports_permute_masked",
+    "supports_rank_within_expert",
+    "supports_route_topk",
     "supports_unpermute",
     "unpermute",
 ]

@@ -14,6 +14,7 @@ from custom_calls.triton.launch import missing_dependencies
 
 SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}  # routing epilogue: code per scoring
 MAX_EXPERTS = 1024  # routing epilogue: one program holds whole expert rows
+MAX_RANK_EXPERTS = 1023  # dispatch ranking: a chunk's one-hot matrix has next_pow2(E + 1) columns
 MIN_CAPABILITY = (8, 9)  # e4m3 conversions in hardware (Ada / Hopper and newer)
 _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -96,6 +97,17 @@ def supports_activation_masked(*, platform: str, num_groups: int, m_pad: int, tw
 
 def supports_unpermute(*, platform: str, **_static) -> tuple[bool, str]:
     return _answer(_device_reason(platform))
+
+
+def supports_rank_within_expert(*, platform: str, num_experts: int, **_static) -> tuple[bool, str]:
+    too_many = (f"num_experts: at most {MAX_RANK_EXPERTS} local experts, got {num_experts}"
+                if num_experts > MAX_RANK_EXPERTS else "")
+    return _answer(too_many, _device_reason(platform))
+
+
+def supports_route_topk(*, platform: str, num_experts: int, top_k: int, scoring: str, n_group: int,
+                        topk_group: int, **_static) -> tuple[bool, str]:
+    return _answer(route_topk_reason(num_experts, top_k, scoring, n_group, topk_group), _device_reason(platform))
 
 
 def route_topk_reason(num_experts: int, top_k: int, scoring: str, n_group: int, topk_group: int) -> str:

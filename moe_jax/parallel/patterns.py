@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from moe_jax.config import MoEConfig
-from moe_jax.layer import routed_experts, shared_experts
+from moe_jax.layer import routed_experts, shared_experts, stage_backend
 from moe_jax.params import MoEParams
 from moe_jax.parallel._compat import check_auto_axes, mesh_platform, shard_map
 from moe_jax.parallel.a2a import axis_index, axis_name, resolve_impl
@@ -94,7 +94,7 @@ def _tp_moe(x, token_ids, valid, params, config, pc: ParallelConfig, *, layout, 
     """TP x TP-MoE: x (M, H) replicated over moe_axes; one psum of the routed partial sums, the
     replicated shared expert added after it."""
     params = from_tp_view(params)
-    ids, w = route(x, params, config, token_ids=token_ids)
+    ids, w = route(x, params, config, token_ids=token_ids, backend=stage_backend(backend, "route"))
     ids = jnp.where(valid[:, None], ids, -1)
     p, cfg = _routed_only(params, config)
     part = routed_experts(x, ids, w, p, cfg, layout=layout, backend=backend, out_dtype=jnp.float32)
@@ -122,7 +122,7 @@ def _gathered_tp_moe(x, token_ids, valid, params, config, pc: ParallelConfig, *,
         tg = g["token_ids"][:, 0] if token_ids is not None else None
     else:
         g, xg, tg = {}, jax.lax.all_gather(x, moe, axis=0, tiled=True), None
-    ids, w = route(xg, params, config, token_ids=tg)
+    ids, w = route(xg, params, config, token_ids=tg, backend=stage_backend(backend, "route"))
     if padded:
         ids = jnp.where(g["valid"] > 0, ids, -1)  # DP padding rows are never dispatched
     p, cfg = _routed_only(params, config)
@@ -153,7 +153,7 @@ def _ep_pattern(x, token_ids, n_valid, params, config, pc: ParallelConfig, sizes
         valid = _local_rank_rows(n_valid, ms, start=start)
     else:
         valid = _local_rank_rows(n_valid, m)
-    ids, w = route(x, params, config, token_ids=token_ids)
+    ids, w = route(x, params, config, token_ids=token_ids, backend=stage_backend(backend, "route"))
     ids = jnp.where(valid[:, None], ids, -1)  # padding rows are never sent
     routed, dropped = _ep(x, ids, w, params, config, pc, group, impl=impl, layout=layout,
                           backend=backend)
