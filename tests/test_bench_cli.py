@@ -16,7 +16,7 @@ from moe_jax.bench import layer as bench_layer
 from moe_jax.bench.__main__ import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-STAGES = ["route (gate GEMM + top-k)", "dispatch (jnp)", "permute+quant", "GEMM1", "activation+quant", "GEMM2",
+STAGES = ["route (gate GEMM + top-k)", "dispatch", "permute+quant", "GEMM1", "activation+quant", "GEMM2",
           "unpermute"]
 
 

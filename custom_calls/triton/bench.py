@@ -159,15 +159,9 @@ def run(reps: int = 6, decode: bool = True, sweep: bool = True) -> list[dict]:
     del ds
     # jnp stages outside the kernels
     ids = [routes(jax.random.fold_in(kk, 1), m) for kk in keys]
-    t = time_op(lambda i: dispatch_contig(i, num_local_experts=e, alignment=align), [(i,) for i in ids])
-    table.append(dict(kernel="dispatch_contig (jnp argsort)", us=t * 1e6))
-    print(json.dumps(table[-1]), flush=True)
-    from custom_calls.triton.dispatch_kernel import rank_within_expert
-    from moe_jax.dispatch import _rank_within_expert
-
-    for name, f in (("argsort (moe_jax.dispatch)", _rank_within_expert), ("triton", rank_within_expert)):
-        t = time_op(lambda i: f(i.reshape(-1), e), [(i,) for i in ids])
-        table.append(dict(kernel=f"  rank_within_expert {name}", us=t * 1e6))
+    for be in ("reference", "triton"):
+        t = time_op(lambda i: dispatch_contig(i, num_local_experts=e, alignment=align, backend=be), [(i,) for i in ids])
+        table.append(dict(kernel=f"dispatch_contig ({be} ranking)", us=t * 1e6))
         print(json.dumps(table[-1]), flush=True)
     for name, t in routing_bench(m, reps).items():
         table.append(dict(kernel=f"routing {name}" + ("" if "triton" in name else " (XLA)"), us=t * 1e6))

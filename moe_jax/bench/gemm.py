@@ -7,7 +7,9 @@ back-to-back asynchronous dispatch of a jitted call, divided by the number of ca
   least 10 calls and at least ~20 ms of them (so the host's dispatch gap before the first call is
   under ~0.5 % of the window even for 0.3 ms GEMMs); median of 3 rounds;
 * sustained: 100 calls back to back, 400 for the masked decode (the H200 lowers its clock under its
-  power cap).
+  power cap);
+* kernel (DeepGEMM rows): the median device duration of the kernel over one more burst, from a
+  profiler trace — kernel time without dispatch, the protocol of DeepGEMM's own benchmark.
 Error: relative Frobenius norm ‖D − R‖/‖R‖ over every row, R = float32 (HIGHEST) product of the
 dequantized operands, plus the worst single row. Launch overhead: per-GEMM time of a jitted chain
 of 32 small GEMMs minus the kernel's own duration (from a profiler trace).
@@ -73,7 +75,10 @@ def warmup_shapes(plan: list[tuple[str, tuple]]) -> list:
     return shapes
 
 
-def _timeit(f, args, *, burst_rounds=3, burst_iters=10, sustained_iters=150, idle=1.0):
+def _timeit(f, args, *, burst_rounds=3, burst_iters=10, sustained_iters=150, idle=1.0, kernel=None):
+    """(burst s, sustained s | None, kernel s | None). kernel: a substring of the GPU kernel's name;
+    its median device duration over one more burst, read from a profiler trace (the protocol of
+    DeepGEMM's own benchmark, which times kernels, not dispatch)."""
     import jax
 
     jax.block_until_ready(f(*args))
@@ -103,7 +108,24 @@ def _timeit(f, args, *, burst_rounds=3, burst_iters=10, sustained_iters=150, idl
             out = f(*args)
         jax.block_until_ready(out)
         sustained = (time.perf_counter() - t0) / sustained_iters
-    return statistics.median(burst), sustained
+    kernel_s = None
+    if kernel:
+        try:
+            with tempfile.TemporaryDirectory() as d:
+                time.sleep(idle)
+                for _ in range(warm):
+                    out = f(*args)
+                jax.block_until_ready(out)
+                jax.profiler.start_trace(d)
+                for _ in range(burst_iters):
+                    out = f(*args)
+                jax.block_until_ready(out)
+                jax.profiler.stop_trace()
+                ns = _kernel_ns(d, kernel)
+            kernel_s = ns / 1e9 if ns else None
+        except Exception as e:  # the profiler is optional: the column stays empty, and says why
+            print(f"kernel timing unavailable: {type(e).__name__}: {e}", file=sys.stderr)
+    return statistics.median(burst), sustained, kernel_s
 
 
 def _quant_inputs(key, g, rows, n, k):
@@ -216,13 +238,16 @@ def run(args) -> int:
     progress = Progress("gemm first calls")
 
     def row(impl, kind, shape, t, flops=None, bytes_=None, err=(None, None), note=""):
-        burst, sus = t if t else (None, None)
+        burst, sus, kern = t if t else (None, None, None)
         r = {"impl": impl, "kind": kind, "shape": shape,
              "burst_ms": burst * 1e3 if burst else None, "sustained_ms": sus * 1e3 if sus else None,
+             "kernel_ms": kern * 1e3 if kern else None,
              "tflops_burst": flops / burst / 1e12 if (flops and burst) else None,
              "tflops_sustained": flops / sus / 1e12 if (flops and sus) else None,
+             "tflops_kernel": flops / kern / 1e12 if (flops and kern) else None,
              "tbps_burst": bytes_ / burst / 1e12 if (bytes_ and burst) else None,
              "tbps_sustained": bytes_ / sus / 1e12 if (bytes_ and sus) else None,
+             "tbps_kernel": bytes_ / kern / 1e12 if (bytes_ and kern) else None,
              "rel_err": err[0], "worst_row_err": err[1], "note": note}
         rows_out.append(r)
         progress.print_out(_fmt_row(r))
@@ -305,7 +330,8 @@ def _bench_contig(key, shp, row, *, ragged, fp8_ragged, sustained_iters, step=la
                                                                     recipe="fp8_block", arch=90))
     step("deep_gemm fp8")
     out = jax.block_until_ready(f8(qa, qb, m_idx, img, sb))
-    row("deep_gemm fp8", "contig", shape, _timeit(f8, (qa, qb, m_idx, img, sb), sustained_iters=sustained_iters),
+    row("deep_gemm fp8", "contig", shape, _timeit(f8, (qa, qb, m_idx, img, sb), sustained_iters=sustained_iters,
+                                                  kernel="sm90_fp8_gemm_1d2d"),
         flops, err=rel_errors(out, ref))
     del ref, out
     xb = x.astype(jnp.bfloat16)
@@ -317,7 +343,8 @@ def _bench_contig(key, shp, row, *, ragged, fp8_ragged, sustained_iters, step=la
         fb = jax.jit(lambda a, b, m: dg.m_grouped_gemm_contig(a, b, m, recipe="bf16", arch=90))
         step("deep_gemm bf16")
         out = jax.block_until_ready(fb(xb, wb, m_idx))
-        row("deep_gemm bf16", "contig", shape, _timeit(fb, (xb, wb, m_idx), sustained_iters=sustained_iters),
+        row("deep_gemm bf16", "contig", shape, _timeit(fb, (xb, wb, m_idx), sustained_iters=sustained_iters,
+                                                       kernel="sm90_bf16_gemm"),
             flops, err=rel_errors(out, refb))
         del refb, wb, out
     if ragged:
@@ -368,7 +395,8 @@ def _bench_masked(key, shp, row, *, ragged, fp8_ragged, sustained_iters, step=la
     # Effective bytes: weights + real activation rows + real output rows.
     bytes_ = g * n * k + g * em * k + g * em * n * 2
     row("deep_gemm fp8", "masked", shape, _timeit(fm, (qa3, qb, masked_m, img, sb),
-                                                  sustained_iters=sustained_iters * 4),
+                                                  sustained_iters=sustained_iters * 4,
+                                                  kernel="sm90_fp8_gemm_1d2d"),
         2.0 * g * em * n * k, bytes_=bytes_, err=rel_errors(out[:, :em], ref))
     if ragged:
         xb = x.reshape(g, m_pad, k)[:, :em].reshape(g * em, k).astype(jnp.bfloat16)
@@ -388,8 +416,9 @@ def dg_image(sf):
     return layouts.to_mn_major_tma_aligned(sf)
 
 
-_HEADER = ("| implementation | kind | shape | burst ms | sustained ms | TFLOPS burst | TFLOPS sustained "
-           "| TB/s burst | TB/s sustained | rel err | worst row | note |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+_HEADER = ("| implementation | kind | shape | burst ms | sustained ms | kernel ms | TFLOPS burst | TFLOPS sustained "
+           "| TFLOPS kernel | TB/s burst | TB/s sustained | TB/s kernel | rel err | worst row | note |\n"
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _fmt_row(r) -> str:
@@ -400,6 +429,7 @@ def _fmt_row(r) -> str:
         return "–" if v is None else f"{v:.2e}"
 
     return (f"| {r['impl']} | {r['kind']} | {r['shape']} | {f(r['burst_ms'], 4)} | {f(r['sustained_ms'], 4)} "
-            f"| {f(r['tflops_burst'], 1)} | {f(r['tflops_sustained'], 1)} | {f(r['tbps_burst'], 2)} "
-            f"| {f(r['tbps_sustained'], 2)} "
+            f"| {f(r['kernel_ms'], 4)} | {f(r['tflops_burst'], 1)} | {f(r['tflops_sustained'], 1)} "
+            f"| {f(r['tflops_kernel'], 1)} | {f(r['tbps_burst'], 2)} | {f(r['tbps_sustained'], 2)} "
+            f"| {f(r['tbps_kernel'], 2)} "
             f"| {e(r['rel_err'])} | {e(r['worst_row_err'])} | {r['note']} |")

@@ -122,7 +122,7 @@ def _weight_bytes(params) -> int:
     return sum(a.size * a.dtype.itemsize for a in (params.w13, params.w13_scale, params.w2, params.w2_scale))
 
 
-STAGES = ("route (gate GEMM + top-k)", "dispatch (jnp)", "permute+quant", "GEMM1", "activation+quant", "GEMM2",
+STAGES = ("route (gate GEMM + top-k)", "dispatch", "permute+quant", "GEMM1", "activation+quant", "GEMM2",
           "unpermute")
 # compile steps per backend: end to end, with routing, output, other layout, memory analysis, stages
 STEPS_PER_BACKEND = 5 + len(STAGES)
@@ -143,7 +143,7 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
     from moe_jax.bench._cli import Progress, run_untuned
     from moe_jax.core import activation_spec
     from moe_jax.dispatch import default_masked_m_pad, dispatch_contig, dispatch_masked
-    from moe_jax.layer import moe_forward, routed_experts
+    from moe_jax.layer import moe_forward, routed_experts, stage_backend
     from moe_jax.params import init_params, prepare_params
     from moe_jax.routing import route
 
@@ -156,19 +156,22 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
     jax.block_until_ready(params.w13)
     e, h = cfg.num_experts, cfg.hidden_size
     recipe, arch, act = params.gemm_recipe, params.gemm_arch, activation_spec(cfg)
+    w13, w2 = (params.w13, params.w13_scale), (params.w2, params.w2_scale)
     keys = jax.random.split(jax.random.PRNGKey(1), reps)
     xs = [jax.random.normal(kk, (m, h), jnp.bfloat16) for kk in keys]
     routed = [route(x, params, cfg) for x in xs]
     result = dict(shape=name, tokens=m, layout=layout, weights_GB=_weight_bytes(params) / 1e9)
 
-    def forward(backend):
-        return lambda x, ids, w: routed_experts(x, ids, w, params, cfg, layout=layout, backend=backend)
+    # params travel as jit arguments: closed over, 1.4 GB of weights would be embedded in every
+    # program as constants (a minute of XLA compile per program at the prefill shape)
+    def forward(backend, lay=layout):
+        return lambda p, x, ids, w: routed_experts(x, ids, w, p, cfg, layout=lay, backend=backend)
 
     ref32 = None
     if error:
         progress.step(f"{name}: float32 model")
         ref32 = jax.block_until_ready(
-            run_untuned(lambda x, i, w: _fp32_model(x, i, w, params, cfg), xs[0], *routed[0]))
+            run_untuned(lambda p, x, i, w: _fp32_model(x, i, w, p, cfg), params, xs[0], *routed[0]))
     m_pad = default_masked_m_pad(m)
     for be in backends:
         row = dict(backend=be)
@@ -184,76 +187,71 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
 
         try:
             f = forward(be)
-            row["end_to_end_us"] = timed("end to end", f, [(x, *r) for x, r in zip(xs, routed)]) * 1e6
+            row["end_to_end_us"] = timed("end to end", f, [(params, x, *r) for x, r in zip(xs, routed)]) * 1e6
             row["with_routing_us"] = timed(
-                "with routing", lambda x: moe_forward(x, params, cfg, layout=layout, backend=be),
-                [(x,) for x in xs]) * 1e6
+                "with routing", lambda p, x: moe_forward(x, p, cfg, layout=layout, backend=be),
+                [(params, x) for x in xs]) * 1e6
             progress.step(f"{name} {be}: output")
-            out = jax.jit(f)(xs[0], *routed[0])
+            out = jax.jit(f)(params, xs[0], *routed[0])
             if ref32 is not None:
                 row.update(_errors(out, ref32))
             other = "masked" if layout == "contig" else "contig"
             progress.step(f"{name} {be}: output, {other} layout")
-            out_other = jax.jit(lambda x, i, w: routed_experts(x, i, w, params, cfg, layout=other, backend=be))(
-                xs[0], *routed[0])
+            out_other = jax.jit(forward(be, other))(params, xs[0], *routed[0])
             row[f"vs_{other}_rel"] = _errors(out, out_other.astype(jnp.float32))["rel_err"]
             del out_other
             progress.note(f"{name} {be}: end to end {row['end_to_end_us']:.1f} us"
                           + (f", rel err {row['rel_err']:.2e}" if "rel_err" in row else ""))
             progress.step(f"{name} {be}: memory analysis")
-            compiled = jax.jit(f).lower(xs[0], *routed[0]).compile()
+            compiled = jax.jit(f).lower(params, xs[0], *routed[0]).compile()
             mem = compiled.memory_analysis()
             row["temp_MB"] = getattr(mem, "temp_size_in_bytes", float("nan")) / 1e6
             # stage by stage on the layer's own tensors
             stages = {}
-            stages[STAGES[0]] = timed(STAGES[0], lambda x: route(x, params, cfg), [(x,) for x in xs])
+            stages[STAGES[0]] = timed(STAGES[0], lambda p, x: route(x, p, cfg, backend=stage_backend(be, "route")),
+                                      [(params, x) for x in xs])
             if layout == "contig":
-                disp = [dispatch_contig(i, num_local_experts=e, alignment=cfg.alignment) for i, _ in routed[:n_sets]]
+                dc = lambda i: dispatch_contig(i, num_local_experts=e, alignment=cfg.alignment, backend=be)  # noqa: E731
+                disp = [dc(i) for i, _ in routed[:n_sets]]
                 rows = disp[0].num_rows_cap
-                stages[STAGES[1]] = timed(STAGES[1], lambda i: dispatch_contig(i, num_local_experts=e,
-                                                                               alignment=cfg.alignment),
-                                          [(i,) for i, _ in routed])
+                stages[STAGES[1]] = timed(STAGES[1], dc, [(i,) for i, _ in routed])
                 perm = lambda x, s: permute_contig(x, s, num_rows=rows, recipe=recipe, arch=arch, backend=be)  # noqa: E731
                 stages[STAGES[2]] = timed(STAGES[2], perm, [(x, d.src2dst) for x, d in zip(xs, disp)])
                 lhs = [perm(x, d.src2dst) for x, d in zip(xs, disp)]
-                g1 = lambda a, s, mi: m_grouped_gemm_contig(a, params.w13, mi, lhs_scale=s, rhs_scale=params.w13_scale,  # noqa: E731
-                                                            recipe=recipe, arch=arch, alignment=cfg.alignment, backend=be)
-                stages[STAGES[3]] = timed(STAGES[3], g1, [(a, s, d.m_indices) for (a, s), d in zip(lhs, disp)])
-                gu = [g1(a, s, d.m_indices) for (a, s), d in zip(lhs, disp)]
+                g1 = lambda w, ws, a, s, mi: m_grouped_gemm_contig(a, w, mi, lhs_scale=s, rhs_scale=ws,  # noqa: E731
+                                                                   recipe=recipe, arch=arch, alignment=cfg.alignment,
+                                                                   backend=be)
+                stages[STAGES[3]] = timed(STAGES[3], g1, [(*w13, a, s, d.m_indices) for (a, s), d in zip(lhs, disp)])
+                gu = [g1(*w13, a, s, d.m_indices) for (a, s), d in zip(lhs, disp)]
                 del lhs
                 aq = lambda g: activation_quant_contig(g, act=act, recipe=recipe, arch=arch, backend=be)  # noqa: E731
                 stages[STAGES[4]] = timed(STAGES[4], aq, [(g,) for g in gu])
                 acts = [aq(g) for g in gu]
                 del gu
-                g2 = lambda a, s, mi: m_grouped_gemm_contig(a, params.w2, mi, lhs_scale=s, rhs_scale=params.w2_scale,  # noqa: E731
-                                                            recipe=recipe, arch=arch, alignment=cfg.alignment, backend=be)
-                stages[STAGES[5]] = timed(STAGES[5], g2, [(a, s, d.m_indices) for (a, s), d in zip(acts, disp)])
-                ds = [g2(a, s, d.m_indices) for (a, s), d in zip(acts, disp)]
+                stages[STAGES[5]] = timed(STAGES[5], g1, [(*w2, a, s, d.m_indices) for (a, s), d in zip(acts, disp)])
+                ds = [g1(*w2, a, s, d.m_indices) for (a, s), d in zip(acts, disp)]
                 del acts
                 gemm_in_out = _gemm_activation_bytes(rows, h, cfg.intermediate_size)
             else:
-                disp = [dispatch_masked(i, num_local_experts=e, m_pad=m_pad, num_experts_global=e)
-                        for i, _ in routed[:n_sets]]
-                stages[STAGES[1]] = timed(STAGES[1], lambda i: dispatch_masked(i, num_local_experts=e, m_pad=m_pad,
-                                                                               num_experts_global=e),
-                                          [(i,) for i, _ in routed])
+                dm = lambda i: dispatch_masked(i, num_local_experts=e, m_pad=m_pad, num_experts_global=e,  # noqa: E731
+                                               backend=be)
+                disp = [dm(i) for i, _ in routed[:n_sets]]
+                stages[STAGES[1]] = timed(STAGES[1], dm, [(i,) for i, _ in routed])
                 perm = lambda x, s: permute_masked(x, s, num_groups=e, m_pad=m_pad, recipe=recipe, arch=arch, backend=be)  # noqa: E731
                 stages[STAGES[2]] = timed(STAGES[2], perm, [(x, d.src2dst) for x, d in zip(xs, disp)])
                 lhs = [perm(x, d.src2dst) for x, d in zip(xs, disp)]
                 em = disp[0].expected_m
-                g1 = lambda a, s, mm: m_grouped_gemm_masked(a, params.w13, mm, expected_m=em, lhs_scale=s,  # noqa: E731
-                                                            rhs_scale=params.w13_scale, recipe=recipe, arch=arch, backend=be)
-                stages[STAGES[3]] = timed(STAGES[3], g1, [(a, s, d.masked_m) for (a, s), d in zip(lhs, disp)])
-                gu = [g1(a, s, d.masked_m) for (a, s), d in zip(lhs, disp)]
+                g1 = lambda w, ws, a, s, mm: m_grouped_gemm_masked(a, w, mm, expected_m=em, lhs_scale=s,  # noqa: E731
+                                                                   rhs_scale=ws, recipe=recipe, arch=arch, backend=be)
+                stages[STAGES[3]] = timed(STAGES[3], g1, [(*w13, a, s, d.masked_m) for (a, s), d in zip(lhs, disp)])
+                gu = [g1(*w13, a, s, d.masked_m) for (a, s), d in zip(lhs, disp)]
                 del lhs
                 aq = lambda g, mm: activation_quant_masked(g, mm, act=act, recipe=recipe, arch=arch, backend=be)  # noqa: E731
                 stages[STAGES[4]] = timed(STAGES[4], aq, [(g, d.masked_m) for g, d in zip(gu, disp)])
                 acts = [aq(g, d.masked_m) for g, d in zip(gu, disp)]
                 del gu
-                g2 = lambda a, s, mm: m_grouped_gemm_masked(a, params.w2, mm, expected_m=em, lhs_scale=s,  # noqa: E731
-                                                            rhs_scale=params.w2_scale, recipe=recipe, arch=arch, backend=be)
-                stages[STAGES[5]] = timed(STAGES[5], g2, [(a, s, d.masked_m) for (a, s), d in zip(acts, disp)])
-                ds = [g2(a, s, d.masked_m).reshape(e * m_pad, h) for (a, s), d in zip(acts, disp)]
+                stages[STAGES[5]] = timed(STAGES[5], g1, [(*w2, a, s, d.masked_m) for (a, s), d in zip(acts, disp)])
+                ds = [g1(*w2, a, s, d.masked_m).reshape(e * m_pad, h) for (a, s), d in zip(acts, disp)]
                 del acts
                 gemm_in_out = _gemm_activation_bytes(e * m_pad, h, cfg.intermediate_size)
             stages[STAGES[6]] = timed(
@@ -356,11 +354,13 @@ def run(args) -> int:
 
 
 def _copy_bandwidth(n: int) -> float:
+    """Bytes/s (read + write) of an XLA elementwise pass over n float32 values (the f32 pass is the
+    fastest XLA copy measured on the H200, so the decode roofline is not flattered)."""
     import jax
     import jax.numpy as jnp
 
-    x = [jax.random.normal(jax.random.PRNGKey(i), (n,), jnp.bfloat16) for i in range(2)]
-    return 2 * x[0].size * 2 / time_op(lambda a: -a, [(a,) for a in x], chain=3)
+    x = [jax.random.normal(jax.random.PRNGKey(i), (n,), jnp.float32) for i in range(2)]
+    return 2 * x[0].size * 4 / time_op(lambda a: -a, [(a,) for a in x], chain=3)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
