@@ -2,8 +2,8 @@
 of every route among the routes of its expert, in (token, k) order. The dispatcher
 (moe_jax.dispatch) turns these into segment offsets and `src2dst`.
 
-The reference uses a stable argsort (O(R log R), ~150 µs for 32768 routes on an H200); the
-Triton backend counts and ranks in two sort-free passes.
+The reference uses a stable argsort (O(R log R), ~120 µs for 32768 routes on an H200); the
+Triton backend counts and ranks with three small sort-free kernels.
 """
 
 from __future__ import annotations

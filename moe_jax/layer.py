@@ -5,8 +5,8 @@ Backends: `backend` is a name applied to every stage ("reference", "auto"), the 
 accelerated backend that implements some stages (`BACKEND_STAGES`: "deep_gemm" runs the GEMMs,
 "triton" the routing epilogue, dispatch ranking, permute, activation and un-permute; the other
 stages use the reference), or a dict {stage: name} over the stages "route", "dispatch", "permute",
-"gemm", "activation", "unpermute" (missing stages -> "reference"; as a tuple of (stage, name) pairs it is hashable, for
-static jit arguments). None -> the `custom_calls.use_backend` default.
+"gemm", "activation", "unpermute" (missing stages -> "reference"; as a tuple of (stage, name)
+pairs it is hashable, for static jit arguments). None -> the `custom_calls.use_backend` default.
 Resolution happens at trace time.
 """
 

@@ -1,4 +1,4 @@
-"""Slot assignment for dispatch as two small Triton kernels: per-expert counts and the rank of every
+"""Slot assignment for dispatch as three small Triton kernels: per-expert counts and the rank of every
 route among the routes of its expert, in (token, k) order — what `moe_jax.dispatch` computes with a
 stable argsort (`custom_calls.expert_rank`, the reference), without the sort.
 
@@ -22,8 +22,8 @@ import triton.language as tl
 
 from custom_calls._checks import ceil_div
 from custom_calls.triton.launch import triton_call
+from custom_calls.triton.support import rank_chunk_size
 
-_ONE_HOT_ELEMS = 8192  # CHUNK x E_PAD per program
 
 
 @triton.jit
@@ -66,7 +66,7 @@ def rank_within_expert(e_flat: jax.Array, *, num_experts: int) -> tuple[jax.Arra
     if r == 0:  # nothing to launch over
         return jnp.zeros((num_experts,), jnp.int32), jnp.zeros((0,), jnp.int32)
     e_pad = triton.next_power_of_2(num_experts + 1)
-    chunk = max(16, min(1024, triton.next_power_of_2(max(1, _ONE_HOT_ELEMS // e_pad))))
+    chunk = rank_chunk_size(num_experts)
     nc = max(1, ceil_div(r, chunk))
     e_flat = e_flat.astype(jnp.int32)
     (chunk_counts,) = triton_call(e_flat, kernel=chunk_count_kernel,

@@ -15,6 +15,7 @@ from custom_calls.triton.launch import missing_dependencies
 SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}  # routing epilogue: code per scoring
 MAX_EXPERTS = 1024  # routing epilogue: one program holds whole expert rows
 MAX_RANK_EXPERTS = 1023  # dispatch ranking: a chunk's one-hot matrix has next_pow2(E + 1) columns
+MAX_RANK_CHUNKS = 16384  # dispatch ranking: one program scans the counts of every chunk
 MIN_CAPABILITY = (8, 9)  # e4m3 conversions in hardware (Ada / Hopper and newer)
 _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -99,10 +100,21 @@ def supports_unpermute(*, platform: str, **_static) -> tuple[bool, str]:
     return _answer(_device_reason(platform))
 
 
-def supports_rank_within_expert(*, platform: str, num_experts: int, **_static) -> tuple[bool, str]:
-    too_many = (f"num_experts: at most {MAX_RANK_EXPERTS} local experts, got {num_experts}"
-                if num_experts > MAX_RANK_EXPERTS else "")
-    return _answer(too_many, _device_reason(platform))
+def rank_chunk_size(num_experts: int) -> int:
+    """Routes per program of the dispatch ranking kernels for E = num_experts: a power of two in
+    [16, 1024] with CHUNK x next_pow2(E + 1) <= 8192 where possible (the one-hot matrix)."""
+    e_pad = 1 << num_experts.bit_length()  # next power of two above num_experts
+    return max(16, min(1024, 1 << max(0, (8192 // e_pad).bit_length() - 1)))
+
+
+def supports_rank_within_expert(*, platform: str, num_routes: int, num_experts: int, **_static) -> tuple[bool, str]:
+    reason = ""
+    if num_experts > MAX_RANK_EXPERTS:
+        reason = f"num_experts: at most {MAX_RANK_EXPERTS} local experts, got {num_experts}"
+    elif num_routes > MAX_RANK_CHUNKS * rank_chunk_size(num_experts):
+        reason = (f"num_routes: at most {MAX_RANK_CHUNKS * rank_chunk_size(num_experts)} routes (M * top_k) "
+                  f"for {num_experts} local experts, got {num_routes}")
+    return _answer(reason, _device_reason(platform))
 
 
 def supports_route_topk(*, platform: str, num_experts: int, top_k: int, scoring: str, n_group: int,
