@@ -192,33 +192,26 @@ def run(reps: int = 6, decode: bool = True, sweep: bool = True) -> list[dict]:
 
 
 def routing_bench(m: int = 4096, reps: int = 6) -> dict:
-    """Seconds of DeepSeek-V3 expert selection on (M, 256) scores: sigmoid, correction bias,
-    8 groups / top-4 groups, top-8 (`moe_jax.routing.select_experts`), and of plain top-8; the gate
-    GEMM (M, H) x (H, 256) fp32 is timed apart."""
+    """Seconds of DeepSeek-V3 expert selection on (M, 256) logits: sigmoid, correction bias,
+    8 groups / top-4 groups, top-8, renormalized (`custom_calls.route_topk`, reference = XLA and
+    Triton), and of plain top-8; the gate GEMM (M, H) x (H, 256) fp32 is timed apart."""
+    from custom_calls.route_topk import route_topk
     from moe_jax.config import MoEConfig
-    from moe_jax.routing import router_logits, score, select_experts
+    from moe_jax.routing import router_logits
 
     cfg = MoEConfig.deepseek_v3()
     keys = jax.random.split(jax.random.PRNGKey(7), reps)
     logits = [jax.random.normal(k, (m, cfg.num_experts), jnp.float32) for k in keys]
     bias = 0.1 * jax.random.normal(jax.random.PRNGKey(8), (cfg.num_experts,), jnp.float32)
-
-    def grouped(lg):
-        sc = score(lg, cfg.scoring)
-        ids = select_experts(sc + bias, cfg)
-        w = jnp.take_along_axis(sc, ids, axis=1)
-        return ids, w / w.sum(-1, keepdims=True)
-
     xs = [jax.random.normal(k, (m, cfg.hidden_size), jnp.bfloat16) for k in keys]
     gw = jax.random.normal(jax.random.PRNGKey(9), (cfg.num_experts, cfg.hidden_size), jnp.float32)
-    from custom_calls.triton import route_topk
 
-    def triton_grouped(lg):
-        return route_topk(lg, bias, top_k=cfg.top_k, scoring=cfg.scoring, n_group=cfg.n_group,
-                          topk_group=cfg.topk_group, norm_topk_prob=True)
+    def selection(backend):
+        return lambda lg: route_topk(lg, bias, top_k=cfg.top_k, scoring=cfg.scoring, n_group=cfg.n_group,
+                                     topk_group=cfg.topk_group, norm_topk_prob=True, backend=backend)
 
-    return dict(grouped_topk=time_op(grouped, [(lg,) for lg in logits]),
-                grouped_topk_triton=time_op(triton_grouped, [(lg,) for lg in logits]),
+    return dict(grouped_topk=time_op(selection("reference"), [(lg,) for lg in logits]),
+                grouped_topk_triton=time_op(selection("triton"), [(lg,) for lg in logits]),
                 plain_topk=time_op(lambda lg: jax.lax.top_k(lg, cfg.top_k), [(lg,) for lg in logits]),
                 gate_gemm=time_op(lambda x: router_logits(x, gw), [(x,) for x in xs]))
 

@@ -23,11 +23,12 @@ import triton
 import triton.language as tl
 
 from custom_calls._checks import ceil_div
+from custom_calls.route_topk import NORM_EPS
 from custom_calls.triton.launch import triton_call
 from custom_calls.triton.support import SCORINGS, route_topk_reason
 
 _ROW_ELEMS = 2048  # BLOCK_T x E_PAD per program (register-bound: ~7 live copies of the row)
-_NORM_EPS = tl.constexpr(1e-20)
+_NORM_EPS = tl.constexpr(NORM_EPS)
 
 
 @triton.jit
