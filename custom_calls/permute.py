@@ -2,7 +2,9 @@
 the activations for GEMM1 in the same step (the scale image the GEMM consumes).
 
 The placement itself (`src2dst`) is computed by the dispatcher (moe_jax.dispatch); these ops
-move the data. Rows no route lands on are zero (so GEMM1's padding rows are zero too).
+move the data. Contig: rows no route lands on are zero (so GEMM1's padding rows are zero too).
+Masked: the rows of a slab past its routes are unspecified (the reference writes zeros, the Triton
+kernel leaves them unwritten), as the masked GEMM never reads them; the scale image is complete.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ def permute_contig(x: jax.Array, src2dst: jax.Array, *, num_rows: int, recipe: s
 def permute_masked(x: jax.Array, src2dst: jax.Array, *, num_groups: int, m_pad: int, recipe: str,
                    arch: int, backend: str | None = None) -> tuple[jax.Array, jax.Array | None]:
     """x: (M, H) float, src2dst: (M, k) int32 flat slab rows g*m_pad + r, or -1
-    -> (lhs (G, m_pad, H) bf16 | e4m3, lhs_scale (G, ...) image | None)."""
+    -> (lhs (G, m_pad, H) bf16 | e4m3, lhs_scale (G, ...) image | None); lhs rows no route lands
+    on are unspecified (their scale columns hold the zero row's scale)."""
     _check(x, src2dst, recipe, arch)
     if m_pad % 128:
         raise ValueError(f"m_pad: expected a multiple of 128, got {m_pad}")

@@ -124,7 +124,8 @@ def test_permute_unpermute_round_trip_identity_experts(layout):
         used = (np.arange(128)[None] < np.asarray(d.masked_m)[:, None]).reshape(-1)
     assert scale is None and rows.dtype == jnp.bfloat16
     r = np.asarray(rows.astype(jnp.float32))
-    assert np.all(r[~used] == 0)  # every padding row is zero
+    if layout == "contig":  # contig padding rows are zero; masked rows past masked_m are unspecified
+        assert np.all(r[~used] == 0)
     assert used.sum() == (ids >= 0).sum()
     y = cc.unpermute(rows, d.src2dst, jnp.asarray(w), routed_scaling_factor=2.5, out_dtype=jnp.float32)
     xb = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64)

@@ -177,7 +177,7 @@ def _vector_loads(ptx: str) -> int:
 def test_kernels_compile_for_sm90_and_sm100(arch):
     pytest.importorskip("triton")
     from custom_calls.triton.activation_kernel import act_quant_kernel, kernel_config
-    from custom_calls.triton.permute_kernel import scatter_quant_kernel
+    from custom_calls.triton.permute_kernel import row_source_kernel, scale_image_kernel, scatter_quant_kernel
     from custom_calls.triton.quant_kernel import per_token_group_quant_kernel
     from custom_calls.triton.unpermute_kernel import weighted_gather_kernel
 
@@ -186,19 +186,25 @@ def test_kernels_compile_for_sm90_and_sm100(arch):
     rows, h, inter = 1152, 7168, 2048
     c = _compile(per_token_group_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "img_ptr": img},
                  dict(MN=rows, K=h, G=56, IMG_LD=rows, IMG_SLAB=56 * rows, GROUP=128, UE8M0=ue8m0,
-                      BLOCK_M=4, GROUPS=8), arch)
+                      BLOCK_M=4, GROUPS=8, ROW_BLOCKS=rows // 4, CHUNKS_FASTEST=True), arch)
     assert _vector_loads(c.asm["ptx"]) > 0 and "e4m3x2" in c.asm["ptx"] and c.asm["cubin"]
     _lean(c)
-    c = _compile(scatter_quant_kernel, {"x_ptr": "*bf16", "src2dst_ptr": "*i32", "inv_ptr": "*i32",
-                                        "lhs_ptr": "*fp8e4nv", "img_ptr": img},
-                 dict(M=256, H=h, TOPK=8, R=rows, MN=rows, G=56, IMG_LD=rows, IMG_SLAB=56 * rows, ZERO_LD=rows,
-                      ZERO_PROGRAMS_ROWS=rows, GROUP=128, QUANT=True, UE8M0=ue8m0, GROUPS=8, ZERO_ROWS=64,
-                      ZERO_SUB=4), arch)
+    c = _compile(scatter_quant_kernel, {"x_ptr": "*bf16", "src2dst_ptr": "*i32", "src1_ptr": "*i32",
+                                        "lhs_ptr": "*fp8e4nv", "sf_ptr": "*fp32"},
+                 dict(M=256, H=h, TOPK=8, TOPK_P2=8, R=rows, G=56, GROUP=128, QUANT=True, UE8M0=ue8m0, GROUPS=8,
+                      TOKENS=4, ZERO_FILL=True, ZERO_ROWS=64, ZERO_SUB=4, CHUNKS_FASTEST=True), arch)
     assert _vector_loads(c.asm["ptx"]) > 0 and "e4m3x2" in c.asm["ptx"] and c.asm["cubin"]
     _lean(c)
+    c = _compile(scale_image_kernel, {"src1_ptr": "*i32", "sf_ptr": "*fp32", "img_ptr": img},
+                 dict(MN=rows, G=56, IMG_LD=rows, IMG_SLAB=56 * rows, UE8M0=ue8m0, ROWS=128, GROUPS=8,
+                      ROW_BLOCKS=rows // 128), arch)
+    _lean(c)
+    _lean(_compile(row_source_kernel, {"src2dst_ptr": "*i32", "src1_ptr": "*i32"},
+                   dict(N=32768, TOPK=8, R=rows, BLOCK=1024), arch))
     cfg = kernel_config(inter, "fp8_block", ActivationSpec(kind="silu", swiglu_limit=7.0))
     c = _compile(act_quant_kernel, {"y_ptr": "*bf16", "masked_m_ptr": "*i32", "a_ptr": "*fp8e4nv", "img_ptr": img},
-                 dict(MN=256, I=inter, G=16, IMG_LD=256, IMG_SLAB=16 * 256, UE8M0=ue8m0, MASKED=True, **cfg), arch)
+                 dict(MN=256, I=inter, G=16, IMG_LD=256, IMG_SLAB=16 * 256, UE8M0=ue8m0, MASKED=True,
+                      ROW_BLOCKS=32 * 256 // cfg["BLOCK_M"], CHUNKS_FASTEST=True, **cfg), arch)
     assert _vector_loads(c.asm["ptx"]) > 0 and "e4m3x2" in c.asm["ptx"] and c.asm["cubin"]
     _lean(c)
     c = _compile(weighted_gather_kernel, {"d_ptr": "*bf16", "src2dst_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16"},

@@ -235,9 +235,10 @@ def _quant_case(seed, lead, mn, k, group, ue8m0, in_dtype):
     block_m, groups = 4, max(4, 256 // group)
     g = ceil_div(k, group)
     ld = img_shape[-1]
-    _launch(per_token_group_quant_kernel, (s * ceil_div(ld, block_m), ceil_div(g, groups)), x, q, img,
+    row_blocks = s * ceil_div(ld, block_m)
+    _launch(per_token_group_quant_kernel, (row_blocks * ceil_div(g, groups),), x, q, img,
             MN=mn, K=k, G=g, IMG_LD=ld, IMG_SLAB=img_shape[-2] * ld, GROUP=group, UE8M0=ue8m0,
-            BLOCK_M=block_m, GROUPS=groups)
+            BLOCK_M=block_m, GROUPS=groups, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=seed % 2 == 0)
     _check_quant(q, img, x.astype(np.float32), group, ue8m0, "quant")
 
 
@@ -296,13 +297,14 @@ def _inverse(src2dst, rows):
     return inv
 
 
-def _permute_case(seed, *, masked, recipe, arch, m_pad=12, stray=False):
-    """stray: one dropped route instead points past the buffer (row R + 5); it must be dropped."""
-    from custom_calls.triton.permute_kernel import scatter_quant_kernel
+def _permute_case(seed, *, masked, recipe, arch, m_pad=12, stray=False, tokens=4):
+    """stray: one dropped route instead points past the buffer (row R + 5); it must be dropped.
+    M = 13 tokens: the last token program of `tokens` > 1 is partly past M."""
+    from custom_calls.triton.permute_kernel import row_source_kernel, scale_image_kernel, scatter_quant_kernel
 
     ml = _ml()
     rng = _rng(seed)
-    m, h, k, e = 13, 320, 3, 5
+    m, h, k, e = 13, 640, 3, 5  # H: 5 groups of 128 (two chunks of 4), 20 of 32 (five chunks)
     x = (rng.standard_normal((m, h)) * rng.uniform(0.1, 20, (m, 1))).astype(ml.bfloat16)
     ids = _routes(rng, m, k, e)
     if masked:
@@ -321,26 +323,35 @@ def _permute_case(seed, *, masked, recipe, arch, m_pad=12, stray=False):
     group = {"fp8_block": 128, "mxfp8": 32, "bf16": 128}[recipe]
     ue8m0 = arch == 100
     g = ceil_div(h, group)
+    lhs = _poison((rows, h), ml.float8_e4m3fn if quant else ml.bfloat16)
+    sf = _poison((m, g) if quant else (1,), np.float32)
+    src1 = np.zeros(rows, np.int32)  # the launcher zero-fills it
+    _launch(row_source_kernel, (ceil_div(m * k, 16),), src2dst, src1, N=m * k, TOPK=k, R=rows, BLOCK=16)
+    assert np.array_equal(src1, inv + 1), "row_source_kernel"
+    groups, zero_rows = 4, 8
+    zero_programs = 0 if masked else ceil_div(rows, zero_rows)  # masked: empty rows stay unwritten
+    _launch(scatter_quant_kernel, ((zero_programs + ceil_div(m, tokens)) * ceil_div(g, groups),),
+            x, src2dst, src1, lhs, sf, M=m, H=h, TOPK=k, TOPK_P2=4, R=rows, G=g, GROUP=group, QUANT=quant,
+            UE8M0=ue8m0, GROUPS=groups, TOKENS=tokens, ZERO_FILL=not masked, ZERO_ROWS=zero_rows, ZERO_SUB=4,
+            CHUNKS_FASTEST=seed % 2 == 0)
     if quant:
         img_shape = _image_shape(mn, h, group, ue8m0, (slabs,) if masked else ())
         img = _poison(img_shape, np.int32 if ue8m0 else np.float32)
-        lhs = _poison((rows, h), ml.float8_e4m3fn)
-    else:
-        img_shape, img = (1, 4), _poison((1,), np.int32)
-        lhs = _poison((rows, h), ml.bfloat16)
-    ld = img_shape[-1]
-    zero_ld = ld if quant else mn  # zero programs also cover every slab's image padding columns
-    zero_rows = slabs * zero_ld
-    groups = 1024 // group if quant else 4
-    _launch(scatter_quant_kernel, (m + ceil_div(zero_rows, 8), ceil_div(g, groups)), x, src2dst, inv, lhs, img,
-            M=m, H=h, TOPK=k, R=rows, MN=mn, G=g, IMG_LD=ld, IMG_SLAB=img_shape[-2] * ld, ZERO_LD=zero_ld,
-            ZERO_PROGRAMS_ROWS=zero_rows, GROUP=group, QUANT=quant, UE8M0=ue8m0, GROUPS=groups, ZERO_ROWS=8, ZERO_SUB=4)
+        ld, img_rows = img_shape[-1], 8
+        row_blocks = slabs * ceil_div(ld, img_rows)
+        _launch(scale_image_kernel, (row_blocks * ceil_div(g, groups),), src1, sf, img, MN=mn, G=g, IMG_LD=ld,
+                IMG_SLAB=img_shape[-2] * ld, UE8M0=ue8m0, ROWS=img_rows, GROUPS=groups, ROW_BLOCKS=row_blocks)
     # model: each row holds its token's x, or zeros
     placed = np.zeros((rows, h), np.float32)
     for r in range(rows):
         if inv[r] >= 0:
             placed[r] = x[inv[r]].astype(np.float32)
     assert (inv >= 0).sum() == ((src2dst >= 0) & (src2dst < rows)).sum() and (inv < 0).any()
+    if masked:  # rows no route lands on: never written (still poison), every other row checked below
+        empty = inv < 0
+        assert np.isnan(lhs[empty].astype(np.float32)).all(), "masked: an empty row was written"
+        lhs = lhs.copy()
+        lhs[empty] = 0
     if not quant:
         assert np.array_equal(lhs.astype(np.float32), placed)
         return
@@ -363,11 +374,11 @@ def case_permute_contig_mxfp8_100():
 
 
 def case_permute_contig_bf16():
-    _permute_case(13, masked=False, recipe="bf16", arch=90)
+    _permute_case(13, masked=False, recipe="bf16", arch=90, tokens=1)
 
 
 def case_permute_masked_fp8_90():
-    _permute_case(14, masked=True, recipe="fp8_block", arch=90)
+    _permute_case(14, masked=True, recipe="fp8_block", arch=90, tokens=2)
 
 
 def case_permute_masked_fp8_100():
@@ -422,7 +433,7 @@ def _act_case(seed, *, variant, recipe, arch, keep_fp32=False, masked=False, mn=
     ml = _ml()
     rng = _rng(seed)
     spec = _ACT[variant]
-    inter = 96 if recipe == "mxfp8" else 384
+    inter = 160 if recipe == "mxfp8" else 640  # 5 scale groups: two column chunks of 4 groups
     slabs, mn = (len(counts), mn or 12) if masked else (1, 19)
     gateup = (rng.standard_normal((slabs, mn, 2 * inter)) * 4).astype(ml.bfloat16)
     masked_m = np.array(counts, np.int32) if masked else np.zeros(1, np.int32)
@@ -436,11 +447,13 @@ def _act_case(seed, *, variant, recipe, arch, keep_fp32=False, masked=False, mn=
     ld = img_shape[-1]
     block_m, groups = 4, 4
     covered = mn if masked else ld
-    _launch(act_quant_kernel, (slabs * ceil_div(covered, block_m), ceil_div(g, groups)), gateup, masked_m, a, img,
+    row_blocks = slabs * ceil_div(covered, block_m)
+    _launch(act_quant_kernel, (row_blocks * ceil_div(g, groups),), gateup, masked_m, a, img,
             MN=mn, I=inter, G=g, IMG_LD=ld, IMG_SLAB=img_shape[-2] * ld, GROUP=group, QUANT=quant,
             UE8M0=ue8m0, MASKED=masked, KIND=_KIND[spec["kind"]], HAS_LIMIT="limit" in spec,
             LIMIT=spec.get("limit", 0.0), ALPHA=spec.get("alpha", 1.0), BETA_S=spec.get("bs", 1.0),
-            BETA_L=spec.get("bl", 1.0), KEEP_FP32=keep_fp32, BLOCK_M=block_m, GROUPS=groups)
+            BETA_L=spec.get("bl", 1.0), KEEP_FP32=keep_fp32, BLOCK_M=block_m, GROUPS=groups,
+            ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=seed % 2 == 0)
     y64 = model_activation(gateup, spec["kind"], spec.get("limit"), spec.get("alpha"),
                            spec.get("bs", 1.0), spec.get("bl", 1.0))
     rows_ok = (np.arange(mn)[None, :] < np.minimum(masked_m, mn)[:, None]) if masked else np.ones((1, mn), bool)

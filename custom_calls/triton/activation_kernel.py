@@ -24,13 +24,14 @@ import triton.language as tl
 
 from custom_calls._checks import ACT_GROUP, act_scale_image_shape, ceil_div, round_up
 from custom_calls.triton.launch import triton_call
-from custom_calls.triton.tile_quant import quantize_tile, store_scale_image
+from custom_calls.triton.tile_quant import quantize_tile, store_scale_image, tile_ids
 
 KIND_CODES = {"silu": 0, "swiglu_oai": 1, "situ": 2}
 _TILE_ELEMS = 4096  # elements of I per program (rows x columns)
 _ROW_TILE = 1024  # at most this many columns of I per program
 _BF16_CHUNK = 128
 _NUM_WARPS = 4
+_CHUNKS_FASTEST = True
 
 
 @triton.jit
@@ -51,13 +52,14 @@ def act_quant_kernel(
     IMG_SLAB: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
     MASKED: tl.constexpr, KIND: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     ALPHA: tl.constexpr, BETA_S: tl.constexpr, BETA_L: tl.constexpr, KEEP_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, GROUPS: tl.constexpr,
+    BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, ROW_BLOCKS: tl.constexpr, CHUNKS_FASTEST: tl.constexpr,
 ):
-    """Grid (S * cdiv(ROWS_COVERED, BLOCK_M), cdiv(G, GROUPS)); ROWS_COVERED = MN (masked) or
-    IMG_LD (contig, so the image padding columns get their zero scales)."""
+    """Grid (ROW_BLOCKS * cdiv(G, GROUPS),), ROW_BLOCKS = S * cdiv(ROWS_COVERED, BLOCK_M);
+    ROWS_COVERED = MN (masked) or IMG_LD (contig, so the image padding columns get their zero
+    scales)."""
     ROWS_COVERED: tl.constexpr = MN if MASKED else IMG_LD
     BLOCKS: tl.constexpr = (ROWS_COVERED + BLOCK_M - 1) // BLOCK_M
-    pid_m = tl.program_id(0)
+    pid_m, chunk = tile_ids(ROW_BLOCKS, (G + GROUPS - 1) // GROUPS, CHUNKS_FASTEST)
     slab = pid_m // BLOCKS
     start = (pid_m % BLOCKS) * BLOCK_M
     if MASKED:
@@ -66,7 +68,7 @@ def act_quant_kernel(
     else:
         limit = MN
     if start < limit:
-        group0 = tl.program_id(1) * GROUPS
+        group0 = chunk * GROUPS
         m = start + tl.arange(0, BLOCK_M)
         cols = group0 * GROUP + tl.arange(0, GROUPS * GROUP)
         row_ok = m < limit
@@ -133,18 +135,18 @@ def _act_quant(gateup: jax.Array, masked_m: jax.Array | None, *, act, recipe: st
         gi, img_ld, img_dtype, img_shape, a_dtype = 1, round_up(mn, 4), jnp.int32, (1,), jnp.bfloat16
     g = ceil_div(inter, cfg["GROUP"])
     covered = mn if masked else img_ld
-    grid = (slabs * ceil_div(covered, cfg["BLOCK_M"]), ceil_div(g, cfg["GROUPS"]))
+    row_blocks = slabs * ceil_div(covered, cfg["BLOCK_M"])
     if masked_m is None:
         masked_m = jnp.zeros((1,), jnp.int32)  # not read by the contig kernel
     a_shape = (slabs, mn, inter) if masked else (mn, inter)
-    if grid[0] == 0:  # no rows
+    if row_blocks == 0:  # no rows
         return jnp.zeros(a_shape, a_dtype), (jnp.zeros(img_shape, img_dtype) if cfg["QUANT"] else None)
     a, img = triton_call(
         gateup, masked_m, kernel=act_quant_kernel,
         out_shape=[jax.ShapeDtypeStruct(a_shape, a_dtype), jax.ShapeDtypeStruct(img_shape, img_dtype)],
-        grid=grid, num_warps=_NUM_WARPS, name="moe_act_quant",
+        grid=(row_blocks * ceil_div(g, cfg["GROUPS"]),), num_warps=_NUM_WARPS, name="moe_act_quant",
         MN=mn, I=inter, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, UE8M0=arch == 100,
-        MASKED=masked, **cfg)
+        MASKED=masked, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=_CHUNKS_FASTEST, **cfg)
     return a, (img if cfg["QUANT"] else None)
 
 

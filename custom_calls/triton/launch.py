@@ -20,9 +20,10 @@ def missing_dependencies() -> list[str]:
 
 def triton_call(*args: jax.Array, kernel: Any, out_shape: Sequence[jax.ShapeDtypeStruct],
                 grid: tuple[int, ...], num_warps: int = 4, name: str = "",
-                **constexprs: Any) -> list[jax.Array]:
+                zeroed_outputs: Sequence[int] = (), **constexprs: Any) -> list[jax.Array]:
     """Launch `kernel` on `grid` with array inputs `args` then outputs `out_shape` as pointers,
-    followed by `constexprs` (all compile-time constants). Returns the outputs as a list."""
+    followed by `constexprs` (all compile-time constants). The outputs listed in `zeroed_outputs`
+    (indices into `out_shape`) are zero-filled before the launch. Returns the outputs as a list."""
     try:
         import jax_triton
     except ImportError as exc:
@@ -31,5 +32,6 @@ def triton_call(*args: jax.Array, kernel: Any, out_shape: Sequence[jax.ShapeDtyp
     if any(g == 0 for g in grid):
         raise ValueError(f"grid: expected every dimension > 0, got {grid}")
     outs = jax_triton.triton_call(*args, kernel=kernel, out_shape=list(out_shape), grid=grid,
-                                  num_warps=num_warps, num_stages=1, name=name, **constexprs)
+                                  num_warps=num_warps, num_stages=1, name=name,
+                                  zeroed_outputs=tuple(zeroed_outputs), **constexprs)
     return list(outs)

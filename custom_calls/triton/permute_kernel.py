@@ -1,4 +1,4 @@
-"""Pre-permute as one Triton kernel: scatter each (token, k) route into its grouped-layout row fused
+"""Pre-permute as Triton kernels: scatter each (token, k) route into its grouped-layout row fused
 with the per-token-group quantization for GEMM1 (scales written in the GEMM's image), and zero
 the rows no route lands on.
 
@@ -7,14 +7,22 @@ Same signatures and results as `custom_calls.permute` (the reference):
   permute_masked(x, src2dst, *, num_groups, m_pad, recipe, arch) -> (lhs (G, m_pad, H), image | None)
 The placement (`src2dst`) comes from the dispatcher; this op only moves and quantizes data.
 
-One launch, two kinds of programs (grid axis 0):
-  * programs [0, M): token t reads its row chunk once, quantizes it once and stores it to each
-    of its top_k destinations (reads x once instead of top_k times);
-  * programs [M, M + Z): a block of ZERO_ROWS destination rows; the rows nothing lands on
-    (inv[r] < 0) get q = 0 and the scale of a zero row, as the reference quantizer gives them, and
-    each slab's image padding columns (MN % 4 != 0) get scale 0.
-`inv` (row -> token, -1 = empty) is a small jnp scatter of M * k int32 before the kernel.
-Grid axis 1 splits H into chunks of GROUPS groups.
+Three launches:
+  1. `row_source_kernel`: src1[r] = 1 + the token placed at row r, 0 for a row no route lands on
+     (the buffer is zeroed before the launch; M * k int32 read, one int32 written per route).
+  2. `scatter_quant_kernel`, two kinds of programs (by row block):
+     * contig only, a block of ZERO_ROWS destination rows each (first, so their writes overlap the
+       rest): the rows nothing lands on (src1[r] == 0) get q = 0, as the reference quantizer gives
+       them (the masked layout leaves them unwritten: its GEMM never reads them);
+     * a [TOKENS, tile] block of x each: read once, quantized once, stored to each of its tokens'
+       top_k destination rows (x read once instead of top_k times); its scales go once, token-major,
+       to a small (M, G) fp32 buffer.
+     Each row block is split along H into chunks of GROUPS groups, one program each.
+  3. `scale_image_kernel`: the scale image, column block by column block: each row's scales
+     gathered from the token-major buffer through src1 (a zero row's scale where no route lands,
+     0 in the image padding columns), so every image store is coalesced. Scattered 4-byte stores
+     straight from step 2 (one per route and group, top_k times more than the tokens' scales)
+     made step 2 bound by L2 requests rather than by DRAM.
 """
 
 from __future__ import annotations
@@ -24,99 +32,127 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from custom_calls._checks import ACT_GROUP, act_scale_image_shape, ceil_div, round_up
+from custom_calls._checks import ACT_GROUP, act_scale_image_shape, ceil_div
 from custom_calls.act_quant import quantize_activation
 from custom_calls.triton.launch import triton_call
-from custom_calls.triton.tile_quant import quantize_tile, store_scale_image
+from custom_calls.triton.tile_quant import (quantize_tile, store_scale_image, tile_ids, ue8m0_bits_exponent,
+                                            zero_row_scale)
 
 _TILE = 1024  # elements of H per program: 2 KiB of bf16 in, 1 KiB of e4m3 out per destination
+_TOKENS = 4  # tokens per program
 _ZERO_ROWS = 64  # rows checked per zero-fill program
 _ZERO_SUB = 4  # rows written at once by it
 _NUM_WARPS = 4
+_CHUNKS_FASTEST = True
 _BF16_CHUNK = 128  # H chunking unit when nothing is quantized
+_SOURCE_BLOCK = 1024  # routes per program of row_source_kernel
+_IMAGE_ROWS = 128  # image columns (rows of the layout) per program of scale_image_kernel
+_IMAGE_GROUPS = 8  # scale groups per program of scale_image_kernel (a multiple of 4)
+
+
+@triton.jit
+def row_source_kernel(src2dst_ptr, src1_ptr, N: tl.constexpr, TOPK: tl.constexpr, R: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """Grid cdiv(N, BLOCK), N = M * TOPK; src1 (R,) int32 must hold 0 before the launch.
+    src1[src2dst[i]] = i // TOPK + 1 for every route i with a row in [0, R)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    dst = tl.load(src2dst_ptr + i, mask=i < N, other=-1)
+    ok = (dst >= 0) & (dst < R)
+    tl.store(src1_ptr + tl.where(ok, dst, 0), i // TOPK + 1, mask=ok)
 
 
 @triton.jit
 def scatter_quant_kernel(
-    x_ptr, src2dst_ptr, inv_ptr,
-    lhs_ptr, img_ptr,
-    M: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, R: tl.constexpr, MN: tl.constexpr,
-    G: tl.constexpr, IMG_LD: tl.constexpr, IMG_SLAB: tl.constexpr, ZERO_LD: tl.constexpr,
-    ZERO_PROGRAMS_ROWS: tl.constexpr,
-    GROUP: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
-    GROUPS: tl.constexpr, ZERO_ROWS: tl.constexpr, ZERO_SUB: tl.constexpr,
+    x_ptr, src2dst_ptr, src1_ptr,
+    lhs_ptr, sf_ptr,
+    M: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, R: tl.constexpr,
+    G: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
+    GROUPS: tl.constexpr, TOKENS: tl.constexpr, ZERO_FILL: tl.constexpr, ZERO_ROWS: tl.constexpr,
+    ZERO_SUB: tl.constexpr, CHUNKS_FASTEST: tl.constexpr,
 ):
-    """Grid (M + cdiv(ZERO_PROGRAMS_ROWS, ZERO_ROWS), cdiv(G, GROUPS)).
-
-    Zero programs walk virtual rows v = slab * ZERO_LD + r, r < ZERO_LD: ZERO_LD = IMG_LD when
-    quantizing (r >= MN is an image padding column of the slab, scale 0), else MN;
-    ZERO_PROGRAMS_ROWS = R // MN * ZERO_LD.
-    """
-    pid = tl.program_id(0)
-    group0 = tl.program_id(1) * GROUPS
+    """Grid ((ZERO_PROGRAMS + cdiv(M, TOKENS)) * cdiv(G, GROUPS),), ZERO_PROGRAMS = cdiv(R, ZERO_ROWS)
+    if ZERO_FILL else 0; TOPK_P2 = next_pow2(TOPK).
+    lhs (R, H) e4m3 | bf16; sf (M, G) fp32 token-major scales (QUANT only)."""
+    ZERO_PROGRAMS: tl.constexpr = (R + ZERO_ROWS - 1) // ZERO_ROWS if ZERO_FILL else 0
+    TOKEN_PROGRAMS: tl.constexpr = (M + TOKENS - 1) // TOKENS
+    pid, chunk = tile_ids(ZERO_PROGRAMS + TOKEN_PROGRAMS, (G + GROUPS - 1) // GROUPS, CHUNKS_FASTEST)
+    group0 = chunk * GROUPS
     cols = group0 * GROUP + tl.arange(0, GROUPS * GROUP)
     col_ok = tl.expand_dims(cols < H, 0)
-    if pid < M:
-        t = pid.to(tl.int64)
-        x = tl.load(x_ptr + t * H + tl.expand_dims(cols, 0), mask=col_ok, other=0.0).to(tl.float32)
+    if pid >= ZERO_PROGRAMS:
+        t = (pid - ZERO_PROGRAMS) * TOKENS + tl.arange(0, TOKENS)
+        t64 = t.to(tl.int64)
+        # every destination of the block in one load, issued before x's
+        js = tl.expand_dims(tl.arange(0, TOPK_P2), 0)
+        dsts = tl.load(src2dst_ptr + tl.expand_dims(t64 * TOPK, 1) + js,
+                       mask=tl.expand_dims(t < M, 1) & (js < TOPK), other=-1)
+        x = tl.load(x_ptr + tl.expand_dims(t64 * H, 1) + tl.expand_dims(cols, 0),
+                    mask=tl.expand_dims(t < M, 1) & col_ok, other=0.0).to(tl.float32)
         if QUANT:
-            q, sf, exp = quantize_tile(x, 1, GROUPS, GROUP, UE8M0)
+            q, sf, _ = quantize_tile(x, TOKENS, GROUPS, GROUP, UE8M0)
+            g = group0 + tl.arange(0, GROUPS)
+            tl.store(sf_ptr + tl.expand_dims(t64 * G, 1) + tl.expand_dims(g, 0), sf,
+                     mask=tl.expand_dims(t < M, 1) & tl.expand_dims(g < G, 0))
         else:
             q = x.to(lhs_ptr.dtype.element_ty)
-        one = tl.arange(0, 1)
         for j in tl.static_range(TOPK):
-            dst = tl.load(src2dst_ptr + t * TOPK + j + one)  # [1]
+            dst = tl.sum(tl.where(js == j, dsts, 0), axis=1)  # [TOKENS]
             ok = (dst >= 0) & (dst < R)  # a row outside the buffer is dropped, as the reference drops it
-            d64 = tl.minimum(tl.maximum(dst, 0), R - 1).to(tl.int64)
+            d64 = tl.where(ok, dst, 0).to(tl.int64)
             tl.store(lhs_ptr + tl.expand_dims(d64 * H, 1) + tl.expand_dims(cols, 0), q,
                      mask=tl.expand_dims(ok, 1) & col_ok)
-            if QUANT:
-                col = (d64 // MN) * IMG_SLAB + d64 % MN
-                store_scale_image(img_ptr, sf, exp, col, ok, group0, G, IMG_LD, 1, GROUPS, UE8M0)
     else:
-        # A zero program owns ZERO_ROWS virtual rows but writes them ZERO_SUB at a time: a
+        # A zero program owns ZERO_ROWS rows but writes them ZERO_SUB at a time: a
         # [ZERO_ROWS, tile] block held at once would set the register count (and occupancy) of the
         # whole kernel.
-        z0 = (pid - M) * ZERO_ROWS
-        v = z0 + tl.arange(0, ZERO_ROWS)
-        live = v < ZERO_PROGRAMS_ROWS
-        real = live & (v % ZERO_LD < MN)
-        src = tl.load(inv_ptr + (v // ZERO_LD) * MN + v % ZERO_LD, mask=real, other=0)
-        need = (real & (src < 0)) | (live & ~real)
-        if tl.max(need.to(tl.int32), axis=0) > 0:
-            zero_row = tl.zeros((1, GROUPS * GROUP), tl.float32)
-            if QUANT:
-                q0, sf0, exp0 = quantize_tile(zero_row, 1, GROUPS, GROUP, UE8M0)
-            else:
-                q0 = zero_row.to(lhs_ptr.dtype.element_ty)
-            q = tl.broadcast_to(q0, (ZERO_SUB, GROUPS * GROUP))
+        r0 = pid * ZERO_ROWS
+        rows = r0 + tl.arange(0, ZERO_ROWS)
+        src = tl.load(src1_ptr + rows, mask=rows < R, other=1)
+        if tl.min(src, axis=0) == 0:
+            q = tl.zeros((ZERO_SUB, GROUPS * GROUP), lhs_ptr.dtype.element_ty)
             for sub in range(ZERO_ROWS // ZERO_SUB):
-                vs = (z0 + sub * ZERO_SUB + tl.arange(0, ZERO_SUB)).to(tl.int64)
-                slab = vs // ZERO_LD
-                r = vs % ZERO_LD
-                live_s = vs < ZERO_PROGRAMS_ROWS
-                real_s = live_s & (r < MN)
-                rows = slab * MN + r
-                srcs = tl.load(inv_ptr + rows, mask=real_s, other=0)
-                empty = real_s & (srcs < 0)
-                img_pad = live_s & ~real_s
-                tl.store(lhs_ptr + tl.expand_dims(rows * H, 1) + tl.expand_dims(cols, 0), q,
-                         mask=tl.expand_dims(empty, 1) & col_ok)
-                if QUANT:
-                    pad = tl.expand_dims(img_pad, 1)
-                    sf = tl.where(pad, 0.0, tl.broadcast_to(sf0, (ZERO_SUB, GROUPS)))
-                    exp = tl.where(pad, 0, tl.broadcast_to(exp0, (ZERO_SUB, GROUPS)))
-                    store_scale_image(img_ptr, sf, exp, slab * IMG_SLAB + r, empty | img_pad, group0, G, IMG_LD,
-                                      ZERO_SUB, GROUPS, UE8M0)
+                rs = (r0 + sub * ZERO_SUB + tl.arange(0, ZERO_SUB)).to(tl.int64)
+                srcs = tl.load(src1_ptr + rs, mask=rs < R, other=1)
+                tl.store(lhs_ptr + tl.expand_dims(rs * H, 1) + tl.expand_dims(cols, 0), q,
+                         mask=tl.expand_dims(srcs == 0, 1) & col_ok)
 
 
-def inverse_map(src2dst: jax.Array, num_rows: int) -> jax.Array:
-    """src2dst: (M, k) int32 rows or -1 -> inv (num_rows,) int32: the token placed at each row, or -1."""
+@triton.jit
+def scale_image_kernel(
+    src1_ptr, sf_ptr,
+    img_ptr,
+    MN: tl.constexpr, G: tl.constexpr, IMG_LD: tl.constexpr, IMG_SLAB: tl.constexpr,
+    UE8M0: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+):
+    """Grid (ROW_BLOCKS * cdiv(G, GROUPS),), ROW_BLOCKS = S * cdiv(IMG_LD, ROWS) over S slabs of MN rows.
+    image column m of slab s: the scales of token src1[s * MN + m] - 1, the zero row's scale where
+    src1 is 0, and 0 in the padding columns MN <= m < IMG_LD."""
+    BLOCKS_PER_SLAB: tl.constexpr = (IMG_LD + ROWS - 1) // ROWS
+    pid_m, chunk = tile_ids(ROW_BLOCKS, (G + GROUPS - 1) // GROUPS, False)
+    slab = (pid_m // BLOCKS_PER_SLAB).to(tl.int64)
+    m = (pid_m % BLOCKS_PER_SLAB) * ROWS + tl.arange(0, ROWS)
+    real = m < MN
+    src = tl.load(src1_ptr + slab * MN + m, mask=real, other=0)
+    placed = tl.expand_dims(src > 0, 1)
+    group0 = chunk * GROUPS
+    g = tl.expand_dims(group0 + tl.arange(0, GROUPS), 0)
+    sf = tl.load(sf_ptr + tl.expand_dims((src - 1).to(tl.int64) * G, 1) + g, mask=placed & (g < G), other=0.0)
+    sf = tl.where(placed, sf, tl.where(tl.expand_dims(real, 1), zero_row_scale(UE8M0), 0.0))
+    exp = ue8m0_bits_exponent(sf)
+    store_scale_image(img_ptr, sf, exp, slab * IMG_SLAB + m, m < IMG_LD, group0, G, IMG_LD, ROWS, GROUPS, UE8M0)
+
+
+def row_sources(src2dst: jax.Array, num_rows: int) -> jax.Array:
+    """src2dst: (M, k) int32 rows, or -1 -> src1 (num_rows,) int32: 1 + the token placed at each
+    row, 0 where none is (rows outside [0, num_rows) are ignored)."""
     m, k = src2dst.shape
-    flat = src2dst.reshape(-1)
-    tok = jnp.arange(m * k, dtype=jnp.int32) // k
-    dst = jnp.where(flat >= 0, flat, num_rows)
-    return jnp.full((num_rows,), -1, jnp.int32).at[dst].set(tok, mode="drop", unique_indices=True)
+    if m * k == 0:
+        return jnp.zeros((num_rows,), jnp.int32)
+    (src1,) = triton_call(
+        src2dst, kernel=row_source_kernel, out_shape=[jax.ShapeDtypeStruct((num_rows,), jnp.int32)],
+        grid=(ceil_div(m * k, _SOURCE_BLOCK),), num_warps=4, name="moe_permute_row_sources",
+        zeroed_outputs=(0,), N=m * k, TOPK=k, R=num_rows, BLOCK=_SOURCE_BLOCK)
+    return src1
 
 
 def kernel_config(hidden: int, recipe: str) -> dict:
@@ -127,32 +163,35 @@ def kernel_config(hidden: int, recipe: str) -> dict:
     return dict(GROUP=group, GROUPS=max(4, _TILE // group), QUANT=quant)
 
 
-def _permute(x: jax.Array, src2dst: jax.Array, *, slabs: int, mn: int, recipe: str, arch: int):
+def _permute(x: jax.Array, src2dst: jax.Array, *, slabs: int, mn: int, recipe: str, arch: int,
+             zero_fill: bool):
     m, h = x.shape
     top_k = src2dst.shape[1]
     rows = slabs * mn
     cfg = kernel_config(h, recipe)
     quant = cfg["QUANT"]
-    if quant:
-        (gi, img_ld), img_dtype = act_scale_image_shape(recipe, arch, mn, h)
-        img_shape = (gi, img_ld) if slabs == 1 else (slabs, gi, img_ld)
-        lhs_dtype = jnp.float8_e4m3fn
-    else:
-        gi, img_ld, img_dtype, img_shape = 1, round_up(mn, 4), jnp.int32, (1,)  # unused output
-        lhs_dtype = jnp.bfloat16
     g = ceil_div(h, cfg["GROUP"])
-    # zero programs also cover each slab's image padding columns [MN, align(MN, 4))
-    zero_ld = img_ld if quant else mn
-    zero_rows = slabs * zero_ld
-    grid = (m + ceil_div(zero_rows, _ZERO_ROWS), ceil_div(g, cfg["GROUPS"]))
-    inv = inverse_map(src2dst, rows)
-    lhs, img = triton_call(
-        x, src2dst, inv, kernel=scatter_quant_kernel,
-        out_shape=[jax.ShapeDtypeStruct((rows, h), lhs_dtype), jax.ShapeDtypeStruct(img_shape, img_dtype)],
-        grid=grid, num_warps=_NUM_WARPS, name="moe_permute_quant",
-        M=m, H=h, TOPK=top_k, R=rows, MN=mn, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, ZERO_LD=zero_ld,
-        ZERO_PROGRAMS_ROWS=zero_rows, UE8M0=arch == 100, ZERO_ROWS=_ZERO_ROWS, ZERO_SUB=_ZERO_SUB, **cfg)
-    return lhs, (img if quant else None)
+    zero_programs = ceil_div(rows, _ZERO_ROWS) if zero_fill else 0
+    src1 = row_sources(src2dst, rows)
+    lhs, sf = triton_call(
+        x, src2dst, src1, kernel=scatter_quant_kernel,
+        out_shape=[jax.ShapeDtypeStruct((rows, h), jnp.float8_e4m3fn if quant else jnp.bfloat16),
+                   jax.ShapeDtypeStruct((m, g) if quant else (1,), jnp.float32)],
+        grid=((zero_programs + ceil_div(m, _TOKENS)) * ceil_div(g, cfg["GROUPS"]),),
+        num_warps=_NUM_WARPS, name="moe_permute_quant",
+        M=m, H=h, TOPK=top_k, TOPK_P2=triton.next_power_of_2(top_k), R=rows, G=g, UE8M0=arch == 100,
+        TOKENS=_TOKENS, ZERO_FILL=zero_fill, ZERO_ROWS=_ZERO_ROWS, ZERO_SUB=_ZERO_SUB, CHUNKS_FASTEST=_CHUNKS_FASTEST, **cfg)
+    if not quant:
+        return lhs, None
+    (gi, img_ld), img_dtype = act_scale_image_shape(recipe, arch, mn, h)
+    row_blocks = slabs * ceil_div(img_ld, _IMAGE_ROWS)
+    (img,) = triton_call(
+        src1, sf, kernel=scale_image_kernel,
+        out_shape=[jax.ShapeDtypeStruct((gi, img_ld) if slabs == 1 else (slabs, gi, img_ld), img_dtype)],
+        grid=(row_blocks * ceil_div(g, _IMAGE_GROUPS),), num_warps=4, name="moe_permute_scale_image",
+        MN=mn, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, UE8M0=arch == 100, ROWS=_IMAGE_ROWS,
+        GROUPS=_IMAGE_GROUPS, ROW_BLOCKS=row_blocks)
+    return lhs, img
 
 
 def permute_contig(x: jax.Array, src2dst: jax.Array, *, num_rows: int, recipe: str, arch: int):
@@ -160,14 +199,15 @@ def permute_contig(x: jax.Array, src2dst: jax.Array, *, num_rows: int, recipe: s
     -> (lhs (num_rows, H) e4m3 | bf16, lhs_scale image (see custom_calls.act_quant) | None)."""
     if x.shape[0] == 0:  # no token: every row is a zero row
         return quantize_activation(jnp.zeros((num_rows, x.shape[1]), x.dtype), recipe, arch)
-    return _permute(x, src2dst, slabs=1, mn=num_rows, recipe=recipe, arch=arch)
+    return _permute(x, src2dst, slabs=1, mn=num_rows, recipe=recipe, arch=arch, zero_fill=True)
 
 
 def permute_masked(x: jax.Array, src2dst: jax.Array, *, num_groups: int, m_pad: int, recipe: str,
                    arch: int):
     """x: (M, H) float, src2dst: (M, k) int32 flat slab rows g * m_pad + r, or -1
-    -> (lhs (G, m_pad, H) e4m3 | bf16, lhs_scale (G, ...) image | None)."""
+    -> (lhs (G, m_pad, H) e4m3 | bf16, lhs_scale (G, ...) image | None); lhs rows no route lands on
+    are left unwritten."""
     if x.shape[0] == 0:  # no token: every row is a zero row
         return quantize_activation(jnp.zeros((num_groups, m_pad, x.shape[1]), x.dtype), recipe, arch)
-    lhs, img = _permute(x, src2dst, slabs=num_groups, mn=m_pad, recipe=recipe, arch=arch)
+    lhs, img = _permute(x, src2dst, slabs=num_groups, mn=m_pad, recipe=recipe, arch=arch, zero_fill=False)
     return lhs.reshape(num_groups, m_pad, x.shape[1]), img

@@ -17,11 +17,12 @@ import triton.language as tl
 
 from custom_calls._checks import ACT_GROUP, act_scale_image_shape, ceil_div, check_recipe_arch
 from custom_calls.triton.launch import triton_call
-from custom_calls.triton.tile_quant import quantize_tile, store_scale_image
+from custom_calls.triton.tile_quant import quantize_tile, store_scale_image, tile_ids
 
 _TILE = 1024  # elements of K per program row
 _BLOCK_M = 4
 _NUM_WARPS = 4
+_CHUNKS_FASTEST = True
 
 
 @triton.jit
@@ -29,12 +30,12 @@ def per_token_group_quant_kernel(
     x_ptr, q_ptr, img_ptr,
     MN: tl.constexpr, K: tl.constexpr, G: tl.constexpr, IMG_LD: tl.constexpr,
     IMG_SLAB: tl.constexpr, GROUP: tl.constexpr, UE8M0: tl.constexpr,
-    BLOCK_M: tl.constexpr, GROUPS: tl.constexpr,
+    BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, ROW_BLOCKS: tl.constexpr, CHUNKS_FASTEST: tl.constexpr,
 ):
-    """Grid (S * cdiv(IMG_LD, BLOCK_M), cdiv(G, GROUPS)); one [BLOCK_M, GROUPS * GROUP] tile each."""
+    """Grid (ROW_BLOCKS * cdiv(G, GROUPS),), ROW_BLOCKS = S * cdiv(IMG_LD, BLOCK_M); one
+    [BLOCK_M, GROUPS * GROUP] tile each."""
     BLOCKS_PER_SLAB: tl.constexpr = (IMG_LD + BLOCK_M - 1) // BLOCK_M
-    pid_m = tl.program_id(0)
-    pid_g = tl.program_id(1)
+    pid_m, pid_g = tile_ids(ROW_BLOCKS, (G + GROUPS - 1) // GROUPS, CHUNKS_FASTEST)
     slab = pid_m // BLOCKS_PER_SLAB
     m = (pid_m % BLOCKS_PER_SLAB) * BLOCK_M + tl.arange(0, BLOCK_M)
     group0 = pid_g * GROUPS
@@ -71,14 +72,14 @@ def quantize_activation(x: jax.Array, recipe: str, arch: int) -> tuple[jax.Array
     groups = _TILE // group
     if arch == 100:
         groups = max(groups, 4)
-    grid = (slabs * ceil_div(img_ld, _BLOCK_M), ceil_div(g, groups))
-    if grid[0] == 0:  # no rows
+    row_blocks = slabs * ceil_div(img_ld, _BLOCK_M)
+    if row_blocks == 0:  # no rows
         return jnp.zeros(x.shape, jnp.float8_e4m3fn), jnp.zeros((*lead, gi, img_ld), img_dtype)
     q, img = triton_call(
         x, kernel=per_token_group_quant_kernel,
         out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn),
                    jax.ShapeDtypeStruct((*lead, gi, img_ld), img_dtype)],
-        grid=grid, num_warps=_NUM_WARPS, name="moe_group_quant",
+        grid=(row_blocks * ceil_div(g, groups),), num_warps=_NUM_WARPS, name="moe_group_quant",
         MN=mn, K=k, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, GROUP=group, UE8M0=arch == 100,
-        BLOCK_M=_BLOCK_M, GROUPS=groups)
+        BLOCK_M=_BLOCK_M, GROUPS=groups, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=_CHUNKS_FASTEST)
     return q, img

@@ -25,12 +25,42 @@ AMAX_FLOOR = tl.constexpr(1e-4)
 
 
 @triton.jit
+def tile_ids(ROW_BLOCKS: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_FASTEST: tl.constexpr):
+    """(row block, column chunk) of this program on a 1-D grid of ROW_BLOCKS * CHUNKS programs.
+    CHUNKS_FASTEST: the chunks of one row block are neighbouring programs, so the programs in flight
+    sweep whole rows (contiguous memory) instead of one column chunk of many rows."""
+    pid = tl.program_id(0)
+    if CHUNKS_FASTEST:
+        row_block = pid // CHUNKS
+        chunk = pid % CHUNKS
+    else:
+        row_block = pid % ROW_BLOCKS
+        chunk = pid // ROW_BLOCKS
+    return row_block, chunk
+
+
+@triton.jit
 def ue8m0_exponent(sf):
     """Biased exponent (int32, 1..254) of the smallest power of two >= sf (sf: fp32 > 0, normal)."""
     bits = sf.to(tl.int32, bitcast=True)
     exp = (bits >> 23) & 0xFF
     bump = ((bits & 0x7FFFFF) != 0).to(tl.int32)
     return tl.minimum(tl.maximum(exp + bump, 1), 254)
+
+
+@triton.jit
+def ue8m0_bits_exponent(sf):
+    """Exponent byte (int32) of power-of-two scales sf (fp32): their UE8M0 encoding; 0 for sf = 0."""
+    return (sf.to(tl.int32, bitcast=True) >> 23) & 0xFF
+
+
+@triton.jit
+def zero_row_scale(UE8M0: tl.constexpr):
+    """The scale `quantize_tile` gives a group of zeros (amax at its floor), as an fp32 scalar."""
+    sf = tl.math.div_rn(tl.full((1,), AMAX_FLOOR, tl.float32), tl.full((1,), FP8_MAX, tl.float32))
+    if UE8M0:
+        sf = (ue8m0_exponent(sf) << 23).to(tl.float32, bitcast=True)
+    return tl.sum(sf, axis=0)
 
 
 @triton.jit
