@@ -1,10 +1,13 @@
-"""Wall-clock timing of jitted device work, shared by the benchmark tools."""
+"""Timing of jitted device work, shared by the benchmark tools: wall clock (`time_op`) and GPU
+kernel time read from a profiler trace (`trace_kernels`, `device_time`)."""
 
 from __future__ import annotations
 
+import glob
 import statistics
+import tempfile
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 
@@ -23,3 +26,46 @@ def time_op(fn: Callable, arg_sets: list[tuple], rounds: int = 5, chain: int = 4
         del outs
         times.append((time.perf_counter() - t0) / (chain * len(arg_sets)))
     return statistics.median(times)
+
+
+def trace_kernels(run: Callable[[], Any]) -> dict[str, list[float]]:
+    """Device durations (s) of the GPU kernels and memsets launched while `run()` executes (it must
+    block until its work is done), by name, from a jax.profiler trace."""
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            run()
+        finally:
+            jax.profiler.stop_trace()
+        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        if not files:
+            raise RuntimeError("the profiler wrote no trace")
+        data = ProfileData.from_file(files[0])
+    kernels: dict[str, list[float]] = {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "Stream" not in line.name:  # the per-stream lines; others repeat the same kernels
+                continue
+            for ev in line.events:
+                kernels.setdefault(ev.name, []).append(ev.duration_ns / 1e9)
+    return kernels
+
+
+def device_time(fn: Callable, arg_sets: list[tuple], rounds: int = 3) -> dict[str, float]:
+    """GPU time per call of fn, per kernel name (seconds), over the same rotating argument sets
+    as `time_op` (so inputs are not L2-resident): the sum of each kernel's durations divided by the
+    number of calls. Host dispatch is not counted; the "total" key is the sum over kernels."""
+    many = jax.jit(lambda sets: [fn(*s) for s in sets])
+    jax.block_until_ready(many(arg_sets))
+
+    def run():
+        jax.block_until_ready([many(arg_sets) for _ in range(rounds)])
+
+    calls = rounds * len(arg_sets)
+    per = {name: sum(d) / calls for name, d in trace_kernels(run).items()}
+    per["total"] = sum(per.values())
+    return per

@@ -23,11 +23,9 @@ from __future__ import annotations
 import argparse
 import math
 import datetime
-import glob
 import json
 import statistics
 import sys
-import tempfile
 import time
 
 CONTIG = [(32, 1024, 4096, 7168), (32, 1024, 7168, 2048), (8, 4096, 4096, 7168), (32, 256, 4096, 7168)]
@@ -111,18 +109,11 @@ def _timeit(f, args, *, burst_rounds=3, burst_iters=10, sustained_iters=150, idl
     kernel_s = None
     if kernel:
         try:
-            with tempfile.TemporaryDirectory() as d:
-                time.sleep(idle)
-                for _ in range(warm):
-                    out = f(*args)
-                jax.block_until_ready(out)
-                jax.profiler.start_trace(d)
-                for _ in range(burst_iters):
-                    out = f(*args)
-                jax.block_until_ready(out)
-                jax.profiler.stop_trace()
-                ns = _kernel_ns(d, kernel)
-            kernel_s = ns / 1e9 if ns else None
+            time.sleep(idle)
+            for _ in range(warm):
+                out = f(*args)
+            jax.block_until_ready(out)
+            kernel_s = _kernel_s(lambda: jax.block_until_ready([f(*args) for _ in range(burst_iters)]), kernel)
         except Exception as e:  # the profiler is optional: the column stays empty, and says why
             print(f"kernel timing unavailable: {type(e).__name__}: {e}", file=sys.stderr)
     return statistics.median(burst), sustained, kernel_s
@@ -144,22 +135,11 @@ def _quant_inputs(key, g, rows, n, k):
     return x, w, qa, sa, qb, sb, a_deq, b_deq
 
 
-def _kernel_ns(trace_dir: str, needle: str) -> float | None:
-    """Median device duration (ns) of kernels whose name contains ``needle`` in a profiler trace."""
-    from jax.profiler import ProfileData
+def _kernel_s(run, needle: str) -> float | None:
+    """Median device duration (s) of the kernels whose name contains ``needle`` while ``run()`` runs."""
+    from custom_calls._timing import trace_kernels
 
-    files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-    if not files:
-        return None
-    pd = ProfileData.from_file(files[0])
-    durs = []
-    for plane in pd.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            for ev in line.events:
-                if needle in ev.name:
-                    durs.append(ev.duration_ns)
+    durs = [d for name, ds in trace_kernels(run).items() if needle in name for d in ds]
     return statistics.median(durs) if durs else None
 
 
@@ -191,19 +171,13 @@ def launch_overhead(chain: int = 32, iters: int = 300) -> dict:
             out = f(x, w)
         jax.block_until_ready(out)
         res[f"{name}_step_us"] = (time.perf_counter() - t0) / iters / chain * 1e6
-    kernel_ns = None
+    kernel_s = None
     try:
-        with tempfile.TemporaryDirectory() as d:
-            jax.profiler.start_trace(d)
-            for _ in range(5):
-                out = ours(x, w)
-            jax.block_until_ready(out)
-            jax.profiler.stop_trace()
-            kernel_ns = _kernel_ns(d, "sm90_bf16_gemm")
+        kernel_s = _kernel_s(lambda: jax.block_until_ready([ours(x, w) for _ in range(5)]), "sm90_bf16_gemm")
     except Exception as e:  # the profiler is optional; say why it is missing
         res["profiler_error"] = f"{type(e).__name__}: {e}"
-    res["kernel_us"] = kernel_ns / 1e3 if kernel_ns else None
-    res["overhead_us"] = res["deep_gemm_step_us"] - res["kernel_us"] if kernel_ns else None
+    res["kernel_us"] = kernel_s * 1e6 if kernel_s else None
+    res["overhead_us"] = res["deep_gemm_step_us"] - res["kernel_us"] if kernel_s else None
     return res
 
 

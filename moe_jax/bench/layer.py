@@ -7,9 +7,12 @@ not part of the routed path measured here). Backends: "auto" (Triton non-GEMM st
 GEMMs on a supported GPU) and "reference" (pure JAX through XLA).
 
 Method: fresh random inputs; every timing is a jitted function run over R distinct input sets in
-one dispatch (inputs rotate so they are not L2-resident), wall time / R, median of 5 rounds after
-a warm-up (sustained clock); the reference backend runs one input set, 2 rounds. Stages are timed
-one by one on the layer's own intermediate tensors.
+one dispatch (inputs rotate so they are not L2-resident), 8 such dispatches back to back (the
+host's start-up of a dispatch, before its first kernel, is then paid once per 8 R layers, as a
+model's program would pay it once per step), wall time / 8 R, median of 5 rounds after a warm-up
+(sustained clock); the reference backend runs one input set, 2 rounds. Stages are timed one by one
+on the layer's own intermediate tensors. End to end also gets its GPU kernel time (profiler trace:
+GEMMs, Triton kernels, the rest), which holds no host time at all.
 Error: ‖out − ref‖ / ‖ref‖ (and the worst row) against a float32 model of the same layer computed
 on the routed (token, expert) pairs only (dequantized weights, unquantized activations, HIGHEST
 precision dots); `--no-error` skips it. Peak temporary memory:
@@ -125,7 +128,7 @@ def _weight_bytes(params) -> int:
 STAGES = ("route (gate GEMM + top-k)", "dispatch", "permute+quant", "GEMM1", "activation+quant", "GEMM2",
           "unpermute")
 # compile steps per backend: end to end, with routing, output, other layout, memory analysis, stages
-STEPS_PER_BACKEND = 5 + len(STAGES)
+STEPS_PER_BACKEND = 6 + len(STAGES)
 
 
 def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, *, small: bool = False,
@@ -179,7 +182,7 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
         # weights): one input set, fewer rounds.
         slow = be == "reference"
         n_sets = 1 if slow else reps
-        kw = dict(rounds=2, chain=1) if slow else dict(chain=3)
+        kw = dict(rounds=2, chain=1) if slow else dict(chain=8)
 
         def timed(label, fn, arg_sets):
             progress.step(f"{name} {be}: {label}")
@@ -187,7 +190,11 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
 
         try:
             f = forward(be)
-            row["end_to_end_us"] = timed("end to end", f, [(params, x, *r) for x, r in zip(xs, routed)]) * 1e6
+            e2e_sets = [(params, x, *r) for x, r in zip(xs, routed)]
+            row["end_to_end_us"] = timed("end to end", f, e2e_sets) * 1e6
+            progress.step(f"{name} {be}: end to end, kernel time")
+            if not slow:  # the reference's single slow call is all GEMM anyway
+                row["kernel_time_us"] = _kernel_time_by_family(f, e2e_sets)
             row["with_routing_us"] = timed(
                 "with routing", lambda p, x: moe_forward(x, p, cfg, layout=layout, backend=be),
                 [(params, x) for x in xs]) * 1e6
@@ -273,6 +280,23 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
     return result
 
 
+def _kernel_time_by_family(fn, arg_sets) -> dict:
+    """GPU time per call of fn (profiler trace), in us: total, DeepGEMM GEMMs, Triton kernels,
+    other (XLA fusions, memsets). {"error": why} where the profiler is unavailable."""
+    from custom_calls._timing import device_time
+
+    try:
+        per = device_time(fn, arg_sets)
+    except Exception as exc:  # the profiler is optional: say why the column is missing
+        return dict(error=f"{type(exc).__name__}: {exc}")
+    total = per.pop("total")
+    if not total:
+        return dict(error="no GPU kernel in the profiler trace")
+    gemm = sum(v for n, v in per.items() if "deep_gemm" in n)
+    triton = sum(v for n, v in per.items() if n.endswith("_kernel"))
+    return dict(total=total * 1e6, gemms=gemm * 1e6, triton=triton * 1e6, other=(total - gemm - triton) * 1e6)
+
+
 def _f(v, fmt: str) -> str:
     return "–" if v is None else format(v, fmt)
 
@@ -294,6 +318,13 @@ def print_table(results: list[dict], backends: list[str], device: str, copy_gbps
                   f"GEMMs {row['gemms_us']:.1f} us (e2e/GEMMs {row['e2e_over_gemms']:.3f}), {err}, "
                   f"contig vs masked {_f(other, '.1e')}, temp {_f(row.get('temp_MB'), '.0f')} MB "
                   f"(bound {row['temp_bound_MB']:.0f} MB)")
+            kt = row.get("kernel_time_us")
+            if kt and "error" not in kt:
+                print(f"      end to end, GPU kernel time: {kt['total']:.1f} us = GEMMs {kt['gemms']:.1f} + Triton "
+                      f"{kt['triton']:.1f} + other {kt['other']:.1f}"
+                      + (f" (total/GEMMs {kt['total'] / kt['gemms']:.3f})" if kt["gemms"] else ""))
+            elif kt:
+                print(f"      end to end, GPU kernel time unavailable: {kt['error']}")
             for s, t in row["stages_us"].items():
                 print(f"      {s:28s} {t:10.1f} us")
         if res["shape"] == "decode" and "end_to_end_us" in res.get("auto", {}):
