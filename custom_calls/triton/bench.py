@@ -179,10 +179,10 @@ def run(reps: int = 6, decode: bool = True, sweep: bool = True) -> list[dict]:
         xd = [jax.random.normal(kk, (md, h), jnp.bfloat16) for kk in keys]
         dm = [dispatch_masked(routes(jax.random.fold_in(kk, 2), md), num_local_experts=e, m_pad=m_pad,
                               num_experts_global=e) for kk in keys]
-        lhs, img = permute_masked(xd[0], dm[0].src2dst, num_groups=e, m_pad=m_pad, recipe=recipe, arch=arch)
-        add("decode permute_masked (zero-fills every slab row)",
+        _, img = permute_masked(xd[0], dm[0].src2dst, num_groups=e, m_pad=m_pad, recipe=recipe, arch=arch)
+        add("decode permute_masked (bytes of routed rows)",
             lambda x, s: permute_masked(x, s, num_groups=e, m_pad=m_pad, recipe=recipe, arch=arch, backend="triton"),
-            [(x, d.src2dst) for x, d in zip(xd, dm)], _nbytes(xd[0], lhs, img),
+            [(x, d.src2dst) for x, d in zip(xd, dm)], _nbytes(xd[0], img, dm[0].src2dst) + md * k * h,
             lambda x, s: permute_masked(x, s, num_groups=e, m_pad=m_pad, recipe=recipe, arch=arch,
                                         backend="reference"))
         gm = [jax.random.normal(kk, (e, m_pad, 2 * inter), jnp.bfloat16) for kk in keys]
