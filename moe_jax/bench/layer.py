@@ -127,7 +127,8 @@ def _weight_bytes(params) -> int:
 
 STAGES = ("route (gate GEMM + top-k)", "dispatch", "permute+quant", "GEMM1", "activation+quant", "GEMM2",
           "unpermute")
-# compile steps per backend: end to end, with routing, output, other layout, memory analysis, stages
+# compile steps per backend: end to end, its kernel time, with routing, output, other layout, memory
+# analysis, stages
 STEPS_PER_BACKEND = 6 + len(STAGES)
 
 
@@ -193,7 +194,7 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
             e2e_sets = [(params, x, *r) for x, r in zip(xs, routed)]
             row["end_to_end_us"] = timed("end to end", f, e2e_sets) * 1e6
             progress.step(f"{name} {be}: end to end, kernel time")
-            if not slow:  # the reference's single slow call is all GEMM anyway
+            if not slow:  # the reference (one slow call per round) is not profiled
                 row["kernel_time_us"] = _kernel_time_by_family(f, e2e_sets)
             row["with_routing_us"] = timed(
                 "with routing", lambda p, x: moe_forward(x, p, cfg, layout=layout, backend=be),
@@ -281,8 +282,9 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
 
 
 def _kernel_time_by_family(fn, arg_sets) -> dict:
-    """GPU time per call of fn (profiler trace), in us: total, DeepGEMM GEMMs, Triton kernels,
-    other (XLA fusions, memsets). {"error": why} where the profiler is unavailable."""
+    """GPU time per call of fn (profiler trace), in us: total, DeepGEMM GEMMs (kernel names holding
+    "deep_gemm"), Triton kernels (names ending in "_kernel", as every kernel of custom_calls.triton
+    does), other (XLA fusions, memsets). {"error": why} where the profiler is unavailable."""
     from custom_calls._timing import device_time
 
     try:
