@@ -55,11 +55,20 @@ def ue8m0_bits_exponent(sf):
 
 
 @triton.jit
+def scale_from_amax(amax, UE8M0: tl.constexpr):
+    """amax (floored, fp32) -> (sf fp32, exp int32: its UE8M0 byte, meaningful only when UE8M0)."""
+    sf = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
+    exp = tl.zeros(amax.shape, tl.int32)
+    if UE8M0:
+        exp = ue8m0_exponent(sf)
+        sf = (exp << 23).to(tl.float32, bitcast=True)
+    return sf, exp
+
+
+@triton.jit
 def zero_row_scale(UE8M0: tl.constexpr):
     """The scale `quantize_tile` gives a group of zeros (amax at its floor), as an fp32 scalar."""
-    sf = tl.math.div_rn(tl.full((1,), AMAX_FLOOR, tl.float32), tl.full((1,), FP8_MAX, tl.float32))
-    if UE8M0:
-        sf = (ue8m0_exponent(sf) << 23).to(tl.float32, bitcast=True)
+    sf, _ = scale_from_amax(tl.full((1,), AMAX_FLOOR, tl.float32), UE8M0)
     return tl.sum(sf, axis=0)
 
 
@@ -73,11 +82,7 @@ def quantize_tile(x, ROWS: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constex
     """
     xg = tl.reshape(x, (ROWS, GROUPS, GROUP))
     amax = tl.maximum(tl.max(tl.abs(xg), axis=2), AMAX_FLOOR)
-    sf = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
-    exp = tl.zeros(amax.shape, tl.int32)
-    if UE8M0:
-        exp = ue8m0_exponent(sf)
-        sf = (exp << 23).to(tl.float32, bitcast=True)
+    sf, exp = scale_from_amax(amax, UE8M0)
     inv = tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf)
     y = xg * tl.expand_dims(inv, 2)
     y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
