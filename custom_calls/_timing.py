@@ -3,6 +3,7 @@ kernel time read from a profiler trace (`trace_kernels`, `device_time`)."""
 
 from __future__ import annotations
 
+import functools
 import glob
 import statistics
 import tempfile
@@ -12,11 +13,18 @@ from typing import Any, Callable
 import jax
 
 
+@functools.lru_cache(maxsize=16)
+def _over_sets(fn: Callable) -> Callable:
+    """One jitted function running fn over a list of argument sets, shared by the timers so that
+    timing the same fn by wall clock and by kernel time compiles it once."""
+    return jax.jit(lambda sets: [fn(*s) for s in sets])
+
+
 def time_op(fn: Callable, arg_sets: list[tuple], rounds: int = 5, chain: int = 4) -> float:
     """Seconds per call of fn: a jitted function runs fn over the argument sets; `chain` such calls
     are dispatched back to back (the host runs ahead, so dispatch and sync costs overlap the GPU),
     then one sync; median over `rounds`."""
-    many = jax.jit(lambda sets: [fn(*s) for s in sets])
+    many = _over_sets(fn)
     jax.block_until_ready(many(arg_sets))
     times = []
     for _ in range(rounds):
@@ -59,7 +67,7 @@ def device_time(fn: Callable, arg_sets: list[tuple], rounds: int = 3) -> dict[st
     """GPU time per call of fn, per kernel name (seconds), over the same rotating argument sets
     as `time_op` (so inputs are not L2-resident): the sum of each kernel's durations divided by the
     number of calls. Host dispatch is not counted; the "total" key is the sum over kernels."""
-    many = jax.jit(lambda sets: [fn(*s) for s in sets])
+    many = _over_sets(fn)
     jax.block_until_ready(many(arg_sets))
 
     def run():
