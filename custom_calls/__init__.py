@@ -10,7 +10,7 @@ from custom_calls.activation import (ActivationSpec, activation_quant_contig,
 from custom_calls.backends import (AUTO, REFERENCE, Implementation, OpSpec, auto_order, backend_stages,
                                    backends, declare_op, get_default_backend, known_backends, op_spec,
                                    register, register_lazy, resolve, set_environment, static_supports,
-                                   use_backend)
+                                   unavailable_reason, use_backend)
 from custom_calls.expert_rank import rank_within_expert
 from custom_calls.grouped_gemm import (dequantize_lhs, dequantize_rhs, m_grouped_gemm_contig,
                                        m_grouped_gemm_masked)
@@ -24,5 +24,6 @@ __all__ = [
     "dequantize_lhs", "dequantize_rhs", "gated_activation", "get_default_backend", "known_backends",
     "m_grouped_gemm_contig", "m_grouped_gemm_masked", "op_spec", "permute_contig", "permute_masked",
     "quantize_activation", "rank_within_expert", "register", "register_lazy", "resolve",
-    "route_topk", "scatter_rows", "set_environment", "static_supports", "unpermute", "use_backend",
+    "route_topk", "scatter_rows", "set_environment", "static_supports", "unavailable_reason", "unpermute",
+    "use_backend",
 ]

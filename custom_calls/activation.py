@@ -1,4 +1,4 @@
-"""Gated activation fused with the quantization of GEMM2's input (SPEC §4), contig and masked
+"""Gated activation fused with the quantization of GEMM2's input (stage 4 of docs/ARCHITECTURE.md), contig and masked
 (varlen) forms, every variant:
 
     silu        silu(gate) * up; with swiglu_limit l: up clamped to [-l, l], gate clamped above at l

@@ -220,6 +220,17 @@ def _environment_reason(backend: str, platform: str, static: dict) -> str:
     return env(platform, **static) if env is not None else ""
 
 
+def unavailable_reason(backend: str, *, platform: str | None = None, **static) -> str:
+    """Why `backend` cannot run on this machine at all ("" when it can): its platforms, import and
+    environment check (`static` as the environment check needs it, e.g. `arch`)."""
+    if backend == REFERENCE:
+        return ""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {known_backends()}, got {backend!r}")
+    platform = platform or _current_platform()
+    return _platform_reason(backend, platform) or _environment_reason(backend, platform, static)
+
+
 def _lookup(op: str, backend: str) -> Implementation:
     impl = _IMPLS[op].get(backend)
     if impl is None:

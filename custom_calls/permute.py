@@ -1,4 +1,4 @@
-"""Pre-permute (SPEC §3): place each (token, k) route at its row of the grouped layout and quantize
+"""Pre-permute: place each (token, k) route at its row of the grouped layout and quantize
 the activations for GEMM1 in the same step (the scale image the GEMM consumes).
 
 The placement itself (`src2dst`) is computed by the dispatcher (moe_jax.dispatch); these ops

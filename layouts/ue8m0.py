@@ -53,7 +53,7 @@ def is_ue8m0(x: jax.Array) -> jax.Array:
 
 
 def e8m0_round_up_bytes(x: jax.Array) -> jax.Array:
-    """The SPEC §2 ``_cast_to_e8m0_with_rounding_up`` bit rule, as uint8 exponent bytes.
+    """SGLang's ``_cast_to_e8m0_with_rounding_up`` bit rule, as uint8 exponent bytes.
 
     x: (...) float -> (...) uint8. On the int32 view of the fp32 bits (arithmetic shift):
     exp = bits >> 23, mant = bits & 0x7FFFFF; exp += 1 when mant > 0 and exp != 0xFE, except when

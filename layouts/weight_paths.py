@@ -1,4 +1,4 @@
-"""Load-time weight paths (SPEC §2.1): checkpoint weights and scales -> what a grouped GEMM reads.
+"""Load-time weight paths (docs/ARCHITECTURE.md, stage 1): checkpoint weights and scales -> what a grouped GEMM reads.
 
   A  MXFP4 experts on SM100: values stay int8-packed e2m1; (E, N, K/32) power-of-two scales
      become the packed UE8M0 MN-major image (recipe (1, 32), K = 2 * packed width). Lossless.
@@ -36,7 +36,7 @@ MAX_OFFSET_BITS = 6
 
 
 def mxfp4_to_fp8_block(packed: jax.Array, sf32: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """MXFP4 -> FP8 with 128 x 128 block scales (SPEC §2.1 B; DeepSeek's e2m1 -> e4m3 cast).
+    """MXFP4 -> FP8 with 128 x 128 block scales (path B; DeepSeek's e2m1 -> e4m3 cast).
 
     packed: (..., N, K/2) int8 e2m1 pairs; sf32: (..., N, ceil(K/32)) f32 powers of two.
     -> w_fp8: (..., N, K) float8_e4m3fn, sf128: (..., ceil(N/128), ceil(K/128)) f32 powers of two.
@@ -79,7 +79,7 @@ def mxfp4_to_fp8_block(packed: jax.Array, sf32: jax.Array) -> tuple[jax.Array, j
 def requant_fp8_block_ue8m0(
     w_fp8: jax.Array, sf: jax.Array, block_size: int = FP8_BLOCK
 ) -> tuple[jax.Array, jax.Array]:
-    """Block FP8 -> block FP8 with power-of-two scales (SPEC §2.1 C, numerical requant).
+    """Block FP8 -> block FP8 with power-of-two scales (path C, numerical requant).
 
     w_fp8: (..., N, K) float8_e4m3fn, sf: (..., ceil(N/bs), ceil(K/bs)) f32
     -> (w_fp8 (..., N, K) float8_e4m3fn, sf_pow2 (..., ceil(N/bs), ceil(K/bs)) f32).

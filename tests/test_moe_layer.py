@@ -508,3 +508,29 @@ def test_bad_moe_forward_with_an_expert_shard():
     x = jax.random.normal(jax.random.key(1), (3, 128)).astype(jnp.bfloat16)
     with pytest.raises(ValueError, match=r"params.w13: moe_forward needs all 8 experts, got 4"):
         mj.moe_forward(x, shard, config)
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_leading_dims_are_kept(hashed):
+    """(batch, seq, H) activations, as a Flax model passes them: the same rows as the flat call."""
+    cfg = V4.scaled(hash_routing=hashed, arch=90)
+    _, pp = params_for(cfg)
+    x = inputs(12, seed=7).reshape(3, 4, 256)
+    tok = jax.random.randint(jax.random.key(8), (3, 4), 0, cfg.vocab_size, jnp.int32) if hashed else None
+    flat_tok = None if tok is None else tok.reshape(-1)
+    y = _forward(x, pp, config=cfg, token_ids=tok)
+    assert y.shape == (3, 4, 256) and y.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(y).reshape(12, 256),
+                                  np.asarray(_forward(x.reshape(12, 256), pp, config=cfg, token_ids=flat_tok)))
+    ids, w = mj.route(x, pp, cfg, token_ids=tok)
+    assert ids.shape == w.shape == (3, 4, cfg.top_k)
+    routed = mj.routed_experts(x, ids, w, pp, cfg)
+    shared = mj.shared_experts(x, pp, cfg)
+    assert routed.shape == shared.shape == (3, 4, 256)
+    flat = mj.routed_experts(x.reshape(12, 256), ids.reshape(12, -1), w.reshape(12, -1), pp, cfg)
+    np.testing.assert_array_equal(np.asarray(routed).reshape(12, 256), np.asarray(flat))
+    if hashed:
+        with pytest.raises(ValueError, match=r"token_ids: expected shape \(3, 4\) \(the leading dims of x\), got \(12,\)"):
+            mj.moe_forward(x, pp, cfg, token_ids=flat_tok)
+    with pytest.raises(ValueError, match=r"topk_ids/topk_weights: expected shape \(3, 4, 6\)"):
+        mj.routed_experts(x, ids.reshape(12, -1), w.reshape(12, -1), pp, cfg)

@@ -69,9 +69,10 @@ def _answer(*reasons: str) -> tuple[bool, str]:
 
 
 def activation_masked_constraints(*, num_groups: int, m_pad: int, two_i: int, act, recipe: str) -> str:
-    """The seed's hard constraints of the masked clamp / SiTU / keep_fp32 act+quant kernel
-    (SPEC §4): N % 4 == 0 (N = m_pad, rows per slab), G % 4 == 0 (G = I / group, scale groups per
-    row), D // 8 >= E (D = I, E = num_groups: one thread per 8 columns reads each slab's masked_m).
+    """The hard constraints of the masked clamp / SiTU / keep_fp32 act+quant kernel (the same as
+    SGLang's masked kernel): N % 4 == 0 (N = m_pad, rows per slab), G % 4 == 0 (G = I / group, scale
+    groups per row), D // 8 >= E (D = I, E = num_groups: one thread per 8 columns reads each slab's
+    masked_m).
     Returns "" when they hold or do not apply (bf16 recipe; plain silu or swiglu_oai), else the
     violated constraint with its values."""
     constrained = act.kind == "situ" or act.keep_fp32 or (act.kind == "silu" and act.swiglu_limit is not None)

@@ -1,4 +1,4 @@
-"""Parallel MoE: the patterns of SPEC §6 as `shard_map` programs over a `Mesh` (single- or
+"""Parallel MoE: the attention x MoE parallel patterns (docs/ARCHITECTURE.md) as `shard_map` programs over a `Mesh` (single- or
 multi-host alike), EP dispatch/combine in three modes, and the bytes each moves.
 CLIs (not imported here): `python -m moe_jax.parallel.bytes` (computed bytes per layer),
 `python -m moe_jax.parallel.bench` (timings on whatever devices jax sees).

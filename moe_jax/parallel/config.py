@@ -1,4 +1,4 @@
-"""`ParallelConfig`: how one MoE layer is spread over a `Mesh` (SPEC §6). Frozen and hashable:
+"""`ParallelConfig`: how one MoE layer is spread over a `Mesh` (docs/ARCHITECTURE.md). Frozen and hashable:
 pass it as a static argument.
 
 Patterns (attention x MoE, the seed's §2.6.3 table):

@@ -1,4 +1,4 @@
-"""`sharded_moe_forward`: one MoE layer over a `Mesh`, in any pattern of SPEC §6, as a `shard_map`
+"""`sharded_moe_forward`: one MoE layer over a `Mesh`, in any attention x MoE pattern, as a `shard_map`
 program (the same program runs single- and multi-host).
 
 Reductions happen exactly once: TP partial sums in the one psum / psum_scatter after the experts

@@ -1,0 +1,434 @@
+"""Conformance of every registered implementation of every op with the op's reference.
+
+The cases come from the registry: for each declared op, each backend that registered an
+implementation (`custom_calls.backends(op)`) runs the same cases through the public op function
+with `backend=<name>`: fresh random inputs, odd shapes, every (recipe, arch) GEMM format. A
+backend that does not claim a case (its `supports` refuses it) must say why; a backend that cannot
+run on this machine is skipped with its environment's reason, except the Triton backend, which
+runs here under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the variable must be
+set before triton is imported). A new backend is tested by registering it.
+
+Bad inputs are checked for every backend too: the public op functions reject them before any
+backend is resolved, with the argument's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import zlib
+from typing import Callable
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import custom_calls as cc
+from custom_calls import ActivationSpec
+from layouts import gemm_format
+
+FORMATS = [("bf16", 90), ("fp8_block", 90), ("fp8_block", 100), ("mxfp8", 100), ("mxfp4", 100)]
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    op: str
+    name: str
+    make: Callable  # rng -> (args, kwargs) for the public op function
+    compare: Callable  # (got, ref, args, kwargs) -> None, raising AssertionError
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}:{self.name}"
+
+
+# ------------------------------------------------------------------------------ comparisons
+
+def _np(a):
+    return np.asarray(jax.device_get(a))
+
+
+def _exact(got, ref, *_):
+    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        assert g.shape == r.shape and g.dtype == r.dtype, (g.shape, g.dtype, r.shape, r.dtype)
+        assert np.array_equal(_np(g), _np(r), equal_nan=True)
+
+
+def _values_agree(got, ref, min_equal: float, rows=None) -> None:
+    """Quantized or rounded values: equal except a fraction, those within one e4m3 / bf16 step.
+    XLA's f32 division (x * fl(1/448)) and transcendental ulps may move a rounding."""
+    g, r = _np(got).astype(np.float32), _np(ref).astype(np.float32)
+    if rows is not None:
+        g, r = g[rows], r[rows]
+    assert g.shape == r.shape and np.isfinite(g).all(), "non-finite or wrong-shaped output"
+    same = g == r
+    assert same.mean() >= min_equal, f"only {same.mean():.4f} of the values equal"
+    step = np.maximum(0.125 * np.maximum(np.abs(g), np.abs(r)), 2.0**-9)  # e4m3 subnormals: 2^-9 apart
+    assert (np.abs(g - r)[~same] <= step[~same]).all(), "a value differs by more than one step"
+
+
+def _images_agree(got, ref, fmt, min_equal: float = 1.0, rtol: float = 2.4e-7, cols=None) -> None:
+    g, r = _np(got), _np(ref)
+    if cols is not None:
+        g, r = g[..., cols], r[..., cols]
+    assert g.shape == r.shape and g.dtype == r.dtype
+    if g.size == 0:
+        return
+    if fmt.ue8m0:
+        assert (g == r).mean() >= min_equal, (g != r).sum()
+    else:
+        np.testing.assert_allclose(g, r, rtol=rtol)
+
+
+def _rel_err(got, ref, rows=None) -> float:
+    g, r = _np(got).astype(np.float64), _np(ref).astype(np.float64)
+    if rows is not None:
+        g, r = g[rows], r[rows]
+    return float(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30))
+
+
+# ------------------------------------------------------------------------------ input makers
+
+def _tokens(rng, m, h):
+    scale = rng.uniform(0.05, 30, (m, 1))
+    return jnp.asarray(rng.standard_normal((m, h)) * scale, jnp.bfloat16)
+
+
+def _routes(rng, m, k, e, drop=0.1):
+    ids = np.argsort(rng.random((m, e)), axis=1)[:, :k].astype(np.int32)
+    ids[rng.random((m, k)) < drop] = -1
+    return ids
+
+
+def _contig_src2dst(rng, m, k, e):
+    from moe_jax.dispatch import dispatch_contig
+
+    d = dispatch_contig(jnp.asarray(_routes(rng, m, k, e)), num_local_experts=e, alignment=128)
+    return d.src2dst, d.num_rows_cap, d.m_indices
+
+
+def _masked_src2dst(rng, m, k, e, m_pad):
+    from moe_jax.dispatch import dispatch_masked
+
+    d = dispatch_masked(jnp.asarray(_routes(rng, m, k, e)), num_local_experts=e, m_pad=m_pad,
+                        num_experts_global=e)
+    return d.src2dst, d.masked_m
+
+
+def _routed_rows(src2dst) -> np.ndarray:
+    s = _np(src2dst).reshape(-1)
+    return np.unique(s[s >= 0])
+
+
+# ------------------------------------------------------------------------------ the cases
+
+def _route_cases():
+    def make(m, e, k, scoring, n_group, topk_group, bias):
+        def f(rng):
+            logits = jnp.asarray(rng.standard_normal((m, e)) * 2, jnp.float32)
+            b = jnp.asarray(rng.standard_normal(e) * 0.1, jnp.float32) if bias else None
+            return (logits, b), dict(top_k=k, scoring=scoring, n_group=n_group, topk_group=topk_group)
+        return f
+
+    def compare(got, ref, *_):
+        (gi, gw), (ri, rw) = (tuple(map(_np, got)), tuple(map(_np, ref)))
+        same = (gi == ri).all(axis=1)
+        assert same.mean() >= 0.9, same.mean()  # near-ties may order differently under exp ulps
+        np.testing.assert_allclose(gw[same], rw[same], rtol=1e-5, atol=1e-7)
+
+    return [Case("route_topk", "sigmoid_grouped_bias_m13_e64", make(13, 64, 6, "sigmoid", 8, 4, True), compare),
+            Case("route_topk", "softmax_m7_e20", make(7, 20, 3, "softmax", 1, 1, False), compare),
+            Case("route_topk", "sqrtsoftplus_bias_m9_e256", make(9, 256, 8, "sqrtsoftplus", 1, 1, True), compare)]
+
+
+def _rank_cases():
+    def make(r, e):
+        def f(rng):
+            return (jnp.asarray(rng.integers(0, e + 1, r), jnp.int32),), dict(num_experts=e)
+        return f
+
+    return [Case("rank_within_expert", "r333_e5", make(333, 5), _exact),
+            Case("rank_within_expert", "r1000_e32", make(1000, 32), _exact)]
+
+
+def _permute_cases():
+    m, h, k, e, m_pad = 21, 640, 3, 5, 128  # H: 5 groups of 128 (a partial packed word), 20 of 32
+    cases = []
+    for recipe, arch in FORMATS:
+        fmt = gemm_format(recipe, arch)
+
+        def make_contig(rng, recipe=recipe, arch=arch):
+            s2d, rows, _ = _contig_src2dst(rng, m, k, e)
+            return (_tokens(rng, m, h), s2d), dict(num_rows=rows, recipe=recipe, arch=arch)
+
+        def cmp_contig(got, ref, args, kwargs, fmt=fmt):
+            if not fmt.is_quantized:
+                return _exact(got, ref)
+            _values_agree(got[0], ref[0], 0.99 if fmt.scale_kind == "fp32" else 1.0)
+            _images_agree(got[1], ref[1], fmt)
+
+        def make_masked(rng, recipe=recipe, arch=arch):
+            s2d, _ = _masked_src2dst(rng, m, k, e, m_pad)
+            return (_tokens(rng, m, h), s2d), dict(num_groups=e, m_pad=m_pad, recipe=recipe, arch=arch)
+
+        def cmp_masked(got, ref, args, kwargs, fmt=fmt):
+            rows = _routed_rows(args[1])  # the others are unspecified
+            flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
+            _values_agree(flat(got[0]), flat(ref[0]), 0.99 if fmt.scale_kind == "fp32" else 1.0, rows)
+            if fmt.is_quantized:
+                _images_agree(got[1], ref[1], fmt)
+
+        cases += [Case("permute_contig", f"{recipe}_{arch}", make_contig, cmp_contig),
+                  Case("permute_masked", f"{recipe}_{arch}", make_masked, cmp_masked)]
+    return cases
+
+
+_ACTS = {
+    "silu": ActivationSpec(),
+    "silu_limit": ActivationSpec(swiglu_limit=7.0),
+    "swiglu_oai": ActivationSpec(kind="swiglu_oai", gemm1_alpha=1.702, swiglu_limit=7.0),
+    "situ": ActivationSpec(kind="situ", situ_beta=3.0, situ_linear_beta=5.0),
+    "keep_fp32": ActivationSpec(keep_fp32=True),
+}
+_ACT_FOR_FORMAT = {("bf16", 90): "silu", ("fp8_block", 90): "swiglu_oai", ("fp8_block", 100): "keep_fp32",
+                   ("mxfp8", 100): "situ", ("mxfp4", 100): "silu_limit"}
+
+
+def _activation_cases():
+    inter, slabs, m_pad, rows = 512, 3, 128, 130  # 4 groups of 128, 16 of 32; rows % 4 == 2
+    cases = []
+    for (recipe, arch), act_name in _ACT_FOR_FORMAT.items():
+        fmt, act = gemm_format(recipe, arch), _ACTS[act_name]
+
+        def gateup(rng, shape):
+            return jnp.asarray(rng.standard_normal(shape) * 3, jnp.bfloat16)
+
+        def make_contig(rng, recipe=recipe, arch=arch, act=act):
+            return (gateup(rng, (rows, 2 * inter)),), dict(act=act, recipe=recipe, arch=arch)
+
+        def make_masked(rng, recipe=recipe, arch=arch, act=act):
+            masked_m = jnp.asarray(rng.integers(0, m_pad + 1, slabs), jnp.int32)
+            return (gateup(rng, (slabs, m_pad, 2 * inter)), masked_m), dict(act=act, recipe=recipe, arch=arch)
+
+        def cmp_contig(got, ref, args, kwargs, fmt=fmt):
+            _values_agree(got[0], ref[0], 0.99)
+            if fmt.is_quantized:
+                _images_agree(got[1], ref[1], fmt, min_equal=0.99, rtol=1e-5)
+
+        def cmp_masked(got, ref, args, kwargs, fmt=fmt):
+            masked_m = _np(args[1])
+            real = (np.arange(m_pad)[None, :] < masked_m[:, None]).reshape(-1)
+            flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
+            _values_agree(flat(got[0]), flat(ref[0]), 0.99, real)
+            if fmt.is_quantized:  # the scale columns of the real rows
+                for s in range(slabs):
+                    _images_agree(got[1][s], ref[1][s], fmt, 0.99, 1e-5, cols=np.arange(int(masked_m[s])))
+
+        cases += [Case("activation_quant_contig", f"{recipe}_{arch}_{act_name}", make_contig, cmp_contig),
+                  Case("activation_quant_masked", f"{recipe}_{arch}_{act_name}", make_masked, cmp_masked)]
+    return cases
+
+
+def _unpermute_cases():
+    def make(out_dtype):
+        def f(rng):
+            r, h, m, k = 300, 520, 50, 4
+            d = jnp.asarray(rng.standard_normal((r, h)), jnp.bfloat16)
+            s2d = rng.permutation(r)[: m * k].reshape(m, k).astype(np.int32)
+            s2d[rng.random((m, k)) < 0.15] = -1
+            w = jnp.asarray(rng.random((m, k)), jnp.float32)
+            return (d, jnp.asarray(s2d), w), dict(routed_scaling_factor=2.5, out_dtype=out_dtype)
+        return f
+
+    def cmp(got, ref, *_):
+        rtol = 1e-5 if got.dtype == jnp.float32 else 8e-3  # fp32 sums in another order; one bf16 ulp
+        np.testing.assert_allclose(_np(got).astype(np.float32), _np(ref).astype(np.float32), rtol=rtol, atol=1e-6)
+
+    return [Case("unpermute", "bf16_out", make(jnp.bfloat16), cmp), Case("unpermute", "f32_out", make(jnp.float32), cmp)]
+
+
+def _weights(rng, fmt, g, n, k):
+    """rhs (G, N, K) and its scales in `fmt`, from random weights through the load-time paths."""
+    import layouts
+
+    rec = layouts.get_recipe(fmt.recipe)
+    w = jnp.asarray(rng.standard_normal((g, n, k)) * 0.05, jnp.float32)
+    from moe_jax.params import _quantize_checkpoint
+
+    values, scale = _quantize_checkpoint(w, rec.name)
+    return layouts.prepare_expert_weights(values, scale, recipe=rec.name, arch=fmt.arch)
+
+
+def _gemm_cases():
+    g, n, k, m_pad = 3, 256, 384, 128
+    cases = []
+    for recipe, arch in FORMATS:
+        fmt = gemm_format(recipe, arch)
+
+        def make_contig(rng, fmt=fmt):
+            _, rows, m_indices = _contig_src2dst(rng, 40, 3, g)
+            lhs, lhs_scale = fmt.quantize_lhs(_tokens(rng, rows, k))
+            rhs, rhs_scale = _weights(rng, fmt, g, n, k)
+            return (lhs, rhs, m_indices), dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, recipe=fmt.recipe,
+                                               arch=fmt.arch)
+
+        def cmp_contig(got, ref, args, kwargs):
+            rows = _np(args[2]) >= 0
+            assert _rel_err(got, ref, rows) < 5e-3
+            assert (_np(got)[~rows].astype(np.float32) == 0).all()  # padding rows are zero
+
+        def make_masked(rng, fmt=fmt):
+            lhs, lhs_scale = fmt.quantize_lhs(_tokens(rng, g * m_pad, k).reshape(g, m_pad, k))
+            rhs, rhs_scale = _weights(rng, fmt, g, n, k)
+            masked_m = jnp.asarray(rng.integers(0, m_pad + 1, g), jnp.int32)
+            return (lhs, rhs, masked_m), dict(expected_m=24, lhs_scale=lhs_scale, rhs_scale=rhs_scale,
+                                              recipe=fmt.recipe, arch=fmt.arch)
+
+        def cmp_masked(got, ref, args, kwargs):
+            real = (np.arange(m_pad)[None, :] < _np(args[2])[:, None]).reshape(-1)
+            assert _rel_err(got.reshape(-1, n), ref.reshape(-1, n), real) < 5e-3
+
+        cases += [Case("m_grouped_gemm_contig", f"{recipe}_{arch}", make_contig, cmp_contig),
+                  Case("m_grouped_gemm_masked", f"{recipe}_{arch}", make_masked, cmp_masked)]
+    return cases
+
+
+CASES = {c.id: c for c in (_route_cases() + _rank_cases() + _permute_cases() + _activation_cases()
+                           + _unpermute_cases() + _gemm_cases())}
+
+
+def run_case(case: Case, backend: str) -> str:
+    """"ok", or "refused: <reason>" when the backend does not claim the case; raises on a mismatch."""
+    rng = np.random.default_rng(zlib.crc32(case.id.encode()))
+    args, kwargs = case.make(rng)
+    fn = getattr(cc, case.op)
+    ref = fn(*args, **kwargs, backend="reference")
+    try:
+        got = fn(*args, **kwargs, backend=backend)
+    except ValueError as exc:
+        if f"backend {backend!r} cannot run op" in str(exc):
+            return f"refused: {exc}"
+        raise
+    case.compare(got, ref, args, kwargs)
+    return "ok"
+
+
+# ------------------------------------------------------------------------------ the pytest side
+
+def _implementations():
+    out = []
+    for case in CASES.values():
+        for backend in cc.backends(case.op):
+            if backend != cc.REFERENCE:
+                out.append((backend, case.id))
+    return out
+
+
+def _environment(backend: str, case: Case) -> str:
+    """Why `backend` cannot run here at all ("" when it can), from the registry's own checks."""
+    arch = 100 if case.name.endswith("_100") or "_100_" in case.name else 90
+    return cc.unavailable_reason(backend, arch=arch)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """Results of every Triton case under Triton's interpreter, from one subprocess."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, __file__, "triton"], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=root)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("backend,case_id", _implementations())
+def test_implementation_matches_reference(backend, case_id, request):
+    case = CASES[case_id]
+    reason = _environment(backend, case)
+    if reason and backend == "triton":
+        result = request.getfixturevalue("interpreted").get(case_id, "case did not run")
+    elif reason:
+        pytest.skip(f"backend {backend!r} cannot run here: {reason}")
+    else:
+        result = run_case(case, backend)
+    if result.startswith("refused: "):
+        assert len(result) > len("refused: ") + 10, "a refusal must say why"
+        pytest.skip(f"{backend} does not claim {case_id}: {result}")
+    assert result == "ok", result
+
+
+# bad inputs: rejected by the public op function, naming the argument, whatever the backend
+def _bad_inputs():
+    f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
+    z = jnp.zeros
+    return [
+        ("route_topk", lambda b: cc.route_topk(z((4, 8), bf16), None, top_k=2, scoring="softmax", backend=b),
+         TypeError, "logits: expected dtype float32"),
+        ("route_topk", lambda b: cc.route_topk(z((4, 8), f32), None, top_k=9, scoring="softmax", backend=b),
+         ValueError, r"top_k: expected an int in \[1, 8\]"),
+        ("rank_within_expert", lambda b: cc.rank_within_expert(z((8,), f32), num_experts=2, backend=b),
+         TypeError, "e_flat: expected dtype int32"),
+        ("permute_contig", lambda b: cc.permute_contig(z((4, 128), i32), z((4, 2), i32), num_rows=128,
+                                                       recipe="bf16", arch=90, backend=b),
+         TypeError, "x: expected dtype"),
+        ("permute_masked", lambda b: cc.permute_masked(z((4, 128), bf16), z((4, 2), i32), num_groups=2, m_pad=100,
+                                                       recipe="bf16", arch=90, backend=b),
+         ValueError, "m_pad: expected a multiple of 128"),
+        ("activation_quant_contig", lambda b: cc.activation_quant_contig(z((4, 7), bf16), act=ActivationSpec(),
+                                                                         recipe="bf16", arch=90, backend=b),
+         ValueError, "gateup: last axis must be even"),
+        ("activation_quant_masked", lambda b: cc.activation_quant_masked(z((2, 128, 8), bf16), z((3,), i32),
+                                                                         act=ActivationSpec(), recipe="bf16",
+                                                                         arch=90, backend=b),
+         ValueError, r"masked_m: expected shape \(2,\)"),
+        ("unpermute", lambda b: cc.unpermute(z((8, 16), bf16), z((4, 2), i32), z((4, 3), f32), backend=b),
+         ValueError, r"topk_weights: expected shape \(4, 2\)"),
+        ("m_grouped_gemm_contig", lambda b: cc.m_grouped_gemm_contig(z((128, 128), bf16), z((1, 64, 128), bf16),
+                                                                     z((64,), i32), recipe="bf16", arch=90, backend=b),
+         ValueError, r"m_indices: expected shape \(128,\)"),
+        ("m_grouped_gemm_masked", lambda b: cc.m_grouped_gemm_masked(z((1, 128, 128), bf16), z((1, 64, 128), bf16),
+                                                                     z((1,), i32), expected_m=True, recipe="bf16",
+                                                                     arch=90, backend=b),
+         ValueError, "expected_m: expected a static int >= 0, got True"),
+        ("m_grouped_gemm_masked", lambda b: cc.m_grouped_gemm_masked(z((1, 128, 128), bf16), z((1, 64, 128), bf16),
+                                                                     z((1,), i32), expected_m=4, recipe="mxfp4",
+                                                                     arch=90, backend=b),
+         ValueError, "converted to fp8_block at load time"),
+    ]
+
+
+@pytest.mark.parametrize("op,call,exc,match", _bad_inputs(), ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_inputs_are_named_for_every_backend(op, call, exc, match):
+    for backend in cc.backends(op):
+        with pytest.raises(exc, match=match):
+            call(backend)
+
+
+def test_every_declared_op_has_cases():
+    from custom_calls.backends import _OPS  # the declarations themselves
+
+    assert set(_OPS) - {"test_only_op"} <= {c.op for c in CASES.values()}
+
+
+# ------------------------------------------------------------------------------ subprocess side
+
+if __name__ == "__main__":
+    backend = sys.argv[1]
+    results = {}
+    for case in CASES.values():
+        if backend not in cc.backends(case.op):
+            continue
+        try:
+            results[case.id] = run_case(case, backend)
+        except Exception as exc:  # reported per case on the pytest side
+            results[case.id] = f"{type(exc).__name__}: {exc}"[:2000]
+    print(json.dumps(results))

@@ -1,0 +1,93 @@
+"""The structure of the tree: imports point one way (layouts <- custom_calls <- moe_jax), no module
+imports another that imports it back (at module level or inside a function), and the sources cite
+only what the repository holds."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("layouts", "custom_calls", "moe_jax")
+LAYER = {"layouts": 0, "custom_calls": 1, "moe_jax": 2}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _sources():
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            yield _module_name(path), path
+
+
+def _imports(name: str, path: pathlib.Path) -> set[str]:
+    """Internal modules `name` imports anywhere in its source (module level or in functions)."""
+    tree = ast.parse(path.read_text())
+    is_pkg = path.name == "__init__.py"
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                prefix = base[: len(base) - node.level + 1]
+                mod = ".".join(prefix + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            mods = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        else:
+            continue
+        found.update(m for m in mods if m.split(".")[0] in PACKAGES)
+    return found
+
+
+MODULES = dict(_sources())
+
+
+def _resolve(mod: str) -> str | None:
+    """The module a dotted import names (a submodule, or the module an attribute lives in)."""
+    while mod and mod not in MODULES:
+        mod = mod.rpartition(".")[0]
+    return mod or None
+
+
+GRAPH = {name: {m for m in map(_resolve, _imports(name, path)) if m and m != name}
+         for name, path in MODULES.items()}
+
+
+def test_imports_point_one_way():
+    bad = [(a, b) for a, deps in GRAPH.items() for b in deps
+           if LAYER[b.split(".")[0]] > LAYER[a.split(".")[0]]]
+    assert not bad, f"imports against the layering layouts <- custom_calls <- moe_jax: {bad}"
+
+
+def test_no_two_modules_import_each_other():
+    # a package's __init__ re-exporting its own submodules is not a cycle of logic
+    pairs = [(a, b) for a, deps in GRAPH.items() for b in deps
+             if a in GRAPH.get(b, ()) and a < b and not (a.startswith(b + ".") or b.startswith(a + "."))]
+    assert not pairs, f"modules importing each other: {pairs}"
+
+
+def test_the_graph_is_real():
+    # the checks above would pass vacuously if the parser found nothing
+    assert "layouts.gemm_format" in GRAPH["layouts.recipes"]
+    assert "custom_calls.backends" in GRAPH["custom_calls.grouped_gemm"]
+    assert "moe_jax.params" in GRAPH["moe_jax.layer"]
+
+
+@pytest.mark.parametrize("pattern", [r"SPEC\s*§", r"\bseed\s*§"])
+def test_sources_cite_no_outside_document(pattern):
+    files = [p for _, p in _sources()] + sorted(ROOT.glob("*.md")) + sorted(ROOT.rglob("docs/*.md"))
+    files += sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.md"))
+    hits = [f"{p.relative_to(ROOT)}:{i + 1}" for p in files
+            for i, line in enumerate(p.read_text().splitlines()) if re.search(pattern, line)]
+    assert not hits, f"citations of a document outside the repository: {hits}"
