@@ -6,7 +6,7 @@
 
 Variables (nnx.Param unless noted), shapes for E experts (E_local after `expert_range`), hidden H,
 intermediate I, shared intermediate I_s; K' = K/2 for int8-packed MXFP4 values:
-    gate_weight (E, H) f32, e_score_correction_bias (E,) f32 (if configured)
+    gate_weight (E, H) bf16 (or as loaded), e_score_correction_bias (E,) f32 (if configured)
     w13 (E, 2, I, H') — gate rows [:, 0], up rows [:, 1] (the "TP view" of the parallel package,
         so the intermediate axis can be sharded without splitting gate from up); w13_scale alike
         when its layout has N on axis 1 (checkpoint form, arch-90 GEMM form), else as stored

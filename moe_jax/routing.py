@@ -17,7 +17,15 @@ from moe_jax.validate import check_token_ids, flatten_tokens
 
 
 def router_logits(x: jax.Array, gate_weight: jax.Array) -> jax.Array:
-    """x: (M, H) float, gate_weight: (E, H) float -> (M, E) f32 (fp32 products and sums)."""
+    """x: (M, H) float, gate_weight: (E, H) float -> (M, E) f32 (fp32 products and sums).
+
+    With bf16 tokens and a bf16 gate (DeepSeek's checkpoints store it so) the GEMM runs on bf16
+    operands with fp32 accumulation: a bf16 x bf16 product is exact in fp32, so it computes the
+    same products as the fp32 path at a fraction of the cost (only the summation order may differ,
+    which can reorder near-tied experts: ties go to the lower expert id in both). Other dtypes
+    are multiplied in fp32 at HIGHEST precision."""
+    if x.dtype == jnp.bfloat16 and gate_weight.dtype == jnp.bfloat16:
+        return jnp.einsum("mh,eh->me", x, gate_weight, preferred_element_type=jnp.float32)
     return jnp.einsum("mh,eh->me", x.astype(jnp.float32), gate_weight.astype(jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)
 

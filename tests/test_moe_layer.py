@@ -534,3 +534,17 @@ def test_leading_dims_are_kept(hashed):
             mj.moe_forward(x, pp, cfg, token_ids=flat_tok)
     with pytest.raises(ValueError, match=r"topk_ids/topk_weights: expected shape \(3, 4, 6\)"):
         mj.routed_experts(x, ids.reshape(12, -1), w.reshape(12, -1), pp, cfg)
+
+
+def test_router_gemm_on_bf16_operands_computes_the_fp32_products():
+    """bf16 x bf16 products are exact in fp32: the cheap path must equal the fp32 GEMM of the same
+    values up to summation order, and pick the same experts."""
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((64, 512)), jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal((32, 512)) / 20, jnp.bfloat16)
+    fast = np.asarray(mj.router_logits(x, g))
+    exact = np.asarray(x, np.float64) @ np.asarray(g, np.float64).T
+    f32 = np.asarray(mj.router_logits(x.astype(jnp.float32), g.astype(jnp.float32)))
+    np.testing.assert_allclose(fast, exact, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fast, f32, rtol=1e-5, atol=1e-5)
+    assert (np.argsort(-fast, axis=1)[:, :8] == np.argsort(-exact, axis=1)[:, :8]).mean() > 0.99
