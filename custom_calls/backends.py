@@ -93,6 +93,13 @@ def backends(op: str) -> list[str]:
     return list(_IMPLS.get(op, {}))
 
 
+def known_backends() -> list[str]:
+    """Every backend name `resolve` knows for some op (lazily registered ones included), and "auto"."""
+    with _LOCK:
+        names = {b for impls in _IMPLS.values() for b in impls} | set(_LAZY) | set(_PLATFORMS)
+    return sorted(names | {AUTO})
+
+
 def get_default_backend() -> str:
     return getattr(_DEFAULT, "name", REFERENCE)
 

@@ -24,11 +24,18 @@ import os
 from collections.abc import Sequence
 
 import jax
-from flax import nnx
 from jax.sharding import Mesh
 
+try:
+    from flax import nnx
+except ModuleNotFoundError as e:  # flax is the optional `nn` extra
+    if (e.name or "").split(".")[0] != "flax":
+        raise
+    raise ImportError("moe_jax.nn needs flax, which is not installed: pip install 'moe-jax[nn]'") from e
+
+from custom_calls.backends import known_backends
 from moe_jax.config import MoEConfig
-from moe_jax.layer import moe_forward
+from moe_jax.layer import STAGES, moe_forward, stage_backend
 from moe_jax.params import MoEParams, init_params, prepare_params
 from moe_jax.validate import check_params
 
@@ -36,6 +43,17 @@ DEFAULT_EXPERT_AXIS = "ep"
 DEFAULT_INTERMEDIATE_AXIS = "tp"
 _DERIVE = object()  # sentinel: derive the axis name from `parallel` / defaults
 _LAYOUTS = ("auto", "contig", "masked")
+
+
+def _check_backend(backend) -> None:
+    """`backend` as `moe_forward` takes it (parsed by the layer's own `stage_backend`), with every
+    stage's name known to the registry; None is the `use_backend` default."""
+    known = known_backends()
+    for stage in STAGES:
+        name = stage_backend(backend, stage)
+        if name is not None and name not in known:
+            raise ValueError(f"backend: unknown backend {name!r} for stage {stage!r}; expected one of "
+                             f"{known}, or a {{stage: name}} mapping over the stages {STAGES}")
 
 
 class Table(nnx.Variable):
@@ -86,6 +104,7 @@ class MoE(nnx.Module):
                  expert_axis=_DERIVE, intermediate_axis=_DERIVE):
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config: expected MoEConfig, got {type(config).__name__}")
+        _check_backend(backend)
         if layout not in _LAYOUTS:
             raise ValueError(f"layout: expected one of {_LAYOUTS}, got {layout!r}")
         if mesh is not None and not isinstance(mesh, Mesh):
