@@ -8,6 +8,8 @@ Stages, one file each: config, params, routing, dispatch, core, layer (routed/sh
 moe_forward); the ops themselves live in `custom_calls`.
 """
 
+__version__ = "0.1.0"  # the package version (pyproject.toml reads it from here)
+
 from moe_jax.config import MoEConfig
 from moe_jax.core import activation_spec, expert_core_contig, expert_core_masked
 from moe_jax.dispatch import (ContigDispatch, MaskedDispatch, choose_layout, contig_capacity,

@@ -27,7 +27,7 @@ from . import toolchain
 from .launch_plan import LaunchPlan
 
 FFI_TARGET = "moe_jax_deep_gemm_launch"
-_SOURCE = Path(__file__).parent / "csrc" / "launch_handler.cc"
+HANDLER_SOURCE = Path(__file__).parent / "csrc" / "launch_handler.cc"
 _lock = threading.Lock()
 _registered = False
 
@@ -43,7 +43,7 @@ def find_cxx() -> str:
 def _handler_key(cxx: str, cuda_inc: Path) -> str:
     h = hashlib.sha256()
     ffi_dir = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api"
-    parts = [_SOURCE.read_bytes(), jax.__version__.encode(),
+    parts = [HANDLER_SOURCE.read_bytes(), jax.__version__.encode(),
              subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.encode(),
              (cuda_inc / "cuda.h").read_bytes()[:4096]]
     parts += [p.read_bytes() for p in sorted(ffi_dir.glob("*.h"))]
@@ -73,7 +73,7 @@ def build_handler() -> Path:
         tmp = Path(tempfile.mkdtemp(prefix="ffi.", dir=root / "tmp"))
         try:
             cmd = [cxx, "-shared", "-fPIC", "-O2", "-std=c++17", "-w", f"-I{jax.ffi.include_dir()}",
-                   f"-I{cuda_inc}", str(_SOURCE), "-o", str(tmp / lib.name), "-ldl"]
+                   f"-I{cuda_inc}", str(HANDLER_SOURCE), "-o", str(tmp / lib.name), "-ldl"]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"building the FFI launcher failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
