@@ -19,7 +19,7 @@ from custom_calls.unpermute import unpermute
 __all__ = [
     "AUTO", "REFERENCE", "ActivationSpec", "Implementation", "activation_quant_contig",
     "activation_quant_masked", "backends", "dequantize_lhs", "dequantize_rhs", "gated_activation",
-    "get_default_backend", "known_backends", "m_grouped_gemm_contig", "m_grouped_gemm_masked", "permute_contig",
-    "permute_masked", "quantize_activation", "rank_within_expert", "register", "register_lazy",
-    "resolve", "route_topk", "scatter_rows", "unpermute", "use_backend",
+    "get_default_backend", "known_backends", "m_grouped_gemm_contig", "m_grouped_gemm_masked",
+    "permute_contig", "permute_masked", "quantize_activation", "rank_within_expert", "register",
+    "register_lazy", "resolve", "route_topk", "scatter_rows", "unpermute", "use_backend",
 ]

@@ -36,9 +36,9 @@ ARCHS = {90: "Hopper GPUs (H100 / H200)", 100: "Blackwell GPUs (B200 / B300)"}
 # the same places as the layer. bf16: what remains is the layer's final bf16 rounding (2^-9 of an
 # element) and fp32 sums rounding an intermediate to the neighbouring bf16 value; measured up to
 # 3.6e-3 (64 to 1000 tokens, two seeds), so 2^-7. FP8 activations: a bf16 value divided by its
-# group's fp32 scale (amax / 448) often lands exactly between two e4m3 values, and then the last bit
-# of the scale (a quotient here, a product with the reciprocal in XLA) or a sum taken in another
-# order on a GPU picks the neighbour: implementations legitimately differ by one e4m3 step (up to
+# group's fp32 scale (amax / 448) often lands exactly between two e4m3 values, and then the last
+# bits of the scale (this file's and the JAX reference's differ there) or a sum taken in another
+# order on a GPU pick the neighbour: implementations legitimately differ by one e4m3 step (up to
 # 1/8 of a value) in about 0.5 % of the activations; measured 1.3e-2 to 2.4e-2, so 2^-4. A wrong
 # expert, weight, scale or scaling factor is of order 1.
 TOLERANCE = {"bf16": 2**-7, "fp8_block": 2**-4, "mxfp8": 2**-4, "mxfp4": 2**-4}

@@ -168,9 +168,10 @@ def cache_write_error(root: Path, detail: str) -> ToolchainError:
 def _cache_writes(root: Path) -> Iterator[None]:
     try:
         yield
-    except OSError as e:
-        if e.errno in _CACHE_WRITE_ERRNOS:
-            raise cache_write_error(root, f"{e.strerror}: {e.filename}") from e
+    except OSError as e:  # a write without a file name (a full disk) or one under the cache
+        if e.errno in _CACHE_WRITE_ERRNOS and (e.filename is None or str(e.filename).startswith(str(root))):
+            detail = e.strerror if e.filename is None else f"{e.strerror}: {e.filename}"
+            raise cache_write_error(root, detail) from e
         raise
 
 
