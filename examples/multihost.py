@@ -1,13 +1,13 @@
 """One sharded MoE layer under `jax.distributed`: the same program on every process (host).
 
-On a cluster, run on every host (GPU: jax.distributed detects SLURM/Open MPI on its own, so the
-three flags may be omitted there):
-
-    python examples/multihost.py --coordinator HOST0:12345 --num-processes 2 --process-id I
-
 On one machine, N CPU processes on 127.0.0.1 (gloo collectives), 2 CPU devices each:
 
     python examples/multihost.py --local 2
+
+On a cluster, run on every host:
+
+    python examples/multihost.py --coordinator HOST0:12345 --num-processes 2 --process-id I
+    python examples/multihost.py --cluster     # jax.distributed reads SLURM / Open MPI's variables
 
 Every process builds the same global inputs from fixed seeds, runs each pattern over the global
 mesh, and process 0 checks the result against the single-device `moe_forward` (every process exits
@@ -64,8 +64,9 @@ def build_inputs(n: int, m: int):
 
     from moe_jax import MoEConfig, init_params
 
+    # 2 experts per device: the 8 expert groups shrink to a divisor of 2n (fit_routing)
     config = MoEConfig.deepseek_v3().scaled(num_experts=2 * n, top_k=4, hidden_size=256,
-                                            intermediate_size=64 * n, recipe="bf16")
+                                            intermediate_size=64 * n, recipe="bf16", fit_routing=True)
     params = init_params(jax.random.key(0), config)
     x = np.asarray(jax.random.normal(jax.random.key(1), (n * m, config.hidden_size)), np.float32)
     lengths = np.random.default_rng(2).integers(1, m + 1, n).astype(np.int32)
@@ -150,11 +151,21 @@ def main() -> None:
     ap.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
     ap.add_argument("--num-processes", type=int, default=None)
     ap.add_argument("--process-id", type=int, default=None)
+    ap.add_argument("--cluster", action="store_true",
+                    help="let jax.distributed detect the cluster (SLURM, Open MPI) instead of the three flags")
     ap.add_argument("--cpu", action="store_true", help="CPU devices: gloo collectives")
     ap.add_argument("--tokens-per-device", type=int, default=6)
     ap.add_argument("--out", default=None, help="process 0 saves x and every result here (.npz)")
     ap.add_argument("--patterns", default=",".join(PATTERNS), help=f"comma separated, of {list(PATTERNS)}")
     args = ap.parse_args()
+    if not (args.local or args.coordinator or args.cluster):
+        # jax.distributed.initialize() without a coordinator or a detected cluster fails deep in JAX
+        ap.print_usage(sys.stderr)
+        sys.stderr.write("\nchoose where the processes come from, e.g. two CPU processes on this machine:\n\n"
+                         f"    python {sys.argv[0]} --local 2\n\n"
+                         "or --coordinator HOST:PORT --num-processes N --process-id I on every host, "
+                         "or --cluster under SLURM / Open MPI (see --help)\n")
+        sys.exit(2)
     args.patterns = tuple(args.patterns.split(","))
     unknown = set(args.patterns) - set(PATTERNS)
     if unknown:

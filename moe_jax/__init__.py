@@ -8,6 +8,8 @@ Stages, one file each: config, params, routing, dispatch, experts (the expert ML
 (routed/shared experts and moe_forward); the ops themselves live in `custom_calls`.
 """
 
+__version__ = "0.1.0"  # the package version (pyproject.toml reads it from here)
+
 from moe_jax.config import MoEConfig
 from moe_jax.dispatch import (LAYOUTS, ContigDispatch, MaskedDispatch, choose_layout, contig_capacity,
                               default_masked_m_pad, dispatch_contig, dispatch_masked, expected_m,

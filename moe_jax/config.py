@@ -92,25 +92,24 @@ class MoEConfig:
     def shared_intermediate_size(self) -> int:
         return self.intermediate_size * self.n_shared_experts
 
-    def scaled(self, **overrides) -> "MoEConfig":
+    def scaled(self, *, fit_routing: bool = False, **overrides) -> "MoEConfig":
         """A copy with some fields replaced, e.g. `scaled(num_experts=16, hidden_size=256,
-        intermediate_size=128)`. Grouped top-k keeps `n_group` when it still divides the expert
-        count, else uses the largest divisor not above it; `topk_group`/`top_k` are clipped to fit."""
+        intermediate_size=128)`.
+
+        Routing fields that no longer fit the new expert count are never changed silently: when
+        `n_group` stops dividing `num_experts`, `topk_group` exceeds `n_group` or `top_k` exceeds
+        the experts routing can still choose, ValueError names each field and the value that fits
+        (`n_group`: the largest divisor of `num_experts` not above it; `topk_group` / `top_k`:
+        clipped). Pass those values explicitly, or `fit_routing=True` to apply them."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields.update(overrides)
-        e = fields["num_experts"]
-        if fields["use_grouped_topk"] and "n_group" not in overrides:
-            g = min(fields["n_group"], e)
-            while e % g:
-                g -= 1
-            fields["n_group"] = g
-        if fields["use_grouped_topk"] and "topk_group" not in overrides:
-            fields["topk_group"] = min(fields["topk_group"], fields["n_group"])
-        if "top_k" not in overrides:
-            cap = e
-            if fields["use_grouped_topk"]:
-                cap = fields["topk_group"] * (e // fields["n_group"])
-            fields["top_k"] = min(fields["top_k"], cap)
+        fitted = _fit_routing(fields, overrides)
+        if fitted and not fit_routing:
+            changes = ", ".join(f"{k}={fields[k]} -> {v}" for k, v in fitted.items())
+            raise ValueError(
+                f"MoEConfig.scaled: routing does not fit num_experts={fields['num_experts']}: {changes}; "
+                f"pass {', '.join(f'{k}={v}' for k, v in fitted.items())} or fit_routing=True")
+        fields.update(fitted)
         return MoEConfig(**fields)
 
     # -- presets ---------------------------------------------------------------------------------
@@ -141,6 +140,25 @@ class MoEConfig:
         )
         base.update(overrides)
         return cls(**base)
+
+
+def _fit_routing(fields: dict, overrides: dict) -> dict[str, int]:
+    """The routing fields of `fields` not given in `overrides` that must change to fit
+    `num_experts`, with their fitting values (n_group: the largest divisor not above it;
+    topk_group / top_k: clipped)."""
+    e, grouped = fields["num_experts"], fields["use_grouped_topk"]
+    n_group, topk_group = fields["n_group"], fields["topk_group"]
+    if grouped and "n_group" not in overrides:
+        n_group = min(n_group, e)
+        while e % n_group:
+            n_group -= 1
+    if grouped and "topk_group" not in overrides:
+        topk_group = min(topk_group, n_group)
+    top_k = fields["top_k"]
+    if "top_k" not in overrides:
+        top_k = min(top_k, topk_group * (e // n_group) if grouped else e)
+    fitted = dict(n_group=n_group, topk_group=topk_group, top_k=top_k)
+    return {k: v for k, v in fitted.items() if v != fields[k]}
 
 
 def _check(cond: bool, msg: str) -> None:

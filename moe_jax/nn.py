@@ -6,7 +6,7 @@
 
 Variables (nnx.Param unless noted), shapes for E experts (E_local after `expert_range`), hidden H,
 intermediate I, shared intermediate I_s; K' = K/2 for int8-packed MXFP4 values:
-    gate_weight (E, H) bf16 (or as loaded), e_score_correction_bias (E,) f32 (if configured)
+    gate_weight (E, H) f32 or bf16 (as loaded), e_score_correction_bias (E,) f32 (if configured)
     w13 (E, 2, I, H') — gate rows [:, 0], up rows [:, 1] (the "TP view" of the parallel package,
         so the intermediate axis can be sharded without splitting gate from up); w13_scale alike
         when its layout has N on axis 1 (checkpoint form, arch-90 GEMM form), else as stored
@@ -24,12 +24,18 @@ import os
 from collections.abc import Sequence
 
 import jax
-from flax import nnx
 from jax.sharding import Mesh
+
+try:
+    from flax import nnx
+except ModuleNotFoundError as e:  # flax is the optional `nn` extra
+    if (e.name or "").split(".")[0] != "flax":
+        raise
+    raise ImportError("moe_jax.nn needs flax, which is not installed: pip install 'moe-jax[nn]'") from e
 
 from moe_jax.config import MoEConfig
 from moe_jax.dispatch import LAYOUTS
-from moe_jax.layer import moe_forward
+from moe_jax.layer import moe_forward, stage_backends
 from moe_jax.params import MoEParams, init_params, prepare_params
 from moe_jax.params import check_params
 
@@ -86,6 +92,7 @@ class MoE(nnx.Module):
                  expert_axis=_DERIVE, intermediate_axis=_DERIVE):
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config: expected MoEConfig, got {type(config).__name__}")
+        stage_backends(backend)  # unknown backend or stage names are an error here, not at the first call
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
         if mesh is not None and not isinstance(mesh, Mesh):

@@ -105,8 +105,8 @@ def init_params(key: jax.Array, config: MoEConfig, *, num_local_experts: int | N
                 tp_size: int = 1) -> MoEParams:
     """Random parameters in checkpoint form for `config` (any recipe).
 
-    w13 ~ N(0, 1/H), w2 ~ N(0, 1/I), gate_weight ~ N(0, 1/H) bf16 (as DeepSeek's checkpoints
-    store the router), correction bias ~ N(0, 0.1) f32
+    w13 ~ N(0, 1/H), w2 ~ N(0, 1/I), gate_weight ~ N(0, 1/H) f32 (cast it to bf16, as DeepSeek's
+    checkpoints store the router, for the bf16 router GEMM), correction bias ~ N(0, 0.1) f32
     when `config.use_correction_bias`, shared expert bf16 when `n_shared_experts > 0`, and a
     random `tid2eid` with distinct experts per token when `config.hash_routing`.
     `num_local_experts` / `tp_size` make a shard's shapes directly (E_local experts, I/tp).
@@ -143,7 +143,7 @@ def init_params(key: jax.Array, config: MoEConfig, *, num_local_experts: int | N
         u = jax.random.uniform(kt, (config.vocab_size, e))
         tid2eid = jnp.argsort(u, axis=1)[:, : config.top_k].astype(jnp.int32)
     return MoEParams(
-        gate_weight=(z["gate"] * h**-0.5).astype(jnp.bfloat16),
+        gate_weight=z["gate"] * h**-0.5,
         w13=w13_q, w2=w2_q, e_score_correction_bias=bias, w13_scale=w13_s, w2_scale=w2_s,
         shared_w13=shared_w13, shared_w2=shared_w2, tid2eid=tid2eid,
     )

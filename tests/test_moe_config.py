@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -29,11 +31,30 @@ def test_presets():
 
 
 def test_scaled_keeps_structure():
-    s = MoEConfig.deepseek_v3().scaled(num_experts=12, hidden_size=256, intermediate_size=128)
-    assert s.num_experts == 12 and s.n_group == 6 and s.topk_group == 4 and s.top_k == 8
+    s = MoEConfig.deepseek_v3().scaled(num_experts=16, hidden_size=256, intermediate_size=128)
+    assert (s.num_experts, s.n_group, s.topk_group, s.top_k) == (16, 8, 4, 8)
     assert s.scoring == "sigmoid" and s.recipe == "fp8_block" and s.routed_scaling_factor == 2.5
-    t = MoEConfig.deepseek_v3().scaled(num_experts=8, hidden_size=128, intermediate_size=128)
-    assert (t.n_group, t.topk_group, t.top_k) == (8, 4, 4)
+
+
+@pytest.mark.parametrize("kw,msg,fitted", [
+    # 8 groups do not divide 12 experts: the largest divisor not above 8 is 6
+    (dict(num_experts=12), "n_group=8 -> 6; pass n_group=6 or fit_routing=True", (6, 4, 8)),
+    # 4 of 8 single-expert groups leave 4 experts for top_k=8
+    (dict(num_experts=8), "top_k=8 -> 4; pass top_k=4 or fit_routing=True", (8, 4, 4)),
+    (dict(num_experts=7), "n_group=8 -> 7, top_k=8 -> 4; pass n_group=7, top_k=4", (7, 4, 4)),
+    (dict(num_experts=2), "n_group=8 -> 2, topk_group=4 -> 2, top_k=8 -> 2", (2, 2, 2)),
+])
+def test_scaled_never_changes_routing_silently(kw, msg, fitted):
+    v3 = MoEConfig.deepseek_v3()
+    with pytest.raises(ValueError, match=re.escape(f"routing does not fit num_experts={kw['num_experts']}: {msg}")):
+        v3.scaled(**kw)
+    f = v3.scaled(fit_routing=True, **kw)
+    assert (f.n_group, f.topk_group, f.top_k) == fitted
+    g, tg, k = fitted  # the suggested explicit values give the same config
+    assert v3.scaled(n_group=g, topk_group=tg, top_k=k, **kw) == f
+    # ungrouped routing: only top_k can stop fitting
+    with pytest.raises(ValueError, match=re.escape("top_k=6 -> 4; pass top_k=4")):
+        MoEConfig.deepseek_v4().scaled(num_experts=4)
 
 
 @pytest.mark.parametrize("kw,msg", [

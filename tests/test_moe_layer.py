@@ -502,7 +502,7 @@ def test_bad_alignment_for_recipe():
 
 
 def test_bad_moe_forward_with_an_expert_shard():
-    config = mj.MoEConfig.deepseek_v3().scaled(num_experts=8, hidden_size=128, intermediate_size=128,
+    config = mj.MoEConfig.deepseek_v3().scaled(num_experts=8, top_k=4, hidden_size=128, intermediate_size=128,
                                                 recipe="bf16")
     shard = mj.init_params(jax.random.key(0), config, num_local_experts=4)
     x = jax.random.normal(jax.random.key(1), (3, 128)).astype(jnp.bfloat16)

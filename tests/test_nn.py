@@ -215,6 +215,20 @@ def test_bad_input(mesh):
         moe(jnp.ones((3, 32), jnp.bfloat16))
 
 
+@pytest.mark.parametrize("backend,msg", [
+    ("nonsense", r"backend: expected one of \('reference', 'auto', 'deep_gemm', 'triton'\), a \{stage: name\} "
+                 r"dict or None, got 'nonsense'"),
+    ({"gemm": "cutlass"}, r"backend\['gemm'\]: expected one of .* got 'cutlass'"),
+    ({"matmul": "deep_gemm"}, r"unknown stage\(s\) \['matmul'\]; stages are \('route'"),
+])
+def test_backend_is_checked_at_construction(backend, msg):
+    with pytest.raises(ValueError, match=msg):
+        MoE(bf16_config(), rngs=nnx.Rngs(0), backend=backend)
+    # names of accelerated backends are accepted here (whether they run is decided at the call)
+    for ok in ("auto", "reference", "deep_gemm", None, {"gemm": "deep_gemm"}, (("permute", "triton"),)):
+        assert MoE(bf16_config(), rngs=nnx.Rngs(0), backend=ok).backend == ok
+
+
 @pytest.mark.gpu
 def test_gpu_auto_backend_matches_reference():
     """On an SM90 GPU: the module with the accelerated kernels ("auto") against the reference."""

@@ -199,7 +199,7 @@ def test_layer_with_gpu_backend_off_gpu_is_an_error(backend):
 
     if jax.default_backend() == "gpu":
         pytest.skip("checks the CPU behaviour")
-    config = mj.MoEConfig.deepseek_v3().scaled(num_experts=8, hidden_size=128, intermediate_size=128)
+    config = mj.MoEConfig.deepseek_v3().scaled(num_experts=8, top_k=4, hidden_size=128, intermediate_size=128)
     params = mj.init_params(jax.random.key(0), config)
     x = jax.random.normal(jax.random.key(1), (4, 128)).astype(jnp.bfloat16)
     with pytest.raises(ValueError, match=f"backend '{backend}' .*op '.*'.*platform"):

@@ -1,24 +1,17 @@
-"""nvcc compilation of generated kernel sources into an on-disk cubin cache.
+"""nvcc compilation of generated kernel sources into the on-disk cubin cache.
 
-Cache entry: ``<root>/cubin/<name>.<key>/{kernel.cu, kernel.cubin, meta.json}``, where key hashes
-the source, every ``deep_gemm/`` header it reaches, the sgl-deep-gemm version, the full ``nvcc
---version`` text, the flags and the arch. An entry is built in ``<root>/tmp/<random>`` and published
-by an atomic directory rename, so a reader sees a complete entry or none. A per-key ``flock`` makes
-concurrent processes (local ranks) wait for one compile instead of repeating it.
+Cache entry (``toolchain.cached_artifact``): ``<root>/cubin/<name>.<key>/{kernel.cu, kernel.cubin,
+meta.json}``, where key hashes the source, every ``deep_gemm/`` header it reaches, the sgl-deep-gemm
+version, the full ``nvcc --version`` text, the flags and the arch. Concurrent processes (local
+ranks) wait for one compile; a cubin that does not match its recorded size and sha256 is rebuilt.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import functools
 import hashlib
-import json
-import os
 import re
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -93,10 +86,7 @@ def _compile(source: str, arch: int, nvcc: Path, out_dir: Path) -> None:
     cmd = [str(nvcc), str(out_dir / "kernel.cu"), "--cubin", "--output-file", str(out_dir / "kernel.cubin"),
            f"--gpu-architecture={SUPPORTED_ARCHS[arch]}", *NVCC_FLAGS,
            "--include-path", str(toolchain.deep_gemm_include_dir())]
-    proc = subprocess.run(cmd, cwd=out_dir, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"nvcc failed ({proc.returncode}) for {out_dir / 'kernel.cu'}:\n"
-                           f"{' '.join(cmd)}\n{proc.stderr[-6000:]}")
+    toolchain.run_compiler(cmd, "nvcc", out_dir)
 
 
 def compile_cubin(name: str, source: str, arch: int) -> Cubin:
@@ -108,33 +98,16 @@ def compile_cubin(name: str, source: str, arch: int) -> Cubin:
         hit = _memo.get(key)
     if hit is not None:
         return dataclasses.replace(hit, compiled=False, seconds=0.0)
-    root = toolchain.cache_root()
-    entry = root / "cubin" / f"{name}.{key}"
-    cubin = entry / "kernel.cubin"
     t0 = time.perf_counter()
-    compiled = False
-    if not cubin.is_file():
-        (root / "locks").mkdir(parents=True, exist_ok=True)
-        (root / "tmp").mkdir(parents=True, exist_ok=True)
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        with open(root / "locks" / f"{key}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                if not cubin.is_file():  # another process may have published it while we waited
-                    tmp = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=root / "tmp"))
-                    try:
-                        _compile(source, arch, nvcc, tmp)
-                        (tmp / "meta.json").write_text(json.dumps(
-                            {"name": name, "key": key, "arch": arch, "flags": list(NVCC_FLAGS),
-                             "nvcc": toolchain.nvcc_version(str(nvcc)).strip().splitlines()[-1],
-                             "seconds": round(time.perf_counter() - t0, 3)}, indent=1))
-                        os.rename(tmp, entry)
-                        compiled = True
-                    finally:
-                        shutil.rmtree(tmp, ignore_errors=True)
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-    result = Cubin(name=name, key=key, path=cubin, compiled=compiled, seconds=time.perf_counter() - t0)
+
+    def build(out_dir: Path) -> dict:
+        _compile(source, arch, nvcc, out_dir)
+        return {"name": name, "key": key, "arch": arch, "flags": list(NVCC_FLAGS),
+                "nvcc": toolchain.nvcc_version(str(nvcc)).strip().splitlines()[-1],
+                "seconds": round(time.perf_counter() - t0, 3)}
+
+    path, compiled = toolchain.cached_artifact("cubin", name, key, "kernel.cubin", build)
+    result = Cubin(name=name, key=key, path=path, compiled=compiled, seconds=time.perf_counter() - t0)
     with _memo_lock:
         _memo[key] = result
     return result

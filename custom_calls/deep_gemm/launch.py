@@ -2,20 +2,20 @@
 
 The handler (``csrc/launch_handler.cc``) is compiled with the system g++ (``/usr/bin/g++`` first: a
 compiler that links libstdc++ statically produced a library that crashed beside the system one) into
-the same on-disk cache as the kernels, keyed by its source, the jax version, the FFI headers and the
-compiler, and registered with XLA for the CUDA platform once per process.
+the same on-disk cache as the kernels (``toolchain.cached_artifact``: built once across processes,
+verified against its recorded size and sha256 before it is loaded), keyed by its source, the jax
+version, the FFI headers and the compiler, and registered with XLA for the CUDA platform once per
+process.
 """
 
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import hashlib
 import math
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import Sequence
@@ -27,7 +27,8 @@ from . import toolchain
 from .launch_plan import LaunchPlan
 
 FFI_TARGET = "moe_jax_deep_gemm_launch"
-_SOURCE = Path(__file__).parent / "csrc" / "launch_handler.cc"
+HANDLER_SOURCE = Path(__file__).parent / "csrc" / "launch_handler.cc"  # package data of the wheel
+LIBRARY_NAME = "libmoe_jax_deep_gemm.so"
 _lock = threading.Lock()
 _registered = False
 
@@ -43,7 +44,7 @@ def find_cxx() -> str:
 def _handler_key(cxx: str, cuda_inc: Path) -> str:
     h = hashlib.sha256()
     ffi_dir = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api"
-    parts = [_SOURCE.read_bytes(), jax.__version__.encode(),
+    parts = [HANDLER_SOURCE.read_bytes(), jax.__version__.encode(),
              subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.encode(),
              (cuda_inc / "cuda.h").read_bytes()[:4096]]
     parts += [p.read_bytes() for p in sorted(ffi_dir.glob("*.h"))]
@@ -55,32 +56,20 @@ def _handler_key(cxx: str, cuda_inc: Path) -> str:
 
 def build_handler() -> Path:
     """Compile (or find in the cache) the launcher shared library; returns its path."""
+    if not HANDLER_SOURCE.is_file():
+        raise toolchain.ToolchainError(f"the FFI launcher source {HANDLER_SOURCE} is missing from the "
+                                       f"installed package: reinstall moe-jax")
     cxx = find_cxx()
     cuda_inc = toolchain.cuda_include_dir(toolchain.find_nvcc())
     key = _handler_key(cxx, cuda_inc)
-    root = toolchain.cache_root()
-    entry = root / "ffi" / f"launch_handler.{key}"
-    lib = entry / "libmoe_jax_deep_gemm.so"
-    if lib.is_file():
-        return lib
-    (root / "locks").mkdir(parents=True, exist_ok=True)
-    (root / "tmp").mkdir(parents=True, exist_ok=True)
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    with open(root / "locks" / f"ffi.{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if lib.is_file():
-            return lib
-        tmp = Path(tempfile.mkdtemp(prefix="ffi.", dir=root / "tmp"))
-        try:
-            cmd = [cxx, "-shared", "-fPIC", "-O2", "-std=c++17", "-w", f"-I{jax.ffi.include_dir()}",
-                   f"-I{cuda_inc}", str(_SOURCE), "-o", str(tmp / lib.name), "-ldl"]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"building the FFI launcher failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
-            os.rename(tmp, entry)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return lib
+
+    def build(out_dir: Path) -> dict:
+        cmd = [cxx, "-shared", "-fPIC", "-O2", "-std=c++17", "-w", f"-I{jax.ffi.include_dir()}",
+               f"-I{cuda_inc}", str(HANDLER_SOURCE), "-o", str(out_dir / LIBRARY_NAME), "-ldl"]
+        toolchain.run_compiler(cmd, "building the FFI launcher", out_dir)
+        return {"cxx": cxx, "jax": jax.__version__}
+
+    return toolchain.cached_artifact("ffi", "launch_handler", key, LIBRARY_NAME, build)[0]
 
 
 def register() -> None:

@@ -225,7 +225,8 @@ def routing_bench(m: int = 4096, reps: int = 6) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m custom_calls.triton.bench",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=6, help="distinct input sets per timed dispatch")
     parser.add_argument("--json", help="write the table here")
     parser.add_argument("--no-sweep", action="store_true", help="only the default tiling of each kernel")

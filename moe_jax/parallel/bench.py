@@ -37,7 +37,7 @@ def _config(model: str, n: int, recipe: str) -> MoEConfig:
     e = max(16, 2 * n)
     return MoEConfig.deepseek_v3().scaled(num_experts=e, top_k=4, hidden_size=512,
                                           intermediate_size=128 * max(1, n // 2) if recipe != "bf16"
-                                          else 64 * n, recipe=recipe)
+                                          else 64 * n, recipe=recipe, fit_routing=True)
 
 
 def _traffic(config, n, tokens, pattern, mode, capacity, platform) -> float:
@@ -104,7 +104,8 @@ def bench(model: str = "small", recipe: str = "bf16", tokens=(128,), iters: int 
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m moe_jax.parallel.bench",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=("small", "v3"), default="small")
     ap.add_argument("--recipe", default="bf16")
     ap.add_argument("--tokens", default="128", help="tokens per device, comma separated")

@@ -110,7 +110,8 @@ def format_table(config: MoEConfig, n: int, prefill: int, decode: int, capacity:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m moe_jax.parallel.bytes",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument("--decode", type=int, default=128)
