@@ -76,6 +76,15 @@ class Progress:
             self._bar = None
 
 
+def exit_status(failed: Sequence[str]) -> int:
+    """The exit status of a benchmark run: 0 when no requested row failed, else 1, after naming the
+    failed rows on stderr (a table with a FAILED row is not a successful run)."""
+    if failed:
+        log(f"{len(failed)} requested row(s) failed: " + "; ".join(failed))
+        return 1
+    return 0
+
+
 def run_untuned(fn, *args):
     """fn(*args), jitted and compiled without XLA's GEMM autotuning on GPU. For float32 references
     only (their speed is not measured): autotuning their large HIGHEST-precision dots costs minutes

@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from custom_calls._timing import time_op
+from moe_jax.bench._timing import time_op
 
 
 def _config(small: bool = False):
@@ -285,7 +285,7 @@ def _kernel_time_by_family(fn, arg_sets) -> dict:
     """GPU time per call of fn (profiler trace), in us: total, DeepGEMM GEMMs (kernel names holding
     "deep_gemm"), Triton kernels (names ending in "_kernel", as every kernel of custom_calls.triton
     does), other (XLA fusions, memsets). {"error": why} where the profiler is unavailable."""
-    from custom_calls._timing import device_time
+    from moe_jax.bench._timing import device_time
 
     try:
         per = device_time(fn, arg_sets)
