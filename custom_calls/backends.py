@@ -43,6 +43,7 @@ _PLATFORMS: dict[str, tuple[str, ...]] = {}  # backend -> platforms it runs on (
 _LAZY_ERRORS: dict[str, str] = {}
 _LOCK = threading.Lock()
 _DEFAULT = threading.local()
+_RECORDING = threading.local()  # .logs: the lists of the active `record_resolutions` blocks
 
 
 def _always(**_static) -> tuple[bool, str]:
@@ -98,6 +99,27 @@ def get_default_backend() -> str:
 
 
 @contextlib.contextmanager
+def record_resolutions() -> Iterator[list[tuple[str, str]]]:
+    """Within the block, every `resolve` appends (op, backend of the implementation it returned) to
+    the yielded list: trace a function inside it to learn what each op resolved to ("auto" falls
+    back to "reference" where no accelerated implementation can run). jit caches skip resolution
+    for traces they already hold: trace under `jax.disable_jit()`."""
+    log: list[tuple[str, str]] = []
+    _RECORDING.logs = (*getattr(_RECORDING, "logs", ()), log)
+    try:
+        yield log
+    finally:
+        _RECORDING.logs = tuple(x for x in _RECORDING.logs if x is not log)
+
+
+def _returned(op: str, impl: Implementation) -> Implementation:
+    """`resolve`'s answer, noted in every active `record_resolutions` log."""
+    for log in getattr(_RECORDING, "logs", ()):
+        log.append((op, impl.backend))
+    return impl
+
+
+@contextlib.contextmanager
 def use_backend(name: str) -> Iterator[str]:
     """Within the block, ops called with backend=None use `name` ("reference", "auto", ...)."""
     if not isinstance(name, str):
@@ -126,7 +148,7 @@ def resolve(op: str, backend: str | None = None, **static) -> Implementation:
                 continue
             ok, _ = impl.supports(platform=platform, **static)
             if ok:
-                return impl
+                return _returned(op, impl)
         backend = REFERENCE
     platforms = _PLATFORMS.get(backend)
     if platforms is not None and platform not in platforms:
@@ -143,7 +165,7 @@ def resolve(op: str, backend: str | None = None, **static) -> Implementation:
     ok, reason = impl.supports(platform=platform, **static)
     if not ok:
         raise ValueError(f"backend {backend!r} cannot run op {op!r}: {reason}")
-    return impl
+    return _returned(op, impl)
 
 
 # Accelerated packages: imported only when chosen on a GPU.

@@ -9,7 +9,9 @@ One row per (pattern, EP mode, tokens per device): median step time over --iters
 configurations), tokens/s, the bytes per device the layout moves (moe_jax.parallel.bytes, uniform
 routing), the implied GB/s, the max error against single-device `moe_forward` (--check, small
 shapes only: the reference runs on one device), and the routes the low-latency mode dropped over
-the timed runs (--capacity below the tokens per device). Everything is one 1-D mesh over all devices.
+the timed runs (--capacity below the tokens per device), and, for a backend other than
+"reference", the ops that fell back to the reference implementation (from the backend registry).
+Everything is one 1-D mesh over all devices.
 A pattern the mesh cannot hold (it does not divide the experts or the intermediate size) is
 skipped and says why; a row that fails makes the exit status 1.
 """
@@ -58,6 +60,7 @@ def bench(model: str = "small", recipe: str = "bf16", tokens=(128,), iters: int 
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from moe_jax import init_params, moe_forward
+    from moe_jax.bench._cli import fallback_note, resolved_backends
     from moe_jax.parallel.config import ParallelConfig
     from moe_jax.parallel.patterns import sharded_moe_forward
     from moe_jax.parallel.sharding import shard_params
@@ -90,6 +93,12 @@ def bench(model: str = "small", recipe: str = "bf16", tokens=(128,), iters: int 
             total = t if pattern in ("tp", "tp_ep") else t * n
             spec = P(None, None) if pattern in ("tp", "tp_ep") else P("x", None)
             try:
+                note = ""
+                if backend != "reference":  # what the registry resolved each op to, for this pattern
+                    x = jax.device_put(jnp.zeros((total, config.hidden_size), jnp.bfloat16), NamedSharding(mesh, spec))
+                    impls = resolved_backends(lambda x, p: f(x, p, config=config, mesh=mesh, pc=pc, backend=backend,
+                                                             return_stats=True), x, placed)
+                    note = fallback_note(impls, devs.flat[0].platform)
                 times, dropped = [], 0
                 for i in range(warmup + iters):
                     x = jax.random.normal(jax.random.key(100 + i), (total, config.hidden_size), jnp.bfloat16)
@@ -113,7 +122,7 @@ def bench(model: str = "small", recipe: str = "bf16", tokens=(128,), iters: int 
             b = _traffic(config, n, t, pattern, mode, cap, devs.flat[0].platform)
             rows.append(dict(pattern=pattern, mode=mode, tokens=t, devices=n, ms=sec * 1e3,
                              tok_per_s=total / sec, mb=b / 1e6, gbps=b / sec / 1e9, rel_err=err,
-                             dropped=dropped))
+                             dropped=dropped, fallback=note))
     return rows
 
 
@@ -128,15 +137,15 @@ def run(a) -> int:
     print(f"# {len(jax.devices())} x {dev.device_kind} ({dev.platform}), model={a.model}, "
           f"recipe={a.recipe}, backend={a.backend}, median of {a.iters} after {a.warmup} warm-up (burst)")
     print("| pattern | EP mode | tok/dev | ms | tok/s | MB/dev (computed) | GB/s | rel err "
-          "| dropped routes |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| dropped routes | fell back |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         if "skipped" in r or "error" in r:
             what = f"skipped: {r['skipped']}" if "skipped" in r else f"FAILED: {r['error']}"
-            print(f"| {r['pattern']} | {r['mode']} | {r['tokens']} | {what} ||||||")
+            print(f"| {r['pattern']} | {r['mode']} | {r['tokens']} | {what} |||||||")
             continue
         print(f"| {r['pattern']} | {r['mode']} | {r['tokens']} | {r['ms']:.3f} | {r['tok_per_s']:.0f} | "
-              f"{r['mb']:.2f} | {r['gbps']:.2f} | {r['rel_err']:.1e} | {r['dropped']} |")
+              f"{r['mb']:.2f} | {r['gbps']:.2f} | {r['rel_err']:.1e} | {r['dropped']} | {r['fallback'] or '–'} |")
     if a.json:
         write_json(a.json, dict(devices=len(jax.devices()), device=str(dev.device_kind), model=a.model,
                                 recipe=a.recipe, backend=a.backend, rows=rows))
