@@ -29,30 +29,17 @@ import triton.language as tl
 from custom_calls._checks import ACT_GROUP, act_scale_image_shape, ceil_div, round_up
 from custom_calls.triton.launch import triton_call
 from custom_calls.triton.tile_quant import quantize_tile, store_scale_image, tile_ids
-from custom_calls.triton.tuning import check_launch, check_powers_of_two, config_or_default, tile_groups
+from custom_calls.triton.tuning import BlockTiling, config_or_default, tile_groups
 
 KIND_CODES = {"silu": 0, "swiglu_oai": 1, "situ": 2}
 BF16_CHUNK = 128  # I chunking unit when nothing is quantized (the bf16 recipe's "group")
 
 
 @dataclasses.dataclass(frozen=True)
-class ActQuantConfig:
+class ActQuantConfig(BlockTiling):
     """Tiling of `act_quant_kernel` (`heuristic_config` gives the default; see
-    `custom_calls.triton.tuning`): one [block_m, tile] block of the output per program.
-
-    tile: elements of I per program, whole scale groups (bf16: chunks of BF16_CHUNK), a multiple of
-    4 groups when the image is packed UE8M0; block_m: rows per program; both powers of two;
-    chunks_fastest: the I chunks of one row block are neighbouring programs.
-    """
-
-    tile: int
-    block_m: int
-    num_warps: int
-    chunks_fastest: bool
-
-    def __post_init__(self) -> None:
-        check_powers_of_two(self, "tile", "block_m")
-        check_launch(self)
+    `custom_calls.triton.tuning`): one [block_m, tile] block of the output per program, tile along I
+    (bf16: chunks of BF16_CHUNK), a multiple of 4 groups when the image is packed UE8M0."""
 
 
 def heuristic_config(inter: int, recipe: str) -> ActQuantConfig:

@@ -20,27 +20,14 @@ import triton.language as tl
 from custom_calls._checks import ACT_GROUP, act_scale_image_shape, ceil_div, check_recipe_arch
 from custom_calls.triton.launch import triton_call
 from custom_calls.triton.tile_quant import quantize_tile, store_scale_image, tile_ids
-from custom_calls.triton.tuning import check_launch, check_powers_of_two, config_or_default, tile_groups
+from custom_calls.triton.tuning import BlockTiling, config_or_default, tile_groups
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupQuantConfig:
+class GroupQuantConfig(BlockTiling):
     """Tiling of `per_token_group_quant_kernel` (`heuristic_config` gives the default; see
-    `custom_calls.triton.tuning`): one [block_m, tile] block of x per program.
-
-    tile: elements of K per program, whole scale groups (a multiple of 4 groups for the packed UE8M0
-    image); block_m: rows per program; both powers of two; chunks_fastest: the K chunks of one row
-    block are neighbouring programs.
-    """
-
-    tile: int
-    block_m: int
-    num_warps: int
-    chunks_fastest: bool
-
-    def __post_init__(self) -> None:
-        check_powers_of_two(self, "tile", "block_m")
-        check_launch(self)
+    `custom_calls.triton.tuning`): one [block_m, tile] block of x per program, tile along K, a
+    multiple of 4 groups for the packed UE8M0 image."""
 
 
 def heuristic_config(recipe: str, arch: int) -> GroupQuantConfig:

@@ -11,6 +11,8 @@ triton nor jax.
 
 from __future__ import annotations
 
+import dataclasses
+
 NUM_WARPS = (1, 2, 4, 8, 16, 32)
 
 
@@ -64,3 +66,20 @@ def config_or_default(config, cls: type, default):
     if not isinstance(config, cls):
         raise TypeError(f"config: expected a {cls.__name__} or None, got {type(config).__name__}")
     return config
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTiling:
+    """One [block_m, tile] block per program of a kernel over (rows, columns): tile columns (whole
+    scale groups, checked by the entry point) and block_m rows, both powers of two; num_warps;
+    chunks_fastest: the column chunks of one row block are neighbouring programs, so the programs in
+    flight sweep whole rows."""
+
+    tile: int
+    block_m: int
+    num_warps: int
+    chunks_fastest: bool
+
+    def __post_init__(self) -> None:
+        check_powers_of_two(self, "tile", "block_m")
+        check_launch(self)
