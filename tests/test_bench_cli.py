@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from custom_calls import ActivationSpec
 from moe_jax.bench import layer as bench_layer
 from moe_jax.bench.__main__ import main
 
@@ -140,21 +141,26 @@ def test_parallel_exits_1_when_a_requested_row_failed():
     assert len(failed) == 7 and "7 requested row(s) failed" in proc.stderr, proc.stdout
 
 
-def test_record_resolutions_logs_what_resolve_returned():
+def test_record_resolutions_logs_what_resolve_returned(monkeypatch):
     import importlib
 
     registry = importlib.import_module("custom_calls.backends")
+    registry.backends("unpermute")  # load the lazy backends now: their registrations must outlive the copies
+    # a throwaway op and backend, in copies of the registry's tables (restored after the test)
+    monkeypatch.setattr(registry, "_OPS", dict(registry._OPS))
+    monkeypatch.setattr(registry, "_IMPLS", {op: dict(impls) for op, impls in registry._IMPLS.items()})
+    monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
     op = "test_bench_cli_op"
-    registry.register(op, "reference", lambda: None)
-    registry.register(op, "fast", lambda: None, supports=lambda *, n, **_: (n >= 8, f"n: expected >= 8, got {n}"))
+    registry.declare_op(op, static_args=("n",), reference=lambda: None)
+    registry.register(op, "test_fast", lambda: None, supports=lambda *, n: (n >= 8, f"n: expected >= 8, got {n}"))
     with registry.record_resolutions() as outer:
         registry.resolve(op, "auto", n=16)
         with registry.record_resolutions() as inner:
-            registry.resolve(op, "auto", n=2)  # "fast" cannot run it: auto falls back
+            registry.resolve(op, "auto", n=2)  # "test_fast" cannot run it: auto falls back
         with pytest.raises(ValueError, match="n: expected >= 8, got 2"):
-            registry.resolve(op, "fast", n=2)  # an explicit backend never falls back, and logs nothing
+            registry.resolve(op, "test_fast", n=2)  # an explicit backend never falls back, and logs nothing
     registry.resolve(op, "reference", n=2)  # outside every block: not logged
-    assert outer == [(op, "fast"), (op, "reference")] and inner == [(op, "reference")]
+    assert outer == [(op, "test_fast"), (op, "reference")] and inner == [(op, "reference")]
 
 
 def _small_layer():
@@ -179,7 +185,7 @@ def test_resolved_backends_asks_the_registry_even_after_jax_cached_the_trace():
     ops = ("route_topk", "rank_within_expert", "permute_masked", "m_grouped_gemm_masked", "activation_quant_masked",
            "unpermute")
     assert resolved_backends(forward, params, x) == {op: "reference" for op in ops}
-    with pytest.raises(ValueError, match="backend 'triton' for op 'route_topk'.*current platform is 'cpu'"):
+    with pytest.raises(ValueError, match="backend 'triton'.*'route_topk'.*platform is 'cpu'"):
         resolved_backends(lambda p, x: forward(p, x, "triton"), params, x)
 
 
@@ -265,7 +271,7 @@ def test_fp32_model_matches_float64_per_token_loop(block, blocks_per_step):
     from moe_jax.params import init_params, prepare_params
 
     cfg = bench_layer._config(small=True)
-    assert cfg.activation == "silu" and cfg.swiglu_limit is None and cfg.recipe == "fp8_block"
+    assert cfg.activation == ActivationSpec() and cfg.recipe == "fp8_block"  # plain SiLU
     params = prepare_params(init_params(jax.random.PRNGKey(5), cfg), cfg)
     rng = np.random.default_rng(block)
     m, k, e = 37, cfg.top_k, cfg.num_experts

@@ -762,26 +762,21 @@ def case_route_sqrtsoftplus_bias():
 LAUNCHES: list[dict] = []  # every launch of the host entry points: kernel name, num_warps, constexprs
 
 
-def _interpreted_triton_call(*args, kernel, out_shape, grid, num_warps=4, name="", zeroed_outputs=(),
-                             **constexprs):
-    """`custom_calls.triton.launch.triton_call` on the host: the kernel runs in the interpreter over
-    numpy copies of the inputs; outputs zero-filled where asked, poisoned otherwise."""
-    import jax.numpy as jnp
-
-    LAUNCHES.append(dict(kernel=kernel.fn.__name__, num_warps=num_warps, **constexprs))
-    ins = [np.array(a) for a in args]
-    outs = [np.zeros(s.shape, s.dtype) if i in zeroed_outputs else _poison(s.shape, s.dtype)
-            for i, s in enumerate(out_shape)]
-    _launch(kernel, grid, *ins, *outs, **constexprs)
-    return [jnp.asarray(o) for o in outs]
-
-
-def _launch_through_interpreter():
-    """Point every kernel module's triton_call at the interpreter (jax_triton needs a GPU)."""
+def _record_launches():
+    """Note every launch of the kernel modules' host entry points (kernel, num_warps, constexprs),
+    then make it through `launch.triton_call`, which runs the kernel in Triton's interpreter here
+    (`custom_calls.triton.interpret`)."""
     import importlib
 
+    from custom_calls.triton import launch
+
+    def recording(*args, kernel, out_shape, grid, num_warps=4, name="", zeroed_outputs=(), **constexprs):
+        LAUNCHES.append(dict(kernel=kernel.fn.__name__, num_warps=num_warps, **constexprs))
+        return launch.triton_call(*args, kernel=kernel, out_shape=out_shape, grid=grid, num_warps=num_warps,
+                                  name=name, zeroed_outputs=zeroed_outputs, **constexprs)
+
     for name in ("permute", "activation", "quant", "unpermute", "dispatch", "routing"):
-        importlib.import_module(f"custom_calls.triton.{name}_kernel").triton_call = _interpreted_triton_call
+        importlib.import_module(f"custom_calls.triton.{name}_kernel").triton_call = recording
 
 
 def _launched_with(kernel: str, **expected):
@@ -855,7 +850,7 @@ def case_host_permute_configs():
         placed[inv >= 0] = x[inv[inv >= 0]].astype(np.float32)
         label = f"permute {recipe} {arch} {'masked' if masked else 'contig'}"
         got = np.asarray(lhs).reshape(rows, h)
-        if masked:  # rows no route lands on are never written: still poison
+        if masked:  # rows no route lands on are never written: still the interpreter's NaN fill
             assert np.isnan(got[inv < 0].astype(np.float32)).all(), label
             got = np.where((inv >= 0)[:, None], got.astype(np.float32), 0.0).astype(got.dtype)
         if recipe == "bf16":
@@ -999,7 +994,7 @@ def _main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     sys.path.insert(0, os.getcwd())
     _install_exact_casts()
-    _launch_through_interpreter()
+    _record_launches()
     results = {}
     only = sys.argv[1:]
     for name in CASES:

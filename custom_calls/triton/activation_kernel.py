@@ -26,26 +26,25 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from custom_calls._checks import ACT_GROUP, act_scale_image_shape, ceil_div, round_up
+from layouts import align, ceil_div, gemm_format, get_recipe
 from custom_calls.triton.launch import triton_call
 from custom_calls.triton.tile_quant import quantize_tile, store_scale_image, tile_ids
-from custom_calls.triton.tuning import BlockTiling, config_or_default, tile_groups
+from custom_calls.triton.tuning import BlockTiling, column_group, config_or_default, tile_groups
 
 KIND_CODES = {"silu": 0, "swiglu_oai": 1, "situ": 2}
-BF16_CHUNK = 128  # I chunking unit when nothing is quantized (the bf16 recipe's "group")
 
 
 @dataclasses.dataclass(frozen=True)
 class ActQuantConfig(BlockTiling):
     """Tiling of `act_quant_kernel` (`heuristic_config` gives the default; see
     `custom_calls.triton.tuning`): one [block_m, tile] block of the output per program, tile along I
-    (bf16: chunks of BF16_CHUNK), a multiple of 4 groups when the image is packed UE8M0."""
+    (bf16: chunks of `tuning.BF16_CHUNK`), a multiple of 4 groups when the image is packed UE8M0."""
 
 
 def heuristic_config(inter: int, recipe: str) -> ActQuantConfig:
     """The default tiling for I = inter: as many scale groups as I has, rounded up to a power of two,
     at least 4 and at most 1024 elements' worth; block_m fills 4096 elements per program; 4 warps."""
-    group = ACT_GROUP[recipe] if recipe != "bf16" else BF16_CHUNK
+    group = column_group(recipe)
     groups = max(4, min(triton.next_power_of_2(ceil_div(inter, group)), 1024 // group))
     return ActQuantConfig(tile=groups * group, block_m=max(1, 4096 // (groups * group)), num_warps=4,
                           chunks_fastest=True)
@@ -126,14 +125,14 @@ def act_quant_kernel(
 
 
 def kernel_config(inter: int, recipe: str, act, config: ActQuantConfig | None = None, *,
-                  arch: int | None = None) -> dict:
+                  ue8m0: bool = False) -> dict:
     """The kernel's static arguments for I = inter, the activation `act` and the tiling `config`
-    (None: `heuristic_config(inter, recipe)`), except the shape and arch ones; ValueError naming the
-    field of a config that does not fit the recipe (and arch: None skips the packed-UE8M0 check)."""
-    quant = recipe != "bf16"
-    group = ACT_GROUP[recipe] if quant else BF16_CHUNK
+    (None: `heuristic_config(inter, recipe)`), except the shape ones; ValueError naming the field of
+    a config that does not fit the recipe (with `ue8m0`, the packed scale image: 4 groups a word)."""
+    quant = get_recipe(recipe).is_quantized
+    group = column_group(recipe)
     config = config_or_default(config, ActQuantConfig, lambda: heuristic_config(inter, recipe))
-    groups = tile_groups(config, "tile", group=group, packed=quant and arch == 100)
+    groups = tile_groups(config, "tile", group=group, packed=quant and ue8m0)
     return dict(
         GROUP=group, GROUPS=groups, BLOCK_M=config.block_m, QUANT=quant,
         KIND=KIND_CODES[act.kind], HAS_LIMIT=act.swiglu_limit is not None,
@@ -148,13 +147,14 @@ def _act_quant(gateup: jax.Array, masked_m: jax.Array | None, *, act, recipe: st
     slabs, mn, two_i = gateup.shape if masked else (1, *gateup.shape)
     inter = two_i // 2
     config = config_or_default(config, ActQuantConfig, lambda: heuristic_config(inter, recipe))
-    cfg = kernel_config(inter, recipe, act, config, arch=arch)
+    fmt = gemm_format(recipe, arch)
+    cfg = kernel_config(inter, recipe, act, config, ue8m0=fmt.ue8m0)
     if cfg["QUANT"]:
-        (gi, img_ld), img_dtype = act_scale_image_shape(recipe, arch, mn, inter)
+        (gi, img_ld), img_dtype = fmt.lhs_scale_shape(mn, inter), fmt.scale_dtype
         img_shape = (slabs, gi, img_ld) if masked else (gi, img_ld)
         a_dtype = jnp.float8_e4m3fn
     else:
-        gi, img_ld, img_dtype, img_shape, a_dtype = 1, round_up(mn, 4), jnp.int32, (1,), jnp.bfloat16
+        gi, img_ld, img_dtype, img_shape, a_dtype = 1, align(mn, 4), jnp.int32, (1,), jnp.bfloat16
     g = ceil_div(inter, cfg["GROUP"])
     covered = mn if masked else img_ld
     row_blocks = slabs * ceil_div(covered, cfg["BLOCK_M"])
@@ -167,7 +167,7 @@ def _act_quant(gateup: jax.Array, masked_m: jax.Array | None, *, act, recipe: st
         gateup, masked_m, kernel=act_quant_kernel,
         out_shape=[jax.ShapeDtypeStruct(a_shape, a_dtype), jax.ShapeDtypeStruct(img_shape, img_dtype)],
         grid=(row_blocks * ceil_div(g, cfg["GROUPS"]),), num_warps=config.num_warps, name="moe_act_quant",
-        MN=mn, I=inter, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, UE8M0=arch == 100,
+        MN=mn, I=inter, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, UE8M0=fmt.ue8m0,
         MASKED=masked, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=config.chunks_fastest, **cfg)
     return a, (img if cfg["QUANT"] else None)
 

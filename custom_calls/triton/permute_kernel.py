@@ -36,23 +36,19 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from custom_calls._checks import ACT_GROUP, act_scale_image_shape, ceil_div
-from custom_calls.act_quant import quantize_activation
+from layouts import ceil_div, gemm_format, get_recipe
 from custom_calls.triton.launch import triton_call
 from custom_calls.triton.tile_quant import (quantize_tile, store_scale_image, tile_ids, ue8m0_bits_exponent,
                                             zero_row_scale)
-from custom_calls.triton.tuning import (check_groups, check_launch, check_powers_of_two, config_or_default,
-                                        tile_groups)
-
-BF16_CHUNK = 128  # H chunking unit when nothing is quantized (the bf16 recipe's "group")
-
+from custom_calls.triton.tuning import (check_groups, check_launch, check_powers_of_two, column_group,
+                                        config_or_default, tile_groups)
 
 @dataclasses.dataclass(frozen=True)
 class PermuteConfig:
     """Tiling of the three permute launches (`heuristic_config` gives the default; see
     `custom_calls.triton.tuning`). Every size is a power of two.
 
-    tile: elements of H per scatter program, whole scale groups (bf16: chunks of BF16_CHUNK);
+    tile: elements of H per scatter program, whole scale groups (bf16: chunks of `tuning.BF16_CHUNK`);
     tokens: tokens per scatter program; zero_rows / zero_sub: rows checked per zero-fill program /
     rows it writes at once (zero_sub <= zero_rows); num_warps: of the scatter kernel;
     chunks_fastest: the H chunks of one token block are neighbouring programs; source_block:
@@ -83,8 +79,7 @@ def heuristic_config(recipe: str) -> PermuteConfig:
     """The default tiling: 1024 elements of H (2 KiB of bf16 in, 1 KiB of e4m3 out per destination)
     and at least 4 scale groups per scatter program, 4 tokens, 4 warps; zero-fill 64 rows checked,
     4 written at once; 1024 routes per row-source program; 128 image columns x 8 groups."""
-    group = ACT_GROUP[recipe] if recipe != "bf16" else BF16_CHUNK
-    return PermuteConfig(tile=max(1024, 4 * group), tokens=4, zero_rows=64, zero_sub=4, num_warps=4,
+    return PermuteConfig(tile=max(1024, 4 * column_group(recipe)), tokens=4, zero_rows=64, zero_sub=4, num_warps=4,
                          chunks_fastest=True, source_block=1024, image_rows=128, image_groups=8)
 
 
@@ -196,12 +191,12 @@ def row_sources(src2dst: jax.Array, num_rows: int, block: int = 1024) -> jax.Arr
 def kernel_config(recipe: str, arch: int, config: PermuteConfig | None = None) -> dict:
     """The scatter kernel's static tiling for `config` (None: `heuristic_config(recipe)`): group
     size along H, groups per program, quantized or not. ValueError naming the field of a config
-    that does not fit the recipe."""
-    quant = recipe != "bf16"
-    group = ACT_GROUP[recipe] if quant else BF16_CHUNK
+    that does not fit (recipe, arch)."""
+    quant = get_recipe(recipe).is_quantized
     config = config_or_default(config, PermuteConfig, lambda: heuristic_config(recipe))
+    group = column_group(recipe)
     groups = tile_groups(config, "tile", group=group, packed=False)  # scales go token-major, as fp32
-    check_groups(config, "image_groups", packed=quant and arch == 100)
+    check_groups(config, "image_groups", packed=quant and gemm_format(recipe, arch).ue8m0)
     return dict(GROUP=group, GROUPS=groups, QUANT=quant)
 
 
@@ -212,6 +207,7 @@ def _permute(x: jax.Array, src2dst: jax.Array, *, slabs: int, mn: int, recipe: s
     m, h = x.shape
     top_k = src2dst.shape[1]
     rows = slabs * mn
+    fmt = gemm_format(recipe, arch)
     quant = cfg["QUANT"]
     g = ceil_div(h, cfg["GROUP"])
     zero_programs = ceil_div(rows, config.zero_rows) if zero_fill else 0
@@ -222,18 +218,18 @@ def _permute(x: jax.Array, src2dst: jax.Array, *, slabs: int, mn: int, recipe: s
                    jax.ShapeDtypeStruct((m, g) if quant else (1,), jnp.float32)],
         grid=((zero_programs + ceil_div(m, config.tokens)) * ceil_div(g, cfg["GROUPS"]),),
         num_warps=config.num_warps, name="moe_permute_quant",
-        M=m, H=h, TOPK=top_k, TOPK_P2=triton.next_power_of_2(top_k), R=rows, G=g, UE8M0=arch == 100,
+        M=m, H=h, TOPK=top_k, TOPK_P2=triton.next_power_of_2(top_k), R=rows, G=g, UE8M0=fmt.ue8m0,
         TOKENS=config.tokens, ZERO_FILL=zero_fill, ZERO_ROWS=config.zero_rows, ZERO_SUB=config.zero_sub,
         CHUNKS_FASTEST=config.chunks_fastest, **cfg)
     if not quant:
         return lhs, None
-    (gi, img_ld), img_dtype = act_scale_image_shape(recipe, arch, mn, h)
+    (gi, img_ld), img_dtype = fmt.lhs_scale_shape(mn, h), fmt.scale_dtype
     row_blocks = slabs * ceil_div(img_ld, config.image_rows)
     (img,) = triton_call(
         src1, sf, kernel=scale_image_kernel,
         out_shape=[jax.ShapeDtypeStruct((gi, img_ld) if slabs == 1 else (slabs, gi, img_ld), img_dtype)],
         grid=(row_blocks * ceil_div(g, config.image_groups),), num_warps=4, name="moe_permute_scale_image",
-        MN=mn, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, UE8M0=arch == 100, ROWS=config.image_rows,
+        MN=mn, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, UE8M0=fmt.ue8m0, ROWS=config.image_rows,
         GROUPS=config.image_groups, ROW_BLOCKS=row_blocks)
     return lhs, img
 
@@ -245,7 +241,7 @@ def permute_contig(x: jax.Array, src2dst: jax.Array, *, num_rows: int, recipe: s
     config: the tiling (None: `heuristic_config(recipe)`)."""
     if x.shape[0] == 0:  # no token: every row is a zero row
         kernel_config(recipe, arch, config)  # a bad config is an error whatever the shape
-        return quantize_activation(jnp.zeros((num_rows, x.shape[1]), x.dtype), recipe, arch)
+        return gemm_format(recipe, arch).quantize_lhs(jnp.zeros((num_rows, x.shape[1]), x.dtype))
     return _permute(x, src2dst, slabs=1, mn=num_rows, recipe=recipe, arch=arch, zero_fill=True, config=config)
 
 
@@ -256,7 +252,7 @@ def permute_masked(x: jax.Array, src2dst: jax.Array, *, num_groups: int, m_pad: 
     are left unwritten. config: the tiling (None: `heuristic_config(recipe)`)."""
     if x.shape[0] == 0:  # no token: every row is a zero row
         kernel_config(recipe, arch, config)
-        return quantize_activation(jnp.zeros((num_groups, m_pad, x.shape[1]), x.dtype), recipe, arch)
+        return gemm_format(recipe, arch).quantize_lhs(jnp.zeros((num_groups, m_pad, x.shape[1]), x.dtype))
     lhs, img = _permute(x, src2dst, slabs=num_groups, mn=m_pad, recipe=recipe, arch=arch, zero_fill=False,
                         config=config)
     return lhs.reshape(num_groups, m_pad, x.shape[1]), img

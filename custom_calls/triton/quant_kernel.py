@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from custom_calls._checks import ACT_GROUP, act_scale_image_shape, ceil_div, check_recipe_arch
+from layouts import ceil_div, gemm_format
 from custom_calls.triton.launch import triton_call
 from custom_calls.triton.tile_quant import quantize_tile, store_scale_image, tile_ids
 from custom_calls.triton.tuning import BlockTiling, config_or_default, tile_groups
@@ -33,8 +33,9 @@ class GroupQuantConfig(BlockTiling):
 def heuristic_config(recipe: str, arch: int) -> GroupQuantConfig:
     """The default tiling: 1024 elements of K per program (at least 4 groups for UE8M0), 4 rows,
     4 warps."""
-    group = ACT_GROUP[recipe]
-    return GroupQuantConfig(tile=group * max(1024 // group, 4 if arch == 100 else 1), block_m=4, num_warps=4,
+    fmt = gemm_format(recipe, arch)
+    group = fmt.act_group
+    return GroupQuantConfig(tile=group * max(1024 // group, 4 if fmt.ue8m0 else 1), block_m=4, num_warps=4,
                             chunks_fastest=True)
 
 
@@ -74,17 +75,17 @@ def quantize_activation(x: jax.Array, recipe: str, arch: int,
     x (..., rows, K) float -> (q (..., rows, K) e4m3, scale image (..., G', align(rows, 4)))
     with the image fp32 (arch 90) or packed UE8M0 int32 (arch 100); bf16 recipe: (x as bf16, None).
     config: the tiling (None: `heuristic_config(recipe, arch)`)."""
-    check_recipe_arch(recipe, arch)
-    if recipe == "bf16":
+    fmt = gemm_format(recipe, arch)
+    if not fmt.is_quantized:
         return x.astype(jnp.bfloat16), None
     if x.ndim < 2:
         raise ValueError(f"x: expected rank >= 2 (..., rows, K), got shape {tuple(x.shape)}")
     config = config_or_default(config, GroupQuantConfig, lambda: heuristic_config(recipe, arch))
     *lead, mn, k = x.shape
     slabs = math.prod(lead)
-    group = ACT_GROUP[recipe]
-    groups = tile_groups(config, "tile", group=group, packed=arch == 100)
-    (gi, img_ld), img_dtype = act_scale_image_shape(recipe, arch, mn, k)
+    group = fmt.act_group
+    groups = tile_groups(config, "tile", group=group, packed=fmt.ue8m0)
+    (gi, img_ld), img_dtype = fmt.lhs_scale_shape(mn, k), fmt.scale_dtype
     g = ceil_div(k, group)
     row_blocks = slabs * ceil_div(img_ld, config.block_m)
     if row_blocks == 0:  # no rows
@@ -94,6 +95,6 @@ def quantize_activation(x: jax.Array, recipe: str, arch: int,
         out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn),
                    jax.ShapeDtypeStruct((*lead, gi, img_ld), img_dtype)],
         grid=(row_blocks * ceil_div(g, groups),), num_warps=config.num_warps, name="moe_group_quant",
-        MN=mn, K=k, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, GROUP=group, UE8M0=arch == 100,
+        MN=mn, K=k, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, GROUP=group, UE8M0=fmt.ue8m0,
         BLOCK_M=config.block_m, GROUPS=groups, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=config.chunks_fastest)
     return q, img

@@ -5,15 +5,25 @@ argument) holding every tile size and launch choice of its kernels, and `heurist
 the config its entry point uses when none is passed. A config is checked when it is built (sizes
 are powers of two: they are `tl.arange` extents; num_warps is one Triton accepts) and, by the
 entry point, against the problem (tiles cut into whole scale groups). Any valid config gives the
-same result; it only changes speed. This module holds the shared checks and imports neither
-triton nor jax.
+same result; it only changes speed. This module holds the shared checks and does not import
+triton.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from layouts import get_recipe
+
 NUM_WARPS = (1, 2, 4, 8, 16, 32)
+BF16_CHUNK = 128  # the column unit of a kernel when nothing is quantized (the bf16 recipe)
+
+
+def column_group(recipe: str) -> int:
+    """Elements per scale group along a row: the recipe's activation group size, or BF16_CHUNK
+    when the recipe quantizes nothing."""
+    rec = get_recipe(recipe)
+    return rec.act_group_size if rec.is_quantized else BF16_CHUNK
 
 
 def _name(config, field: str) -> str:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from custom_calls._checks import ceil_div
+from layouts import ceil_div
 from custom_calls.triton.launch import triton_call
 from custom_calls.triton.tuning import check_launch, check_powers_of_two, config_or_default
 
