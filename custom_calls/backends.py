@@ -189,8 +189,8 @@ def get_default_backend() -> str:
 def record_resolutions() -> Iterator[list[tuple[str, str]]]:
     """Within the block, every `resolve` appends (op, backend of the implementation it returned) to
     the yielded list: trace a function inside it to learn what each op resolved to ("auto" falls
-    back to "reference" where no accelerated implementation can run). jit caches skip resolution
-    for traces they already hold: trace under `jax.disable_jit()`."""
+    back to "reference" where no accelerated implementation can run). A trace jax already holds
+    (jit caches) skips the ops' resolution: clear them first (`jax.clear_caches()`)."""
     log: list[tuple[str, str]] = []
     _RECORDING.logs = (*getattr(_RECORDING, "logs", ()), log)
     try:

@@ -98,15 +98,16 @@ def rank_within_expert(e_flat: jax.Array, *, num_experts: int,
         return jnp.zeros((num_experts,), jnp.int32), jnp.zeros((0,), jnp.int32)
     e_pad = triton.next_power_of_2(num_experts + 1)
     e_flat = e_flat.astype(jnp.int32)
+    warps = config.num_warps
     (chunk_counts,) = triton_call(e_flat, kernel=chunk_count_kernel,
                                   out_shape=[jax.ShapeDtypeStruct((nc, e_pad), jnp.int32)], grid=(nc,),
-                                  num_warps=config.num_warps, name="moe_dispatch_count", R=r, E_PAD=e_pad, CHUNK=chunk)
+                                  num_warps=warps, name="moe_dispatch_count", R=r, E_PAD=e_pad, CHUNK=chunk)
     offs, totals = triton_call(chunk_counts, kernel=chunk_offsets_kernel,
                                out_shape=[jax.ShapeDtypeStruct((nc, e_pad), jnp.int32),
                                           jax.ShapeDtypeStruct((e_pad,), jnp.int32)],
-                               grid=(e_pad,), num_warps=config.num_warps, name="moe_dispatch_offsets", NC=nc,
+                               grid=(e_pad,), num_warps=warps, name="moe_dispatch_offsets", NC=nc,
                                NC_PAD=triton.next_power_of_2(nc), E_PAD=e_pad)
     (rank,) = triton_call(e_flat, offs, kernel=chunk_rank_kernel,
-                          out_shape=[jax.ShapeDtypeStruct((r,), jnp.int32)], grid=(nc,), num_warps=config.num_warps,
+                          out_shape=[jax.ShapeDtypeStruct((r,), jnp.int32)], grid=(nc,), num_warps=warps,
                           name="moe_dispatch_rank", R=r, E_PAD=e_pad, CHUNK=chunk)
     return totals[:num_experts], rank

@@ -43,6 +43,7 @@ from custom_calls.triton.tile_quant import (quantize_tile, store_scale_image, ti
 from custom_calls.triton.tuning import (check_groups, check_launch, check_powers_of_two, column_group,
                                         config_or_default, tile_groups)
 
+
 @dataclasses.dataclass(frozen=True)
 class PermuteConfig:
     """Tiling of the three permute launches (`heuristic_config` gives the default; see
@@ -79,8 +80,8 @@ def heuristic_config(recipe: str) -> PermuteConfig:
     """The default tiling: 1024 elements of H (2 KiB of bf16 in, 1 KiB of e4m3 out per destination)
     and at least 4 scale groups per scatter program, 4 tokens, 4 warps; zero-fill 64 rows checked,
     4 written at once; 1024 routes per row-source program; 128 image columns x 8 groups."""
-    return PermuteConfig(tile=max(1024, 4 * column_group(recipe)), tokens=4, zero_rows=64, zero_sub=4, num_warps=4,
-                         chunks_fastest=True, source_block=1024, image_rows=128, image_groups=8)
+    return PermuteConfig(tile=max(1024, 4 * column_group(recipe)), tokens=4, zero_rows=64, zero_sub=4,
+                         num_warps=4, chunks_fastest=True, source_block=1024, image_rows=128, image_groups=8)
 
 
 @triton.jit

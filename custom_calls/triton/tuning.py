@@ -5,8 +5,9 @@ argument) holding every tile size and launch choice of its kernels, and `heurist
 the config its entry point uses when none is passed. A config is checked when it is built (sizes
 are powers of two: they are `tl.arange` extents; num_warps is one Triton accepts) and, by the
 entry point, against the problem (tiles cut into whole scale groups). Any valid config gives the
-same result; it only changes speed. This module holds the shared checks and does not import
-triton.
+same result; it only changes speed. This module holds what the kernel modules share: the checks,
+the column unit of a recipe, and `BlockTiling` (a [block_m, tile] block per program); it does not
+import triton.
 """
 
 from __future__ import annotations

@@ -133,8 +133,8 @@ def run(reps: int = 6, decode: bool = True, sweep: bool = True) -> list[dict]:
     qbytes = _nbytes(xs[0], q, img)
     for label, cfg in configs(quant_kernel.heuristic_config(recipe, arch), QUANT_SWEEP, sweep):
         add(f"quant (M,H) {label}", lambda x, c=cfg: quant_kernel.quantize_activation(x, recipe, arch, config=c),
-            [(x,) for x in xs], qbytes, (lambda x: quantize_activation(x, recipe, arch)) if label == "heuristic" else None,
-            config=cfg)
+            [(x,) for x in xs], qbytes,
+            (lambda x: quantize_activation(x, recipe, arch)) if label == "heuristic" else None, config=cfg)
     # 2. permute contig: scatter + quant + zero rows
     lhs, img = permute_contig(xs[0], disp[0].src2dst, num_rows=rows, recipe=recipe, arch=arch)
     pbytes = _nbytes(xs[0], lhs, img, disp[0].src2dst)
