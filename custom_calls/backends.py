@@ -78,6 +78,7 @@ _IMPLS: dict[str, dict[str, Implementation]] = {}
 _BACKENDS: dict[str, _Backend] = {}
 _LOCK = threading.RLock()
 _DEFAULT = threading.local()
+_RECORDING = threading.local()  # .logs: the lists of the active `record_resolutions` blocks
 
 
 def _always(**_static) -> tuple[bool, str]:
@@ -185,6 +186,27 @@ def get_default_backend() -> str:
 
 
 @contextlib.contextmanager
+def record_resolutions() -> Iterator[list[tuple[str, str]]]:
+    """Within the block, every `resolve` appends (op, backend of the implementation it returned) to
+    the yielded list: trace a function inside it to learn what each op resolved to ("auto" falls
+    back to "reference" where no accelerated implementation can run). A trace jax already holds
+    (jit caches) skips the ops' resolution: clear them first (`jax.clear_caches()`)."""
+    log: list[tuple[str, str]] = []
+    _RECORDING.logs = (*getattr(_RECORDING, "logs", ()), log)
+    try:
+        yield log
+    finally:
+        _RECORDING.logs = tuple(x for x in _RECORDING.logs if x is not log)
+
+
+def _returned(op: str, impl: Implementation) -> Implementation:
+    """`resolve`'s answer, noted in every active `record_resolutions` log."""
+    for log in getattr(_RECORDING, "logs", ()):
+        log.append((op, impl.backend))
+    return impl
+
+
+@contextlib.contextmanager
 def use_backend(name: str) -> Iterator[str]:
     """Within the block, ops called with backend=None use `name` ("reference", "auto", ...)."""
     if not isinstance(name, str):
@@ -254,10 +276,10 @@ def resolve(op: str, backend: str | None = None, **static) -> Implementation:
             impl = _IMPLS[op].get(name)
             if (impl is not None and impl.supports(**static)[0]
                     and not _environment_reason(name, platform, static)):
-                return impl
+                return _returned(op, impl)
         backend = REFERENCE
     if backend == REFERENCE:
-        return _IMPLS[op][REFERENCE]
+        return _returned(op, _IMPLS[op][REFERENCE])
     if backend not in _BACKENDS:
         raise ValueError(f"backend {backend!r}: no implementation of op {op!r} (known: "
                          f"{sorted({*_IMPLS[op], *_BACKENDS, AUTO})})")
@@ -269,7 +291,7 @@ def resolve(op: str, backend: str | None = None, **static) -> Implementation:
     reason = reason if not ok else _environment_reason(backend, platform, static)
     if reason:
         raise ValueError(f"backend {backend!r} cannot run op {op!r}: {reason}")
-    return impl
+    return _returned(op, impl)
 
 
 def static_supports(op: str, backend: str, **static) -> tuple[bool, str]:

@@ -1,11 +1,14 @@
-"""The benchmark CLI (`python -m moe_jax.bench`): help, JSON and PNG output of `layer --small`, the
-clear refusal of `gemm` without a GPU, and the float32 model of the layer benchmark against a
-float64 per-token numpy loop."""
+"""The benchmark CLI (`python -m moe_jax.bench`): help; `layer` without flags on a CPU (scaled
+shapes in under a minute, JSON and PNG output, "auto" labelled as fallen back and given no
+speed-up or roofline figure); exit status 1 when a requested row failed; the clear refusal of
+`gemm` and `triton` without a GPU; what the backend registry says each op resolved to; and the
+float32 model of the layer benchmark against a float64 per-token numpy loop."""
 
 import json
 import math
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -33,21 +36,46 @@ def _positive(v):
     return isinstance(v, (int, float)) and math.isfinite(v) and v > 0
 
 
-def test_layer_small_reference_writes_table_json_and_png(tmp_path):
+def _no_gpu():
+    if any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("a CUDA device is present: the benchmark would run the GPU sizes and backends")
+
+
+def test_layer_without_flags_on_cpu_runs_scaled_shapes_quickly_and_honestly(tmp_path):
+    """`python -m moe_jax.bench layer` as a new user runs it on a CPU: scaled shapes, a progress line
+    per step, exit 0, well within a minute on an idle 2-core machine (the bound leaves room for a
+    loaded CI runner); "auto" resolves every op to the reference here, so it is labelled as fallen
+    back, not measured a second time, and no speed-up or roofline figure compares the reference's
+    code with itself."""
+    _no_gpu()
     j, p = tmp_path / "layer.json", tmp_path / "layer.png"
-    proc = subprocess.run([sys.executable, "-m", "moe_jax.bench", "layer", "--small", "--backends", "reference",
-                           "--json", str(j), "--plot", str(p)], capture_output=True, text=True, timeout=300)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "moe_jax.bench", "layer", "--json", str(j), "--plot", str(p)],
+                          capture_output=True, text=True, timeout=300)
+    elapsed = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert elapsed < 120, elapsed
+    # said on stderr: why the shapes are scaled and how to get the full ones; a progress line per step
+    assert "no GPU" in proc.stderr and "--full" in proc.stderr and "[layer 1/" in proc.stderr
     # the table on stdout, progress on stderr
     assert "== prefill" in proc.stdout and "== decode" in proc.stdout and "GEMM1" in proc.stdout
+    assert "shapes scaled down" in proc.stdout
     assert "float32 model" in proc.stderr and "float32 model" not in proc.stdout
+    assert proc.stdout.count("auto (every op fell back to the reference: no accelerated implementation on 'cpu')"
+                             ": the reference row's code, not measured again") == 2, proc.stdout
+    assert "auto vs reference" not in proc.stdout and "roofline" not in proc.stdout
     data = _strict_json(j)
-    assert data["backends"] == ["reference"] and _positive(data["copy_GBps"])
+    assert data["backends"] == ["auto", "reference"] and data["scaled"] is True and _positive(data["copy_GBps"])
     by_shape = {r["shape"]: r for r in data["results"]}
     assert set(by_shape) == {"prefill", "decode"}
     for shape, layout, other in (("prefill", "contig", "masked"), ("decode", "masked", "contig")):
         res = by_shape[shape]
         assert res["layout"] == layout and res["tokens"] in (64, 16) and _positive(res["weights_GB"])
+        auto = res["auto"]
+        assert auto["fell_back"] is True and auto["same_as"] == "reference" and "end_to_end_us" not in auto
+        assert set(auto["implementations"]) == {"route_topk", "rank_within_expert", f"permute_{layout}",
+                                                f"m_grouped_gemm_{layout}", f"activation_quant_{layout}", "unpermute"}
+        assert set(auto["implementations"].values()) == {"reference"}
         row = res["reference"]
         assert "error" not in row, row
         for key in ("end_to_end_us", "with_routing_us", "gemms_us", "e2e_over_gemms", "temp_MB", "temp_bound_MB"):
@@ -60,8 +88,11 @@ def test_layer_small_reference_writes_table_json_and_png(tmp_path):
     assert p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 5000
 
 
-@pytest.mark.parametrize("sub, options", [("layer", ["--json", "--plot", "--no-error", "--small", "--backends"]),
-                                          ("gemm", ["--json", "--plot", "--markdown", "--quick"])])
+@pytest.mark.parametrize("sub, options", [("layer", ["--json", "--plot", "--no-error", "--small", "--full",
+                                                     "--backends"]),
+                                          ("gemm", ["--json", "--plot", "--markdown", "--quick"]),
+                                          ("triton", ["--json", "--no-sweep", "--reps"]),
+                                          ("parallel", ["--json", "--backend", "--model", "--tokens"])])
 def test_subcommand_help(capsys, sub, options):
     with pytest.raises(SystemExit) as e:
         main([sub, "--help"])
@@ -74,18 +105,122 @@ def test_top_level_help_lists_subcommands(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     out = capsys.readouterr().out
-    assert e.value.code == 0 and "gemm" in out and "layer" in out
+    assert e.value.code == 0 and all(sub in out for sub in ("gemm", "layer", "triton", "parallel"))
 
 
-def test_gemm_without_gpu_exits_with_a_message_not_a_traceback(tmp_path):
-    if any(d.platform == "gpu" for d in jax.devices()):
-        pytest.skip("a CUDA device is present: gemm would run")
-    j = tmp_path / "gemm.json"
-    proc = subprocess.run([sys.executable, "-m", "moe_jax.bench", "gemm", "--json", str(j)],
+@pytest.mark.parametrize("sub", ["gemm", "triton"])
+def test_gpu_subcommand_without_gpu_exits_with_a_message_not_a_traceback(tmp_path, sub):
+    _no_gpu()
+    j = tmp_path / f"{sub}.json"
+    proc = subprocess.run([sys.executable, "-m", "moe_jax.bench", sub, "--json", str(j)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stdout == "" and not j.exists()
+    assert f"python -m moe_jax.bench {sub}: needs a CUDA GPU" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == "" and not j.exists()
+
+
+def test_layer_exits_1_when_a_requested_row_failed(tmp_path):
+    """An explicit backend that cannot run here: each row says FAILED and why, the run exits 1."""
+    _no_gpu()
+    j = tmp_path / "layer.json"
+    proc = subprocess.run([sys.executable, "-m", "moe_jax.bench", "layer", "--small", "--backends", "deep_gemm",
+                           "--no-error", "--json", str(j)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stdout.count("deep_gemm: FAILED ValueError: backend 'deep_gemm'") == 2, proc.stdout
+    assert "2 requested row(s) failed: prefill deep_gemm; decode deep_gemm" in proc.stderr
+    rows = [r["deep_gemm"] for r in _strict_json(j)["results"]]
+    assert all("platform" in r["error"] and "end_to_end_us" not in r for r in rows)
+
+
+def test_parallel_exits_1_when_a_requested_row_failed():
+    _no_gpu()
+    proc = subprocess.run([sys.executable, "-m", "moe_jax.bench", "parallel", "--backend", "deep_gemm", "--tokens", "8",
+                           "--iters", "1", "--warmup", "0"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    failed = [ln for ln in proc.stdout.splitlines() if "FAILED: ValueError: backend 'deep_gemm'" in ln]
+    assert len(failed) == 7 and "7 requested row(s) failed" in proc.stderr, proc.stdout
+
+
+def test_record_resolutions_logs_what_resolve_returned(monkeypatch):
+    import importlib
+
+    registry = importlib.import_module("custom_calls.backends")
+    registry.backends("unpermute")  # load the lazy backends now: their registrations must outlive the copies
+    # a throwaway op and backend, in copies of the registry's tables (restored after the test)
+    monkeypatch.setattr(registry, "_OPS", dict(registry._OPS))
+    monkeypatch.setattr(registry, "_IMPLS", {op: dict(impls) for op, impls in registry._IMPLS.items()})
+    monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
+    op = "test_bench_cli_op"
+    registry.declare_op(op, static_args=("n",), reference=lambda: None)
+    registry.register(op, "test_fast", lambda: None, supports=lambda *, n: (n >= 8, f"n: expected >= 8, got {n}"))
+    with registry.record_resolutions() as outer:
+        registry.resolve(op, "auto", n=16)
+        with registry.record_resolutions() as inner:
+            registry.resolve(op, "auto", n=2)  # "test_fast" cannot run it: auto falls back
+        with pytest.raises(ValueError, match="n: expected >= 8, got 2"):
+            registry.resolve(op, "test_fast", n=2)  # an explicit backend never falls back, and logs nothing
+    registry.resolve(op, "reference", n=2)  # outside every block: not logged
+    assert outer == [(op, "test_fast"), (op, "reference")] and inner == [(op, "reference")]
+
+
+def _small_layer():
+    from moe_jax.params import init_params, prepare_params
+
+    cfg = bench_layer._config(small=True)
+    params = prepare_params(init_params(jax.random.PRNGKey(0), cfg), cfg)
+    return cfg, params, jax.random.normal(jax.random.PRNGKey(1), (24, cfg.hidden_size), jnp.bfloat16)
+
+
+def test_resolved_backends_asks_the_registry_even_after_jax_cached_the_trace():
+    _no_gpu()
+    from moe_jax.bench._cli import resolved_backends
+    from moe_jax.layer import moe_forward
+
+    cfg, params, x = _small_layer()
+
+    def forward(p, x, backend="auto"):
+        return moe_forward(x, p, cfg, layout="masked", backend=backend)
+
+    jax.block_until_ready(jax.jit(forward)(params, x))  # jax now holds traces of the jitted stages (dispatch)
+    ops = ("route_topk", "rank_within_expert", "permute_masked", "m_grouped_gemm_masked", "activation_quant_masked",
+           "unpermute")
+    assert resolved_backends(forward, params, x) == {op: "reference" for op in ops}
+    with pytest.raises(ValueError, match="backend 'triton'.*'route_topk'.*platform is 'cpu'"):
+        resolved_backends(lambda p, x: forward(p, x, "triton"), params, x)
+
+
+def _table_result(auto: dict) -> dict:
+    stages = {s: 1.0 for s in STAGES}
+    measured = dict(with_routing_us=110.0, gemms_us=80.0, e2e_over_gemms=1.25, temp_MB=1.0, temp_bound_MB=2.0,
+                    stages_us=stages, rel_err=0.04, worst_row=0.05)
+    return dict(shape="decode", tokens=16, layout="masked", weights_GB=1.0, platform="gpu",
+                auto=dict(measured, backend="auto", end_to_end_us=100.0, **auto),
+                reference=dict(measured, backend="reference", end_to_end_us=1000.0))
+
+
+def test_table_gives_speedup_and_roofline_only_to_a_backend_that_ran_accelerated_code(capsys):
+    partly = dict(implementations={"permute_masked": "triton", "m_grouped_gemm_masked": "deep_gemm",
+                                   "activation_quant_masked": "reference"})
+    bench_layer.print_table([_table_result(partly)], ["auto", "reference"], "test device", 1000.0)
+    out = capsys.readouterr().out
+    assert "auto vs reference: 10.0x" in out and "% of roofline" in out
+    assert "  auto (reference implementation for: activation_quant_masked): end to end 100.0 us" in out
+    assert ("implementations: permute_masked triton, m_grouped_gemm_masked deep_gemm, activation_quant_masked "
+            "reference") in out
+    fell_back = dict(implementations={"permute_masked": "reference", "m_grouped_gemm_masked": "reference"},
+                     fell_back=True)
+    bench_layer.print_table([_table_result(fell_back)], ["auto", "reference"], "test device", 1000.0)
+    out = capsys.readouterr().out
+    assert "  auto (every op fell back to the reference: no accelerated implementation on 'gpu'): end to end" in out
+    assert "vs reference" not in out and "roofline" not in out and "implementations:" not in out
+
+
+def test_exit_status_names_the_failed_rows(capsys):
+    from moe_jax.bench._cli import exit_status
+
+    assert exit_status([]) == 0 and capsys.readouterr().err == ""
+    assert exit_status(["decode auto", "prefill auto"]) == 1
+    assert "2 requested row(s) failed: decode auto; prefill auto" in capsys.readouterr().err
 
 
 def test_layer_rejects_unknown_shape():

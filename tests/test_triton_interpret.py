@@ -32,6 +32,10 @@ CASES = [
     "unpermute_bf16", "unpermute_f32_out", "unpermute_row_past_end", "dispatch_rank_e32", "dispatch_rank_e5",
     "route_sigmoid_grouped_bias", "route_softmax_grouped_no_bias", "route_softmax_e20",
     "route_sqrtsoftplus_bias",
+    # the host entry points (custom_calls.triton.*_kernel), launches run by the interpreter: the
+    # heuristic config against the models, a non-default config bit for bit against the heuristic
+    "host_quant_configs", "host_permute_configs", "host_act_configs", "host_unpermute_config",
+    "host_rank_config", "host_route_config",
 ]
 
 
@@ -52,6 +56,85 @@ def interpreter_results():
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_under_interpreter(interpreter_results, case):
     assert interpreter_results.get(case) == "ok", interpreter_results.get(case, "case did not run")
+
+
+def _kernel_modules():
+    pytest.importorskip("triton")
+    import importlib
+
+    return {name: importlib.import_module(f"custom_calls.triton.{name}_kernel")
+            for name in ("permute", "activation", "quant", "unpermute", "dispatch", "routing")}
+
+
+def test_heuristic_configs_are_the_measured_defaults():
+    """The tilings the benchmark measured (BENCHMARKS.md) at the DeepSeek-V3 shapes; hashable and
+    frozen, so they can be static jit arguments."""
+    import dataclasses
+
+    k = _kernel_modules()
+    assert k["permute"].heuristic_config("fp8_block") == k["permute"].PermuteConfig(
+        tile=1024, tokens=4, zero_rows=64, zero_sub=4, num_warps=4, chunks_fastest=True, source_block=1024,
+        image_rows=128, image_groups=8)
+    assert k["quant"].heuristic_config("fp8_block", 90) == k["quant"].GroupQuantConfig(1024, 4, 4, True)
+    assert k["quant"].heuristic_config("mxfp8", 100) == k["quant"].GroupQuantConfig(1024, 4, 4, True)
+    assert k["activation"].heuristic_config(2048, "fp8_block") == k["activation"].ActQuantConfig(1024, 4, 4, True)
+    assert k["activation"].heuristic_config(160, "mxfp8") == k["activation"].ActQuantConfig(256, 16, 4, True)
+    assert k["unpermute"].heuristic_config() == k["unpermute"].UnpermuteConfig(1024, 4)
+    assert k["dispatch"].heuristic_config(32) == k["dispatch"].RankConfig(128, 4)
+    assert k["routing"].heuristic_config(256) == k["routing"].RouteTopkConfig(8, 4)
+    cfg = k["permute"].heuristic_config("mxfp8")
+    assert hash(cfg) == hash(dataclasses.replace(cfg)) and cfg == dataclasses.replace(cfg)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.tile = 2048
+
+
+def test_bad_configs_are_refused_naming_the_field():
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from custom_calls.activation import ActivationSpec
+
+    k = _kernel_modules()
+    pk, qk, ak = k["permute"], k["quant"], k["activation"]
+    with pytest.raises(ValueError, match=r"PermuteConfig\.tile: expected a power of two, got 96"):
+        dataclasses.replace(pk.heuristic_config("fp8_block"), tile=96)
+    with pytest.raises(ValueError, match=r"PermuteConfig\.zero_sub: expected at most zero_rows = 64, got 128"):
+        dataclasses.replace(pk.heuristic_config("fp8_block"), zero_sub=128)
+    with pytest.raises(ValueError, match=r"GroupQuantConfig\.num_warps: expected one of .*, got 3"):
+        dataclasses.replace(qk.heuristic_config("fp8_block", 90), num_warps=3)
+    with pytest.raises(ValueError, match=r"ActQuantConfig\.chunks_fastest: expected a bool, got 1"):
+        dataclasses.replace(ak.heuristic_config(2048, "fp8_block"), chunks_fastest=1)
+    with pytest.raises(ValueError, match=r"UnpermuteConfig\.block_h: expected a power of two, got 0"):
+        k["unpermute"].UnpermuteConfig(block_h=0, num_warps=4)
+    with pytest.raises(ValueError, match=r"RouteTopkConfig\.block_t: expected a power of two, got True"):
+        k["routing"].RouteTopkConfig(block_t=True, num_warps=4)
+    # against the problem, before anything is launched
+    x = jnp.ones((8, 640), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"GroupQuantConfig\.tile: expected a multiple of the scale group size 128, "
+                                         r"got 64"):
+        qk.quantize_activation(x, "fp8_block", 90, config=dataclasses.replace(qk.heuristic_config("fp8_block", 90),
+                                                                               tile=64))
+    with pytest.raises(ValueError, match=r"GroupQuantConfig\.tile: expected a multiple of 4 x 128 = 512 \(packed"):
+        qk.quantize_activation(x, "fp8_block", 100, config=dataclasses.replace(qk.heuristic_config("fp8_block", 100),
+                                                                                tile=256))
+    gateup = jnp.ones((8, 320), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"ActQuantConfig\.tile: expected a multiple of 4 x 32 = 128"):
+        ak.activation_quant_contig(gateup, act=ActivationSpec(kind="silu"), recipe="mxfp8", arch=100,
+                                   config=dataclasses.replace(ak.heuristic_config(160, "mxfp8"), tile=64))
+    src2dst = jnp.zeros((8, 2), jnp.int32)
+    with pytest.raises(ValueError, match=r"PermuteConfig\.image_groups: expected a multiple of 4"):
+        pk.permute_contig(x, src2dst, num_rows=128, recipe="fp8_block", arch=100,
+                          config=dataclasses.replace(pk.heuristic_config("fp8_block"), image_groups=2))
+    with pytest.raises(ValueError, match=r"PermuteConfig\.tile: expected a multiple of the scale group size 128"):
+        pk.permute_masked(x, src2dst, num_groups=2, m_pad=128, recipe="bf16", arch=90,
+                          config=dataclasses.replace(pk.heuristic_config("bf16"), tile=64))
+    with pytest.raises(TypeError, match="config: expected a PermuteConfig or None, got GroupQuantConfig"):
+        pk.permute_contig(x, src2dst, num_rows=128, recipe="fp8_block", arch=90,
+                          config=qk.heuristic_config("fp8_block", 90))
+    with pytest.raises(ValueError, match=r"RankConfig\.chunk: 1 routes per chunk make 20000 chunks .* at most 16384"):
+        k["dispatch"].rank_within_expert(jnp.zeros((20000,), jnp.int32), num_experts=4,
+                                         config=k["dispatch"].RankConfig(chunk=1, num_warps=4))
 
 
 # ---------------------------------------------------------------- numpy models (no code under test)
@@ -673,10 +756,245 @@ def case_route_sqrtsoftplus_bias():
     _route_case(52, 19, 48, 6, "sqrtsoftplus", 1, 1, True, True)
 
 
+# ---------------------------------------------------------------- host entry points and configs
+
+
+LAUNCHES: list[dict] = []  # every launch of the host entry points: kernel name, num_warps, constexprs
+
+
+def _record_launches():
+    """Note every launch of the kernel modules' host entry points (kernel, num_warps, constexprs),
+    then make it through `launch.triton_call`, which runs the kernel in Triton's interpreter here
+    (`custom_calls.triton.interpret`)."""
+    import importlib
+
+    from custom_calls.triton import launch
+
+    def recording(*args, kernel, out_shape, grid, num_warps=4, name="", zeroed_outputs=(), **constexprs):
+        LAUNCHES.append(dict(kernel=kernel.fn.__name__, num_warps=num_warps, **constexprs))
+        return launch.triton_call(*args, kernel=kernel, out_shape=out_shape, grid=grid, num_warps=num_warps,
+                                  name=name, zeroed_outputs=zeroed_outputs, **constexprs)
+
+    for name in ("permute", "activation", "quant", "unpermute", "dispatch", "routing"):
+        importlib.import_module(f"custom_calls.triton.{name}_kernel").triton_call = recording
+
+
+def _launched_with(kernel: str, **expected):
+    """The last launch of `kernel` had these num_warps / constexpr values (the config reached it)."""
+    last = [ln for ln in LAUNCHES if ln["kernel"] == kernel][-1]
+    got = {k: last.get(k) for k in expected}
+    assert got == expected, (kernel, got, expected)
+
+
+def _same_bytes(a, b, label):
+    """Outputs of two configs: identical bytes (None for both where there is no image)."""
+    if a is None or b is None:
+        assert a is None and b is None, label
+        return
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype, (label, a.shape, b.shape, a.dtype, b.dtype)
+    assert a.tobytes() == b.tobytes(), f"{label}: differs at {np.argwhere(a.view(np.uint8) != b.view(np.uint8))[:5]}"
+
+
+def case_host_quant_configs():
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from custom_calls.triton import quant_kernel as qk
+
+    rng = _rng(60)
+    for recipe, arch, k, tile in (("fp8_block", 90, 640, 128), ("fp8_block", 100, 1152, 512),
+                                  ("mxfp8", 100, 200, 128)):
+        group = {"fp8_block": 128, "mxfp8": 32}[recipe]
+        x = (rng.standard_normal((2, 13, k)) * rng.uniform(0.01, 50, (2, 13, 1))).astype(_ml().bfloat16)
+        q, img = qk.quantize_activation(jnp.asarray(x), recipe, arch)
+        _check_quant(np.asarray(q), np.asarray(img), x.astype(np.float32), group, arch == 100,
+                     f"quant {recipe} {arch}")
+        other = dataclasses.replace(qk.heuristic_config(recipe, arch), tile=tile, block_m=2, num_warps=8,
+                                    chunks_fastest=False)
+        q2, img2 = qk.quantize_activation(jnp.asarray(x), recipe, arch, config=other)
+        _launched_with("per_token_group_quant_kernel", num_warps=8, BLOCK_M=2, GROUPS=tile // group,
+                       CHUNKS_FASTEST=False)
+        _same_bytes(q, q2, f"quant {recipe} {arch} q")
+        _same_bytes(img, img2, f"quant {recipe} {arch} image")
+
+
+def case_host_permute_configs():
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from custom_calls.triton import permute_kernel as pk
+
+    ml = _ml()
+    rng = _rng(61)
+    m, h, k, e, m_pad = 13, 640, 3, 5, 12
+    for recipe, arch, masked in (("fp8_block", 90, False), ("mxfp8", 100, False), ("fp8_block", 100, True),
+                                 ("bf16", 90, False)):
+        x = (rng.standard_normal((m, h)) * rng.uniform(0.1, 20, (m, 1))).astype(ml.bfloat16)
+        ids = _routes(rng, m, k, e)
+        if masked:
+            src2dst, _ = _masked_src2dst(ids, e, m_pad)
+            rows = e * m_pad
+            run = lambda cfg: pk.permute_masked(jnp.asarray(x), jnp.asarray(src2dst), num_groups=e, m_pad=m_pad,  # noqa: E731
+                                                recipe=recipe, arch=arch, config=cfg)
+        else:
+            src2dst, used = _contig_src2dst(ids, e, 4)
+            rows = used + 6
+            run = lambda cfg: pk.permute_contig(jnp.asarray(x), jnp.asarray(src2dst), num_rows=rows,  # noqa: E731
+                                                recipe=recipe, arch=arch, config=cfg)
+        lhs, img = run(None)
+        inv = _inverse(src2dst, rows)
+        placed = np.zeros((rows, h), np.float32)
+        placed[inv >= 0] = x[inv[inv >= 0]].astype(np.float32)
+        label = f"permute {recipe} {arch} {'masked' if masked else 'contig'}"
+        got = np.asarray(lhs).reshape(rows, h)
+        if masked:  # rows no route lands on are never written: still the interpreter's NaN fill
+            assert np.isnan(got[inv < 0].astype(np.float32)).all(), label
+            got = np.where((inv >= 0)[:, None], got.astype(np.float32), 0.0).astype(got.dtype)
+        if recipe == "bf16":
+            assert img is None and np.array_equal(got.astype(np.float32), placed), label
+        else:
+            group = {"fp8_block": 128, "mxfp8": 32}[recipe]
+            lead = (e,) if masked else ()
+            _check_quant(got.reshape(*lead, -1, h), np.asarray(img), placed.reshape(*lead, -1, h), group,
+                         arch == 100, label)
+        tile = 64 if recipe == "mxfp8" else 256
+        other = dataclasses.replace(pk.heuristic_config(recipe), tile=tile, tokens=2, zero_rows=8, zero_sub=2,
+                                    num_warps=8, chunks_fastest=False, source_block=16, image_rows=16, image_groups=4)
+        lhs2, img2 = run(other)
+        _launched_with("row_source_kernel", BLOCK=16)
+        _launched_with("scatter_quant_kernel", num_warps=8, GROUPS=tile // (32 if recipe == "mxfp8" else 128),
+                       TOKENS=2, ZERO_ROWS=8, ZERO_SUB=2, CHUNKS_FASTEST=False)
+        if recipe != "bf16":
+            _launched_with("scale_image_kernel", ROWS=16, GROUPS=4)
+        _same_bytes(lhs, lhs2, f"{label} lhs")
+        _same_bytes(img, img2, f"{label} image")
+
+
+def case_host_act_configs():
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from custom_calls.activation import ActivationSpec
+    from custom_calls.triton import activation_kernel as ak
+
+    ml = _ml()
+    rng = _rng(62)
+    specs = {"silu_limit": ActivationSpec(kind="silu", swiglu_limit=7.0),
+             "situ": ActivationSpec(kind="situ", situ_beta=3.0, situ_linear_beta=5.0)}
+    for variant, recipe, arch, masked in (("silu_limit", "fp8_block", 90, False), ("silu_limit", "mxfp8", 100, False),
+                                          ("situ", "fp8_block", 100, True), ("silu_limit", "bf16", 90, False)):
+        inter = 160 if recipe == "mxfp8" else 640
+        slabs, mn = (3, 12) if masked else (1, 19)
+        gateup = (rng.standard_normal((slabs, mn, 2 * inter)) * 4).astype(ml.bfloat16)
+        counts = np.array([5, 0, 12], np.int32)
+        act = specs[variant]
+        if masked:
+            run = lambda cfg: ak.activation_quant_masked(jnp.asarray(gateup), jnp.asarray(counts), act=act,  # noqa: E731
+                                                         recipe=recipe, arch=arch, config=cfg)
+        else:
+            run = lambda cfg: ak.activation_quant_contig(jnp.asarray(gateup[0]), act=act, recipe=recipe,  # noqa: E731
+                                                         arch=arch, config=cfg)
+        a, img = run(None)
+        spec = _ACT[variant]
+        y64 = model_activation(gateup, spec["kind"], spec.get("limit"), spec.get("alpha"), spec.get("bs", 1.0),
+                               spec.get("bl", 1.0))
+        rows_ok = np.arange(mn)[None, :] < counts[:, None] if masked else None
+        label = f"act {variant} {recipe} {arch} {'masked' if masked else 'contig'}"
+        if recipe == "bf16":
+            got = np.asarray(a).astype(np.float64)
+            assert img is None and (np.abs(got - y64[0]) <= 2**-8 * np.abs(y64[0]) + 1e-30).all(), label
+        else:
+            group = {"fp8_block": 128, "mxfp8": 32}[recipe]
+            _check_act(np.asarray(a), np.asarray(img), y64 if masked else y64[0], group, arch == 100, label, rows_ok)
+        group = {"fp8_block": 128, "mxfp8": 32, "bf16": 128}[recipe]
+        other = dataclasses.replace(ak.heuristic_config(inter, recipe), tile=group * (4 if arch == 100 else 2),
+                                    block_m=2, num_warps=2, chunks_fastest=False)
+        a2, img2 = run(other)
+        _launched_with("act_quant_kernel", num_warps=2, BLOCK_M=2, GROUPS=4 if arch == 100 else 2,
+                       CHUNKS_FASTEST=False)
+        if masked:  # rows >= masked_m are unspecified: compare the defined rows and their scale columns
+            sel = rows_ok
+            _same_bytes(np.asarray(a)[sel], np.asarray(a2)[sel], f"{label} a")
+            cols = lambda im: np.swapaxes(np.asarray(im)[..., :mn], -1, -2)[sel]  # noqa: E731
+            _same_bytes(cols(img), cols(img2), f"{label} image")
+        else:
+            _same_bytes(a, a2, f"{label} a")
+            _same_bytes(img, img2, f"{label} image")
+
+
+def case_host_unpermute_config():
+    import jax.numpy as jnp
+
+    from custom_calls.triton import unpermute_kernel as uk
+    from custom_calls.unpermute import unpermute as reference
+
+    rng = _rng(63)
+    m, k, rows, h = 11, 3, 40, 300
+    d = rng.standard_normal((rows, h)).astype(_ml().bfloat16)
+    src2dst = rng.permutation(rows)[: m * k].reshape(m, k).astype(np.int32)
+    src2dst[rng.random((m, k)) < 0.2] = -1
+    w = rng.uniform(0.05, 1.0, (m, k)).astype(np.float32)
+    args = (jnp.asarray(d), jnp.asarray(src2dst), jnp.asarray(w))
+    out = uk.unpermute(*args, routed_scaling_factor=2.5, out_dtype=jnp.float32)
+    want = reference(*args, routed_scaling_factor=2.5, out_dtype=jnp.float32, backend="reference")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
+    out2 = uk.unpermute(*args, routed_scaling_factor=2.5, out_dtype=jnp.float32,
+                        config=uk.UnpermuteConfig(block_h=128, num_warps=8))
+    _launched_with("weighted_gather_kernel", num_warps=8, BLOCK_H=128)
+    _same_bytes(out, out2, "unpermute")
+
+
+def case_host_rank_config():
+    import jax.numpy as jnp
+
+    from custom_calls.triton import dispatch_kernel as dk
+
+    rng = _rng(64)
+    r, e = 333, 5
+    ids = rng.integers(0, e + 1, r).astype(np.int32)
+    counts, rank = dk.rank_within_expert(jnp.asarray(ids), num_experts=e)
+    assert np.array_equal(np.asarray(counts), np.bincount(ids, minlength=e + 1)[:e])
+    order = np.argsort(ids, kind="stable")
+    want = np.empty(r, np.int64)
+    want[order] = np.arange(r) - np.searchsorted(ids[order], ids[order])
+    assert np.array_equal(np.asarray(rank), want)
+    counts2, rank2 = dk.rank_within_expert(jnp.asarray(ids), num_experts=e,
+                                           config=dk.RankConfig(chunk=16, num_warps=2))
+    _launched_with("chunk_rank_kernel", num_warps=2, CHUNK=16)
+    _same_bytes(counts, counts2, "rank counts")
+    _same_bytes(rank, rank2, "rank")
+
+
+def case_host_route_config():
+    import jax.numpy as jnp
+
+    from custom_calls.triton import routing_kernel as rk
+
+    rng = _rng(65)
+    m, e, top_k = 37, 64, 8
+    logits = (rng.standard_normal((m, e)) * 2).astype(np.float32)
+    bias = (rng.standard_normal(e) * 0.3).astype(np.float32)
+    kw = dict(top_k=top_k, scoring="sigmoid", n_group=8, topk_group=4, norm_topk_prob=True)
+    ids, w = rk.route_topk(jnp.asarray(logits), jnp.asarray(bias), **kw)
+    want_ids, want_w = model_route(logits, bias, top_k, "sigmoid", 8, 4, True)
+    assert np.array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_allclose(np.asarray(w), want_w, rtol=2e-5, atol=1e-7)
+    ids2, w2 = rk.route_topk(jnp.asarray(logits), jnp.asarray(bias), **kw,
+                             config=rk.RouteTopkConfig(block_t=2, num_warps=8))
+    _launched_with("route_topk_kernel", num_warps=8, BLOCK_T=2)
+    _same_bytes(ids, ids2, "route ids")
+    _same_bytes(w, w2, "route weights")
+
+
 def _main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     sys.path.insert(0, os.getcwd())
     _install_exact_casts()
+    _record_launches()
     results = {}
     only = sys.argv[1:]
     for name in CASES:

@@ -6,6 +6,8 @@ Same signatures and numerics as `custom_calls.activation` (the reference): fp32 
 rounded to bf16 before quantization unless `keep_fp32`.
   activation_quant_contig(gateup (rows, 2I), *, act, recipe, arch) -> (a (rows, I), image | None)
   activation_quant_masked(gateup (G, m_pad, 2I), masked_m (G,), *, act, recipe, arch)
+Both also take `config=`, an `ActQuantConfig` (tiling; None: `heuristic_config(I, recipe)`, what
+the registered "triton" implementations use).
 Masked: programs whose row block starts at or past masked_m[g] exit at once; only rows
 < masked_m[g] are read or written (the rest of `a` and of its image is left unspecified, as the
 op's contract allows: the GEMM never reads them).
@@ -17,6 +19,8 @@ I // 8 >= number of slabs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import triton
@@ -25,13 +29,25 @@ import triton.language as tl
 from layouts import align, ceil_div, gemm_format, get_recipe
 from custom_calls.triton.launch import triton_call
 from custom_calls.triton.tile_quant import quantize_tile, store_scale_image, tile_ids
+from custom_calls.triton.tuning import BlockTiling, column_group, config_or_default, tile_groups
 
 KIND_CODES = {"silu": 0, "swiglu_oai": 1, "situ": 2}
-_TILE_ELEMS = 4096  # elements of I per program (rows x columns)
-_ROW_TILE = 1024  # at most this many columns of I per program
-_BF16_CHUNK = 128
-_NUM_WARPS = 4
-_CHUNKS_FASTEST = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ActQuantConfig(BlockTiling):
+    """Tiling of `act_quant_kernel` (`heuristic_config` gives the default; see
+    `custom_calls.triton.tuning`): one [block_m, tile] block of the output per program, tile along I
+    (bf16: chunks of `tuning.BF16_CHUNK`), a multiple of 4 groups when the image is packed UE8M0."""
+
+
+def heuristic_config(inter: int, recipe: str) -> ActQuantConfig:
+    """The default tiling for I = inter: as many scale groups as I has, rounded up to a power of two,
+    at least 4 and at most 1024 elements' worth; block_m fills 4096 elements per program; 4 warps."""
+    group = column_group(recipe)
+    groups = max(4, min(triton.next_power_of_2(ceil_div(inter, group)), 1024 // group))
+    return ActQuantConfig(tile=groups * group, block_m=max(1, 4096 // (groups * group)), num_warps=4,
+                          chunks_fastest=True)
 
 
 @triton.jit
@@ -108,27 +124,31 @@ def act_quant_kernel(
             tl.store(a_ptr + out_offs, y.to(a_ptr.dtype.element_ty), mask=ok)
 
 
-def kernel_config(inter: int, recipe: str, act) -> dict:
-    rec = get_recipe(recipe)
-    quant = rec.is_quantized
-    group = rec.act_group_size if quant else _BF16_CHUNK
-    # a multiple of 4 groups per program, so packed UE8M0 words never straddle two programs
-    groups = max(4, min(triton.next_power_of_2(ceil_div(inter, group)), _ROW_TILE // group))
-    block_m = max(1, _TILE_ELEMS // (groups * group))
+def kernel_config(inter: int, recipe: str, act, config: ActQuantConfig | None = None, *,
+                  ue8m0: bool = False) -> dict:
+    """The kernel's static arguments for I = inter, the activation `act` and the tiling `config`
+    (None: `heuristic_config(inter, recipe)`), except the shape ones; ValueError naming the field of
+    a config that does not fit the recipe (with `ue8m0`, the packed scale image: 4 groups a word)."""
+    quant = get_recipe(recipe).is_quantized
+    group = column_group(recipe)
+    config = config_or_default(config, ActQuantConfig, lambda: heuristic_config(inter, recipe))
+    groups = tile_groups(config, "tile", group=group, packed=quant and ue8m0)
     return dict(
-        GROUP=group, GROUPS=groups, BLOCK_M=block_m, QUANT=quant,
+        GROUP=group, GROUPS=groups, BLOCK_M=config.block_m, QUANT=quant,
         KIND=KIND_CODES[act.kind], HAS_LIMIT=act.swiglu_limit is not None,
         LIMIT=float(act.swiglu_limit) if act.swiglu_limit is not None else 0.0,
         ALPHA=float(act.gemm1_alpha) if act.gemm1_alpha is not None else 1.0,
         BETA_S=float(act.situ_beta), BETA_L=float(act.situ_linear_beta), KEEP_FP32=bool(act.keep_fp32))
 
 
-def _act_quant(gateup: jax.Array, masked_m: jax.Array | None, *, act, recipe: str, arch: int):
+def _act_quant(gateup: jax.Array, masked_m: jax.Array | None, *, act, recipe: str, arch: int,
+               config: ActQuantConfig | None):
     masked = masked_m is not None
     slabs, mn, two_i = gateup.shape if masked else (1, *gateup.shape)
     inter = two_i // 2
-    cfg = kernel_config(inter, recipe, act)
+    config = config_or_default(config, ActQuantConfig, lambda: heuristic_config(inter, recipe))
     fmt = gemm_format(recipe, arch)
+    cfg = kernel_config(inter, recipe, act, config, ue8m0=fmt.ue8m0)
     if cfg["QUANT"]:
         (gi, img_ld), img_dtype = fmt.lhs_scale_shape(mn, inter), fmt.scale_dtype
         img_shape = (slabs, gi, img_ld) if masked else (gi, img_ld)
@@ -146,18 +166,22 @@ def _act_quant(gateup: jax.Array, masked_m: jax.Array | None, *, act, recipe: st
     a, img = triton_call(
         gateup, masked_m, kernel=act_quant_kernel,
         out_shape=[jax.ShapeDtypeStruct(a_shape, a_dtype), jax.ShapeDtypeStruct(img_shape, img_dtype)],
-        grid=(row_blocks * ceil_div(g, cfg["GROUPS"]),), num_warps=_NUM_WARPS, name="moe_act_quant",
+        grid=(row_blocks * ceil_div(g, cfg["GROUPS"]),), num_warps=config.num_warps, name="moe_act_quant",
         MN=mn, I=inter, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, UE8M0=fmt.ue8m0,
-        MASKED=masked, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=_CHUNKS_FASTEST, **cfg)
+        MASKED=masked, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=config.chunks_fastest, **cfg)
     return a, (img if cfg["QUANT"] else None)
 
 
-def activation_quant_contig(gateup: jax.Array, *, act, recipe: str, arch: int):
-    """gateup: (rows, 2I) float -> (a (rows, I) e4m3 | bf16, a_scale image | None)."""
-    return _act_quant(gateup, None, act=act, recipe=recipe, arch=arch)
+def activation_quant_contig(gateup: jax.Array, *, act, recipe: str, arch: int,
+                            config: ActQuantConfig | None = None):
+    """gateup: (rows, 2I) float -> (a (rows, I) e4m3 | bf16, a_scale image | None).
+    config: the tiling (None: `heuristic_config(I, recipe)`)."""
+    return _act_quant(gateup, None, act=act, recipe=recipe, arch=arch, config=config)
 
 
-def activation_quant_masked(gateup: jax.Array, masked_m: jax.Array, *, act, recipe: str, arch: int):
+def activation_quant_masked(gateup: jax.Array, masked_m: jax.Array, *, act, recipe: str, arch: int,
+                            config: ActQuantConfig | None = None):
     """gateup: (G, m_pad, 2I) float, masked_m: (G,) int32 -> (a (G, m_pad, I), a_scale (G, ...) image
-    | None); rows >= masked_m[g] (and their scale columns) are left unspecified."""
-    return _act_quant(gateup, masked_m, act=act, recipe=recipe, arch=arch)
+    | None); rows >= masked_m[g] (and their scale columns) are left unspecified.
+    config: the tiling (None: `heuristic_config(I, recipe)`)."""
+    return _act_quant(gateup, masked_m, act=act, recipe=recipe, arch=arch, config=config)

@@ -11,9 +11,12 @@ Between: one program per expert column turns the counts into each chunk's offset
 cumulative sum over chunks) and the expert's total (XLA runs such a scan as a chain of small kernels).
 Pass 2: each program ranks its chunk with a cumulative sum of the one-hot matrix along the chunk
 and adds the chunk's offset for the route's expert. Deterministic, no atomics.
+Tiling: `RankConfig` (`config=`; None: `heuristic_config(E)`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +25,27 @@ import triton.language as tl
 
 from layouts import ceil_div
 from custom_calls.triton.launch import triton_call
-from custom_calls.triton.support import rank_chunk_size
+from custom_calls.triton.support import MAX_RANK_CHUNKS, rank_chunk_size
+from custom_calls.triton.tuning import check_launch, check_powers_of_two, config_or_default
 
+
+@dataclasses.dataclass(frozen=True)
+class RankConfig:
+    """Tiling of the ranking kernels (see `custom_calls.triton.tuning`): chunk routes (a power of
+    two) per program of the count and rank passes; num_warps of all three launches. The offsets
+    pass scans every chunk in one program, so a chunk must leave at most MAX_RANK_CHUNKS chunks."""
+
+    chunk: int
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        check_powers_of_two(self, "chunk")
+        check_launch(self)
+
+
+def heuristic_config(num_experts: int) -> RankConfig:
+    """The default tiling: `support.rank_chunk_size(num_experts)` routes per chunk, 4 warps."""
+    return RankConfig(chunk=rank_chunk_size(num_experts), num_warps=4)
 
 
 @triton.jit
@@ -60,24 +82,32 @@ def chunk_rank_kernel(e_ptr, offs_ptr, rank_ptr, R: tl.constexpr, E_PAD: tl.cons
     tl.store(rank_ptr + i, within + base, mask=ok)
 
 
-def rank_within_expert(e_flat: jax.Array, *, num_experts: int) -> tuple[jax.Array, jax.Array]:
-    """e_flat: (R,) int32 in [0, num_experts] -> (counts (num_experts,) int32, rank (R,) int32)."""
+def rank_within_expert(e_flat: jax.Array, *, num_experts: int,
+                       config: RankConfig | None = None) -> tuple[jax.Array, jax.Array]:
+    """e_flat: (R,) int32 in [0, num_experts] -> (counts (num_experts,) int32, rank (R,) int32).
+    config: the tiling (None: `heuristic_config(num_experts)`)."""
+    config = config_or_default(config, RankConfig, lambda: heuristic_config(num_experts))
     (r,) = e_flat.shape
+    chunk = config.chunk
+    nc = max(1, ceil_div(r, chunk))
+    if nc > MAX_RANK_CHUNKS:
+        raise ValueError(f"RankConfig.chunk: {chunk} routes per chunk make {nc} chunks of the {r} routes, "
+                         f"expected at most {MAX_RANK_CHUNKS} (one program scans them all): a chunk >= "
+                         f"{ceil_div(r, MAX_RANK_CHUNKS)}")
     if r == 0:  # nothing to launch over
         return jnp.zeros((num_experts,), jnp.int32), jnp.zeros((0,), jnp.int32)
     e_pad = triton.next_power_of_2(num_experts + 1)
-    chunk = rank_chunk_size(num_experts)
-    nc = max(1, ceil_div(r, chunk))
     e_flat = e_flat.astype(jnp.int32)
+    warps = config.num_warps
     (chunk_counts,) = triton_call(e_flat, kernel=chunk_count_kernel,
                                   out_shape=[jax.ShapeDtypeStruct((nc, e_pad), jnp.int32)], grid=(nc,),
-                                  num_warps=4, name="moe_dispatch_count", R=r, E_PAD=e_pad, CHUNK=chunk)
+                                  num_warps=warps, name="moe_dispatch_count", R=r, E_PAD=e_pad, CHUNK=chunk)
     offs, totals = triton_call(chunk_counts, kernel=chunk_offsets_kernel,
                                out_shape=[jax.ShapeDtypeStruct((nc, e_pad), jnp.int32),
                                           jax.ShapeDtypeStruct((e_pad,), jnp.int32)],
-                               grid=(e_pad,), num_warps=4, name="moe_dispatch_offsets", NC=nc,
+                               grid=(e_pad,), num_warps=warps, name="moe_dispatch_offsets", NC=nc,
                                NC_PAD=triton.next_power_of_2(nc), E_PAD=e_pad)
     (rank,) = triton_call(e_flat, offs, kernel=chunk_rank_kernel,
-                          out_shape=[jax.ShapeDtypeStruct((r,), jnp.int32)], grid=(nc,), num_warps=4,
+                          out_shape=[jax.ShapeDtypeStruct((r,), jnp.int32)], grid=(nc,), num_warps=warps,
                           name="moe_dispatch_rank", R=r, E_PAD=e_pad, CHUNK=chunk)
     return totals[:num_experts], rank

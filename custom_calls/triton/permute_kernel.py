@@ -6,6 +6,8 @@ Same signatures and results as `custom_calls.permute` (the reference):
   permute_contig(x, src2dst, *, num_rows, recipe, arch) -> (lhs (num_rows, H), lhs_scale image | None)
   permute_masked(x, src2dst, *, num_groups, m_pad, recipe, arch) -> (lhs (G, m_pad, H), image | None)
 The placement (`src2dst`) comes from the dispatcher; this op only moves and quantizes data.
+Both also take `config=`, a `PermuteConfig` (tiling; None: `heuristic_config(recipe)`, what the
+registered "triton" implementations use).
 
 Three launches:
   1. `row_source_kernel`: src1[r] = 1 + the token placed at row r, 0 for a row no route lands on
@@ -27,6 +29,8 @@ Three launches:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import triton
@@ -36,17 +40,48 @@ from layouts import ceil_div, gemm_format, get_recipe
 from custom_calls.triton.launch import triton_call
 from custom_calls.triton.tile_quant import (quantize_tile, store_scale_image, tile_ids, ue8m0_bits_exponent,
                                             zero_row_scale)
+from custom_calls.triton.tuning import (check_groups, check_launch, check_powers_of_two, column_group,
+                                        config_or_default, tile_groups)
 
-_TILE = 1024  # elements of H per program: 2 KiB of bf16 in, 1 KiB of e4m3 out per destination
-_TOKENS = 4  # tokens per program
-_ZERO_ROWS = 64  # rows checked per zero-fill program
-_ZERO_SUB = 4  # rows written at once by it
-_NUM_WARPS = 4
-_CHUNKS_FASTEST = True
-_BF16_CHUNK = 128  # H chunking unit when nothing is quantized
-_SOURCE_BLOCK = 1024  # routes per program of row_source_kernel
-_IMAGE_ROWS = 128  # image columns (rows of the layout) per program of scale_image_kernel
-_IMAGE_GROUPS = 8  # scale groups per program of scale_image_kernel (a multiple of 4)
+
+@dataclasses.dataclass(frozen=True)
+class PermuteConfig:
+    """Tiling of the three permute launches (`heuristic_config` gives the default; see
+    `custom_calls.triton.tuning`). Every size is a power of two.
+
+    tile: elements of H per scatter program, whole scale groups (bf16: chunks of `tuning.BF16_CHUNK`);
+    tokens: tokens per scatter program; zero_rows / zero_sub: rows checked per zero-fill program /
+    rows it writes at once (zero_sub <= zero_rows); num_warps: of the scatter kernel;
+    chunks_fastest: the H chunks of one token block are neighbouring programs; source_block:
+    routes per row-source program; image_rows / image_groups: image columns / scale groups per
+    scale-image program (image_groups a multiple of 4 when the image is packed UE8M0).
+    """
+
+    tile: int
+    tokens: int
+    zero_rows: int
+    zero_sub: int
+    num_warps: int
+    chunks_fastest: bool
+    source_block: int
+    image_rows: int
+    image_groups: int
+
+    def __post_init__(self) -> None:
+        check_powers_of_two(self, "tile", "tokens", "zero_rows", "zero_sub", "source_block", "image_rows",
+                            "image_groups")
+        check_launch(self)
+        if self.zero_sub > self.zero_rows:
+            raise ValueError(f"PermuteConfig.zero_sub: expected at most zero_rows = {self.zero_rows}, "
+                             f"got {self.zero_sub}")
+
+
+def heuristic_config(recipe: str) -> PermuteConfig:
+    """The default tiling: 1024 elements of H (2 KiB of bf16 in, 1 KiB of e4m3 out per destination)
+    and at least 4 scale groups per scatter program, 4 tokens, 4 warps; zero-fill 64 rows checked,
+    4 written at once; 1024 routes per row-source program; 128 image columns x 8 groups."""
+    return PermuteConfig(tile=max(1024, 4 * column_group(recipe)), tokens=4, zero_rows=64, zero_sub=4,
+                         num_warps=4, chunks_fastest=True, source_block=1024, image_rows=128, image_groups=8)
 
 
 @triton.jit
@@ -141,74 +176,84 @@ def scale_image_kernel(
     store_scale_image(img_ptr, sf, exp, slab * IMG_SLAB + m, m < IMG_LD, group0, G, IMG_LD, ROWS, GROUPS, UE8M0)
 
 
-def row_sources(src2dst: jax.Array, num_rows: int) -> jax.Array:
+def row_sources(src2dst: jax.Array, num_rows: int, block: int = 1024) -> jax.Array:
     """src2dst: (M, k) int32 rows, or -1 -> src1 (num_rows,) int32: 1 + the token placed at each
-    row, 0 where none is (rows outside [0, num_rows) are ignored)."""
+    row, 0 where none is (rows outside [0, num_rows) are ignored). block: routes per program."""
     m, k = src2dst.shape
     if m * k == 0:
         return jnp.zeros((num_rows,), jnp.int32)
     (src1,) = triton_call(
         src2dst, kernel=row_source_kernel, out_shape=[jax.ShapeDtypeStruct((num_rows,), jnp.int32)],
-        grid=(ceil_div(m * k, _SOURCE_BLOCK),), num_warps=4, name="moe_permute_row_sources",
-        zeroed_outputs=(0,), N=m * k, TOPK=k, R=num_rows, BLOCK=_SOURCE_BLOCK)
+        grid=(ceil_div(m * k, block),), num_warps=4, name="moe_permute_row_sources",
+        zeroed_outputs=(0,), N=m * k, TOPK=k, R=num_rows, BLOCK=block)
     return src1
 
 
-def kernel_config(hidden: int, recipe: str) -> dict:
-    """Static tiling: group size along H and groups per program (a multiple of 4, so packed UE8M0
-    words never straddle two programs)."""
-    rec = get_recipe(recipe)
-    quant = rec.is_quantized
-    group = rec.act_group_size if quant else _BF16_CHUNK
-    return dict(GROUP=group, GROUPS=max(4, _TILE // group), QUANT=quant)
+def kernel_config(recipe: str, arch: int, config: PermuteConfig | None = None) -> dict:
+    """The scatter kernel's static tiling for `config` (None: `heuristic_config(recipe)`): group
+    size along H, groups per program, quantized or not. ValueError naming the field of a config
+    that does not fit (recipe, arch)."""
+    quant = get_recipe(recipe).is_quantized
+    config = config_or_default(config, PermuteConfig, lambda: heuristic_config(recipe))
+    group = column_group(recipe)
+    groups = tile_groups(config, "tile", group=group, packed=False)  # scales go token-major, as fp32
+    check_groups(config, "image_groups", packed=quant and gemm_format(recipe, arch).ue8m0)
+    return dict(GROUP=group, GROUPS=groups, QUANT=quant)
 
 
 def _permute(x: jax.Array, src2dst: jax.Array, *, slabs: int, mn: int, recipe: str, arch: int,
-             zero_fill: bool):
+             zero_fill: bool, config: PermuteConfig | None):
+    config = config_or_default(config, PermuteConfig, lambda: heuristic_config(recipe))
+    cfg = kernel_config(recipe, arch, config)
     m, h = x.shape
     top_k = src2dst.shape[1]
     rows = slabs * mn
-    cfg = kernel_config(h, recipe)
     fmt = gemm_format(recipe, arch)
     quant = cfg["QUANT"]
     g = ceil_div(h, cfg["GROUP"])
-    zero_programs = ceil_div(rows, _ZERO_ROWS) if zero_fill else 0
-    src1 = row_sources(src2dst, rows)
+    zero_programs = ceil_div(rows, config.zero_rows) if zero_fill else 0
+    src1 = row_sources(src2dst, rows, config.source_block)
     lhs, sf = triton_call(
         x, src2dst, src1, kernel=scatter_quant_kernel,
         out_shape=[jax.ShapeDtypeStruct((rows, h), jnp.float8_e4m3fn if quant else jnp.bfloat16),
                    jax.ShapeDtypeStruct((m, g) if quant else (1,), jnp.float32)],
-        grid=((zero_programs + ceil_div(m, _TOKENS)) * ceil_div(g, cfg["GROUPS"]),),
-        num_warps=_NUM_WARPS, name="moe_permute_quant",
+        grid=((zero_programs + ceil_div(m, config.tokens)) * ceil_div(g, cfg["GROUPS"]),),
+        num_warps=config.num_warps, name="moe_permute_quant",
         M=m, H=h, TOPK=top_k, TOPK_P2=triton.next_power_of_2(top_k), R=rows, G=g, UE8M0=fmt.ue8m0,
-        TOKENS=_TOKENS, ZERO_FILL=zero_fill, ZERO_ROWS=_ZERO_ROWS, ZERO_SUB=_ZERO_SUB, CHUNKS_FASTEST=_CHUNKS_FASTEST, **cfg)
+        TOKENS=config.tokens, ZERO_FILL=zero_fill, ZERO_ROWS=config.zero_rows, ZERO_SUB=config.zero_sub,
+        CHUNKS_FASTEST=config.chunks_fastest, **cfg)
     if not quant:
         return lhs, None
     (gi, img_ld), img_dtype = fmt.lhs_scale_shape(mn, h), fmt.scale_dtype
-    row_blocks = slabs * ceil_div(img_ld, _IMAGE_ROWS)
+    row_blocks = slabs * ceil_div(img_ld, config.image_rows)
     (img,) = triton_call(
         src1, sf, kernel=scale_image_kernel,
         out_shape=[jax.ShapeDtypeStruct((gi, img_ld) if slabs == 1 else (slabs, gi, img_ld), img_dtype)],
-        grid=(row_blocks * ceil_div(g, _IMAGE_GROUPS),), num_warps=4, name="moe_permute_scale_image",
-        MN=mn, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, UE8M0=fmt.ue8m0, ROWS=_IMAGE_ROWS,
-        GROUPS=_IMAGE_GROUPS, ROW_BLOCKS=row_blocks)
+        grid=(row_blocks * ceil_div(g, config.image_groups),), num_warps=4, name="moe_permute_scale_image",
+        MN=mn, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, UE8M0=fmt.ue8m0, ROWS=config.image_rows,
+        GROUPS=config.image_groups, ROW_BLOCKS=row_blocks)
     return lhs, img
 
 
-def permute_contig(x: jax.Array, src2dst: jax.Array, *, num_rows: int, recipe: str, arch: int):
+def permute_contig(x: jax.Array, src2dst: jax.Array, *, num_rows: int, recipe: str, arch: int,
+                   config: PermuteConfig | None = None):
     """x: (M, H) float, src2dst: (M, k) int32 in [0, num_rows) or -1
-    -> (lhs (num_rows, H) e4m3 | bf16, lhs_scale image (see custom_calls.act_quant) | None)."""
+    -> (lhs (num_rows, H) e4m3 | bf16, lhs_scale image (see custom_calls.act_quant) | None).
+    config: the tiling (None: `heuristic_config(recipe)`)."""
     if x.shape[0] == 0:  # no token: every row is a zero row
+        kernel_config(recipe, arch, config)  # a bad config is an error whatever the shape
         return gemm_format(recipe, arch).quantize_lhs(jnp.zeros((num_rows, x.shape[1]), x.dtype))
-    return _permute(x, src2dst, slabs=1, mn=num_rows, recipe=recipe, arch=arch, zero_fill=True)
+    return _permute(x, src2dst, slabs=1, mn=num_rows, recipe=recipe, arch=arch, zero_fill=True, config=config)
 
 
 def permute_masked(x: jax.Array, src2dst: jax.Array, *, num_groups: int, m_pad: int, recipe: str,
-                   arch: int):
+                   arch: int, config: PermuteConfig | None = None):
     """x: (M, H) float, src2dst: (M, k) int32 flat slab rows g * m_pad + r, or -1
     -> (lhs (G, m_pad, H) e4m3 | bf16, lhs_scale (G, ...) image | None); lhs rows no route lands on
-    are left unwritten."""
+    are left unwritten. config: the tiling (None: `heuristic_config(recipe)`)."""
     if x.shape[0] == 0:  # no token: every row is a zero row
+        kernel_config(recipe, arch, config)
         return gemm_format(recipe, arch).quantize_lhs(jnp.zeros((num_groups, m_pad, x.shape[1]), x.dtype))
-    lhs, img = _permute(x, src2dst, slabs=num_groups, mn=m_pad, recipe=recipe, arch=arch, zero_fill=False)
+    lhs, img = _permute(x, src2dst, slabs=num_groups, mn=m_pad, recipe=recipe, arch=arch, zero_fill=False,
+                        config=config)
     return lhs.reshape(num_groups, m_pad, x.shape[1]), img

@@ -13,9 +13,12 @@ when norm_topk_prob. routed_scaling_factor is not applied here.
 
 One program handles BLOCK_T tokens, the whole expert row in registers; top-k is k rounds of
 (max, lowest index at the max, mask). The grouped path needs E and n_group powers of two.
+Tiling: `RouteTopkConfig` (`config=`; None: `heuristic_config(E)`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +29,28 @@ from layouts import ceil_div
 from custom_calls.route_topk import NORM_EPS
 from custom_calls.triton.launch import triton_call
 from custom_calls.triton.support import SCORINGS, route_topk_reason
+from custom_calls.triton.tuning import check_launch, check_powers_of_two, config_or_default
 
-_ROW_ELEMS = 2048  # BLOCK_T x E_PAD per program (register-bound: ~7 live copies of the row)
 _NORM_EPS = tl.constexpr(NORM_EPS)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteTopkConfig:
+    """Tiling of `route_topk_kernel` (see `custom_calls.triton.tuning`): block_t tokens (a power of
+    two) per program, each holding its whole expert row."""
+
+    block_t: int
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        check_powers_of_two(self, "block_t")
+        check_launch(self)
+
+
+def heuristic_config(num_experts: int) -> RouteTopkConfig:
+    """The default tiling: block_t x next_pow2(E) = 2048 elements per program (register-bound: ~7
+    live copies of the row), 1 to 64 tokens; 4 warps."""
+    return RouteTopkConfig(block_t=max(1, min(64, 2048 // triton.next_power_of_2(num_experts))), num_warps=4)
 
 
 @triton.jit
@@ -109,9 +131,12 @@ def route_topk_kernel(
 
 
 def route_topk(logits: jax.Array, bias: jax.Array | None, *, top_k: int, scoring: str, n_group: int = 1,
-               topk_group: int = 1, norm_topk_prob: bool = True) -> tuple[jax.Array, jax.Array]:
-    """logits: (M, E) float -> (topk_ids (M, top_k) int32, topk_weights (M, top_k) f32)."""
+               topk_group: int = 1, norm_topk_prob: bool = True,
+               config: RouteTopkConfig | None = None) -> tuple[jax.Array, jax.Array]:
+    """logits: (M, E) float -> (topk_ids (M, top_k) int32, topk_weights (M, top_k) f32).
+    config: the tiling (None: `heuristic_config(E)`)."""
     m, e = logits.shape
+    config = config_or_default(config, RouteTopkConfig, lambda: heuristic_config(e))
     reason = route_topk_reason(e, top_k, scoring, n_group, topk_group)
     if reason:
         raise ValueError(f"route_topk: {reason}")
@@ -120,12 +145,12 @@ def route_topk(logits: jax.Array, bias: jax.Array | None, *, top_k: int, scoring
     if m == 0:
         return jnp.zeros((0, top_k), jnp.int32), jnp.zeros((0, top_k), jnp.float32)
     e_pad = triton.next_power_of_2(e)
-    block_t = max(1, min(64, _ROW_ELEMS // e_pad))
+    block_t = config.block_t
     bias_arr = (bias if bias is not None else jnp.zeros((1,), jnp.float32)).astype(jnp.float32)
     ids, w = triton_call(
         logits.astype(jnp.float32), bias_arr, kernel=route_topk_kernel,
         out_shape=[jax.ShapeDtypeStruct((m, top_k), jnp.int32), jax.ShapeDtypeStruct((m, top_k), jnp.float32)],
-        grid=(ceil_div(m, block_t),), num_warps=4, name="moe_route_topk",
+        grid=(ceil_div(m, block_t),), num_warps=config.num_warps, name="moe_route_topk",
         M=m, E=e, E_PAD=e_pad, TOPK=top_k, K_PAD=triton.next_power_of_2(top_k), SCORING=SCORINGS[scoring],
         HAS_BIAS=bias is not None, N_GROUP=n_group if n_group > 1 else 1, TOPK_GROUP=topk_group,
         RENORM=bool(norm_topk_prob), BLOCK_T=block_t)

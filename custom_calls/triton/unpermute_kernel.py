@@ -3,10 +3,13 @@ fp32 accumulation, one pass (each GEMM2 output row read once, each output row wr
 
 Same signature and numerics as `custom_calls.unpermute` (the reference); a -1 route contributes
 exactly nothing (its row is never loaded); a token with a row index >= R gets a NaN row, as in the
-reference, and that index is never loaded (no memory outside `d` is read).
+reference, and that index is never loaded (no memory outside `d` is read). Tiling:
+`UnpermuteConfig` (`config=`; None: `heuristic_config()`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +18,25 @@ import triton.language as tl
 
 from layouts import ceil_div
 from custom_calls.triton.launch import triton_call
+from custom_calls.triton.tuning import check_launch, check_powers_of_two, config_or_default
 
-_BLOCK_H = 1024
-_NUM_WARPS = 4
+
+@dataclasses.dataclass(frozen=True)
+class UnpermuteConfig:
+    """Tiling of `weighted_gather_kernel` (see `custom_calls.triton.tuning`): one output row's
+    block_h columns (a power of two) per program."""
+
+    block_h: int
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        check_powers_of_two(self, "block_h")
+        check_launch(self)
+
+
+def heuristic_config() -> UnpermuteConfig:
+    """The default tiling: 1024 columns per program, 4 warps (every shape)."""
+    return UnpermuteConfig(block_h=1024, num_warps=4)
 
 
 @triton.jit
@@ -44,15 +63,17 @@ def weighted_gather_kernel(
 
 
 def unpermute(d: jax.Array, src2dst: jax.Array, topk_weights: jax.Array, *,
-              routed_scaling_factor: float, out_dtype) -> jax.Array:
-    """d: (R, H), src2dst: (M, k) int32 (-1 = none), topk_weights: (M, k) float -> (M, H) out_dtype."""
+              routed_scaling_factor: float, out_dtype, config: UnpermuteConfig | None = None) -> jax.Array:
+    """d: (R, H), src2dst: (M, k) int32 (-1 = none), topk_weights: (M, k) float -> (M, H) out_dtype.
+    config: the tiling (None: `heuristic_config()`)."""
+    config = config_or_default(config, UnpermuteConfig, heuristic_config)
     m, top_k = src2dst.shape
     h = d.shape[1]
     if m == 0:
         return jnp.zeros((0, h), out_dtype)
     (out,) = triton_call(
         d, src2dst, topk_weights.astype(jnp.float32), kernel=weighted_gather_kernel,
-        out_shape=[jax.ShapeDtypeStruct((m, h), out_dtype)], grid=(m, ceil_div(h, _BLOCK_H)),
-        num_warps=_NUM_WARPS, name="moe_unpermute", R=d.shape[0], H=h, TOPK=top_k,
-        SCALE=float(routed_scaling_factor), BLOCK_H=_BLOCK_H)
+        out_shape=[jax.ShapeDtypeStruct((m, h), out_dtype)], grid=(m, ceil_div(h, config.block_h)),
+        num_warps=config.num_warps, name="moe_unpermute", R=d.shape[0], H=h, TOPK=top_k,
+        SCALE=float(routed_scaling_factor), BLOCK_H=config.block_h)
     return out

@@ -2,8 +2,11 @@
 
 Subcommands: ``gemm`` (grouped/dense GEMMs: DeepGEMM custom calls vs jax.lax.ragged_dot; needs an
 SM90 CUDA GPU), ``layer`` (the routed MoE layer: per-stage times, end to end, error, peak temporary
-memory; ``--small`` runs anywhere). Each takes ``--json PATH`` and ``--plot PATH`` (PNG); the table
-goes to stdout, progress to stderr. ``python -m moe_jax.bench <subcommand> --help`` for the options.
+memory; without a GPU it runs scaled shapes), ``triton`` (bandwidth of the Triton kernels and their
+tiling configs; needs a CUDA GPU), ``parallel`` (the shard_map patterns on whatever devices jax
+sees). The table goes to stdout, progress to stderr. Exit status: 0 when every requested row ran,
+1 when one failed, 2 when the machine cannot run the subcommand.
+``python -m moe_jax.bench <subcommand> --help`` for the options.
 """
 
 from __future__ import annotations
@@ -11,17 +14,22 @@ from __future__ import annotations
 import argparse
 import sys
 
+SUBCOMMANDS = {  # name: (module, help)
+    "gemm": ("gemm", "grouped GEMMs: DeepGEMM custom calls vs ragged_dot"),
+    "layer": ("layer", "whole routed layer: stages, end to end, error, memory"),
+    "triton": ("triton_kernels", "Triton kernels: bandwidth per kernel and tiling config"),
+    "parallel": ("parallel", "parallel patterns on the devices jax sees"),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
+    import importlib
+
     parser = argparse.ArgumentParser(prog="python -m moe_jax.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    from moe_jax.bench import gemm
-
-    gemm.add_arguments(sub.add_parser("gemm", help="grouped GEMMs: DeepGEMM custom calls vs ragged_dot"))
-    from moe_jax.bench import layer
-
-    layer.add_arguments(sub.add_parser("layer", help="whole routed layer: stages, end to end, error, memory"))
+    for name, (module, help_) in SUBCOMMANDS.items():
+        importlib.import_module(f"moe_jax.bench.{module}").add_arguments(sub.add_parser(name, help=help_))
     args = parser.parse_args(argv)
     return args.func(args)
 

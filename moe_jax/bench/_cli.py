@@ -69,11 +69,58 @@ class Progress:
         else:
             print(text, flush=True)
 
+    def drop(self, steps: int) -> None:
+        """`steps` of the announced total will not run (e.g. a backend that is not measured)."""
+        if self.total:
+            self.total = max(self.done, self.total - steps)
+            if self._bar is not None:
+                self._bar.total = self.total
+                self._bar.refresh()
+
     def close(self) -> None:
         self._finish_step()
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def exit_status(failed: Sequence[str]) -> int:
+    """The exit status of a benchmark run: 0 when no requested row failed, else 1, after naming the
+    failed rows on stderr (a table with a FAILED row is not a successful run)."""
+    if failed:
+        log(f"{len(failed)} requested row(s) failed: " + "; ".join(failed))
+        return 1
+    return 0
+
+
+def resolved_backends(fn, *args) -> dict[str, str]:
+    """{op: backend} for every op fn(*args) calls: the implementation the backend registry resolved
+    it to ("auto" becomes "reference" where no accelerated implementation can run). fn is traced
+    abstractly (nothing runs); jax's caches are cleared first, because a trace jax already holds
+    would skip the ops' resolution. An op resolved to different backends in one trace reads "a,b".
+    ValueError where an explicit backend cannot run an op."""
+    import jax
+
+    from custom_calls.backends import record_resolutions
+
+    jax.clear_caches()
+    with record_resolutions() as log:
+        jax.eval_shape(fn, *args)
+    if not log:
+        raise RuntimeError("tracing the function resolved no op through the backend registry")
+    seen: dict[str, set[str]] = {}
+    for op, backend in log:
+        seen.setdefault(op, set()).add(backend)
+    return {op: ",".join(sorted(b)) for op, b in seen.items()}
+
+
+def fallback_note(implementations: dict[str, str], platform: str) -> str:
+    """What a row's backend fell back to, from its {op: resolved backend} map: every op ("auto"
+    where nothing accelerated runs, e.g. on a CPU), some ops, or "" when none did."""
+    on_ref = [op for op, b in implementations.items() if b == "reference"]
+    if on_ref and len(on_ref) == len(implementations):
+        return f"every op fell back to the reference: no accelerated implementation on {platform!r}"
+    return f"reference implementation for: {', '.join(on_ref)}" if on_ref else ""
 
 
 def run_untuned(fn, *args):

@@ -13,7 +13,8 @@ back-to-back asynchronous dispatch of a jitted call, divided by the number of ca
 Error: relative Frobenius norm ‖D − R‖/‖R‖ over every row, R = float32 (HIGHEST) product of the
 dequantized operands, plus the worst single row. Launch overhead: per-GEMM time of a jitted chain
 of 32 small GEMMs minus the kernel's own duration (from a profiler trace).
-Needs a CUDA GPU of compute capability 9.x (H100/H200); elsewhere it exits with status 2 and says so.
+Needs a CUDA GPU of compute capability 9.x (H100/H200); elsewhere it exits with status 2 and says so;
+status 1 when a row failed (an exception in a DeepGEMM row stops the run with its traceback).
 Output: the table on stdout; progress (DeepGEMM kernel compiles, first calls of jitted functions) on
 stderr; `--json PATH` (every row), `--markdown PATH`, `--plot PATH` (PNG: TFLOPS, TB/s for masked).
 """
@@ -137,7 +138,7 @@ def _quant_inputs(key, g, rows, n, k):
 
 def _kernel_s(run, needle: str) -> float | None:
     """Median device duration (s) of the kernels whose name contains ``needle`` while ``run()`` runs."""
-    from custom_calls._timing import trace_kernels
+    from moe_jax.bench._timing import trace_kernels
 
     durs = [d for name, ds in trace_kernels(run).items() if needle in name for d in ds]
     return statistics.median(durs) if durs else None
@@ -182,7 +183,7 @@ def launch_overhead(chain: int = 32, iters: int = 300) -> dict:
 
 
 def run(args) -> int:
-    from moe_jax.bench._cli import Progress, check_plot_available, log, write_json
+    from moe_jax.bench._cli import Progress, check_plot_available, exit_status, log, write_json
 
     check_plot_available(args.plot)
     reason = gpu_reason()
@@ -211,7 +212,7 @@ def run(args) -> int:
         return 2
     progress = Progress("gemm first calls")
 
-    def row(impl, kind, shape, t, flops=None, bytes_=None, err=(None, None), note=""):
+    def row(impl, kind, shape, t, flops=None, bytes_=None, err=(None, None), note="", failed=False):
         burst, sus, kern = t if t else (None, None, None)
         r = {"impl": impl, "kind": kind, "shape": shape,
              "burst_ms": burst * 1e3 if burst else None, "sustained_ms": sus * 1e3 if sus else None,
@@ -222,7 +223,7 @@ def run(args) -> int:
              "tbps_burst": bytes_ / burst / 1e12 if (bytes_ and burst) else None,
              "tbps_sustained": bytes_ / sus / 1e12 if (bytes_ and sus) else None,
              "tbps_kernel": bytes_ / kern / 1e12 if (bytes_ and kern) else None,
-             "rel_err": err[0], "worst_row_err": err[1], "note": note}
+             "rel_err": err[0], "worst_row_err": err[1], "note": note, "failed": failed}
         rows_out.append(r)
         progress.print_out(_fmt_row(r))
 
@@ -251,7 +252,7 @@ def run(args) -> int:
             f.write(f"\nlaunch overhead: {json.dumps(lo)}\n")
     if args.plot:
         plot(args.plot, rows_out, meta["device"])
-    return 0
+    return exit_status([f"{r['impl']} {r['shape']}" for r in rows_out if r["failed"]])
 
 
 def plot(path: str, rows: list[dict], device: str) -> None:
@@ -342,7 +343,8 @@ def _bench_contig(key, shp, row, *, ragged, fp8_ragged, sustained_iters, step=la
                     _timeit(rd8, (qa, qbt, gs), burst_rounds=2, burst_iters=2, sustained_iters=0), flops,
                     note="unscaled e4m3 operands: speed only")
             except Exception as e:
-                row("ragged_dot fp8", "contig", shape, None, note=f"fails: {type(e).__name__}: {str(e)[:80]}")
+                row("ragged_dot fp8", "contig", shape, None, note=f"fails: {type(e).__name__}: {str(e)[:80]}",
+                    failed=True)
 
 
 def _bench_masked(key, shp, row, *, ragged, fp8_ragged, sustained_iters, step=lambda what: None):

@@ -20,8 +20,14 @@ precision dots); `--no-error` skips it. Peak temporary memory:
 the largest GEMM's activation inputs plus outputs, plus 25%.
 Bars (BENCHMARKS.md): prefill end to end <= 1.15 x (GEMM1 + GEMM2); decode end to end >= 70% of the
 HBM roofline for reading the expert weights once; >= 20 x the reference backend at prefill.
+Without a GPU the default is scaled shapes (as `--small`; `--full` forces the sizes above).
+Implementations: before measuring a backend other than "reference", the layer is traced and the
+backend registry says what each op resolved to; a backend that fell back to the reference for
+every op (e.g. "auto" on a CPU) is labelled so, is not measured again when "reference" is, and gets
+no speed-up or roofline figure (it would compare the reference's code with itself).
 Output: the table on stdout; progress (one step per compile) and one JSON line per row on stderr;
-`--json PATH` (every row: times in us, errors, memory in MB), `--plot PATH` (PNG).
+`--json PATH` (every row: times in us, errors, memory in MB, implementations), `--plot PATH` (PNG).
+Exit status 1 when a requested row failed (e.g. an explicit backend that cannot run here).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from custom_calls._timing import time_op
+from moe_jax.bench._timing import time_op
 
 
 def _config(small: bool = False):
@@ -126,9 +132,27 @@ def _weight_bytes(params) -> int:
 
 STAGES = ("route (gate GEMM + top-k)", "dispatch", "permute+quant", "GEMM1", "activation+quant", "GEMM2",
           "unpermute")
-# compile steps per backend: end to end, its kernel time, with routing, output, other layout, memory
-# analysis, stages
-STEPS_PER_BACKEND = 6 + len(STAGES)
+# steps per backend: implementations, then compiles: end to end, its kernel time, with routing,
+# output, other layout, memory analysis, stages
+STEPS_PER_BACKEND = 7 + len(STAGES)
+
+
+def _implementations(backend: str, backends: list[str], forward, *args) -> dict:
+    """What `backend` runs in the layer `forward(*args)`, as row fields: "implementations" {op:
+    backend the registry resolved it to} (not traced for "reference", which resolves every op to
+    itself); "fell_back" when no op resolved to an accelerated implementation, and then "same_as":
+    "reference" when that backend is measured too (the same code is not measured twice)."""
+    from moe_jax.bench._cli import resolved_backends
+
+    if backend == "reference":
+        return {}
+    impls = resolved_backends(forward, *args)
+    row: dict = dict(implementations=impls)
+    if all(v == "reference" for v in impls.values()):
+        row["fell_back"] = True
+        if "reference" in backends:
+            row["same_as"] = "reference"
+    return row
 
 
 def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, *, small: bool = False,
@@ -162,7 +186,8 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
     keys = jax.random.split(jax.random.PRNGKey(1), reps)
     xs = [jax.random.normal(kk, (m, h), jnp.bfloat16) for kk in keys]
     routed = [route(x, params, cfg) for x in xs]
-    result = dict(shape=name, tokens=m, layout=layout, weights_GB=_weight_bytes(params) / 1e9)
+    result = dict(shape=name, tokens=m, layout=layout, weights_GB=_weight_bytes(params) / 1e9,
+                  platform=jax.default_backend())
 
     # params travel as jit arguments: closed over, 1.4 GB of weights would be embedded in every
     # program as constants (a minute of XLA compile per program at the prefill shape)
@@ -177,6 +202,17 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
     m_pad = default_masked_m_pad(m)
     for be in backends:
         row = dict(backend=be)
+        progress.step(f"{name} {be}: implementations")
+        try:
+            row.update(_implementations(be, backends, lambda p, x: moe_forward(x, p, cfg, layout=layout, backend=be),
+                                        params, xs[0]))
+        except Exception as exc:  # e.g. an explicit backend that cannot run here: the row failed
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+        if "error" in row or "same_as" in row:
+            result[be] = row
+            progress.drop(STEPS_PER_BACKEND - 1)
+            progress.note(json.dumps(dict(shape=name, **row)))
+            continue
         # The reference backend is slow (one matmul per 128-row block against dequantized fp32
         # weights): one input set, fewer rounds.
         slow = be == "reference"
@@ -283,7 +319,7 @@ def _kernel_time_by_family(fn, arg_sets) -> dict:
     """GPU time per call of fn (profiler trace), in us: total, DeepGEMM GEMMs (kernel names holding
     "deep_gemm"), Triton kernels (names ending in "_kernel", as every kernel of custom_calls.triton
     does), other (XLA fusions, memsets). {"error": why} where the profiler is unavailable."""
-    from custom_calls._timing import device_time
+    from moe_jax.bench._timing import device_time
 
     try:
         per = device_time(fn, arg_sets)
@@ -301,23 +337,44 @@ def _f(v, fmt: str) -> str:
     return "–" if v is None else format(v, fmt)
 
 
-def print_table(results: list[dict], backends: list[str], device: str, copy_gbps: float) -> None:
-    """The human-readable table, on stdout."""
-    print(f"\ndevice {device}; copy bandwidth {copy_gbps:.0f} GB/s")
+def _accelerated(row: dict) -> bool:
+    """The row was measured and ran at least one accelerated implementation (not only the reference)."""
+    return "end_to_end_us" in row and row.get("backend") != "reference" and not row.get("fell_back")
+
+
+def _label(row: dict, platform: str) -> str:
+    """The row's backend, with what it fell back to (see `_cli.fallback_note`)."""
+    from moe_jax.bench._cli import fallback_note
+
+    note = fallback_note(row.get("implementations", {}), platform)
+    return f"{row['backend']} ({note})" if note else row["backend"]
+
+
+def print_table(results: list[dict], backends: list[str], device: str, copy_gbps: float, scaled: bool = False) -> None:
+    """The human-readable table, on stdout. A speed-up or roofline figure is printed only for a
+    backend that ran an accelerated implementation: one that fell back is the reference's code."""
+    print(f"\ndevice {device}; copy bandwidth {copy_gbps:.0f} GB/s"
+          + ("; shapes scaled down (--small), not the DeepSeek-V3 sizes" if scaled else ""))
     for res in results:
+        platform = res.get("platform", "?")
         print(f"\n== {res['shape']}: {res['tokens']} tokens, {res['layout']}, weights {res['weights_GB']:.2f} GB")
         for be in backends:
             row = res.get(be, {})
             if "error" in row:
                 print(f"  {be}: FAILED {row['error']}")
                 continue
+            if "same_as" in row:
+                print(f"  {_label(row, platform)}: the {row['same_as']} row's code, not measured again")
+                continue
             other = row.get("vs_masked_rel", row.get("vs_contig_rel"))
             err = (f"rel err {_f(row['rel_err'], '.2e')} (worst row {_f(row['worst_row'], '.2e')})"
                    if "rel_err" in row else "rel err not computed (--no-error)")
-            print(f"  {be}: end to end {row['end_to_end_us']:.1f} us (with routing {row['with_routing_us']:.1f} us), "
-                  f"GEMMs {row['gemms_us']:.1f} us (e2e/GEMMs {row['e2e_over_gemms']:.3f}), {err}, "
-                  f"contig vs masked {_f(other, '.1e')}, temp {_f(row.get('temp_MB'), '.0f')} MB "
-                  f"(bound {row['temp_bound_MB']:.0f} MB)")
+            print(f"  {_label(row, platform)}: end to end {row['end_to_end_us']:.1f} us (with routing "
+                  f"{row['with_routing_us']:.1f} us), GEMMs {row['gemms_us']:.1f} us (e2e/GEMMs "
+                  f"{row['e2e_over_gemms']:.3f}), {err}, contig vs masked {_f(other, '.1e')}, temp "
+                  f"{_f(row.get('temp_MB'), '.0f')} MB (bound {row['temp_bound_MB']:.0f} MB)")
+            if _accelerated(row):
+                print("      implementations: " + ", ".join(f"{op} {b}" for op, b in row["implementations"].items()))
             kt = row.get("kernel_time_us")
             if kt and "error" not in kt:
                 print(f"      end to end, GPU kernel time: {kt['total']:.1f} us = GEMMs {kt['gemms']:.1f} + Triton "
@@ -327,12 +384,13 @@ def print_table(results: list[dict], backends: list[str], device: str, copy_gbps
                 print(f"      end to end, GPU kernel time unavailable: {kt['error']}")
             for s, t in row["stages_us"].items():
                 print(f"      {s:28s} {t:10.1f} us")
-        if res["shape"] == "decode" and "end_to_end_us" in res.get("auto", {}):
+        auto, ref = res.get("auto", {}), res.get("reference", {})
+        if res["shape"] == "decode" and _accelerated(auto):
             roof = res["weights_GB"] * 1e9 / (copy_gbps * 1e9) * 1e6
             print(f"  decode roofline (weights once at copy bandwidth) {roof:.1f} us -> "
-                  f"{100 * roof / res['auto']['end_to_end_us']:.0f}% of roofline")
-        if "end_to_end_us" in res.get("auto", {}) and "end_to_end_us" in res.get("reference", {}):
-            print(f"  auto vs reference: {res['reference']['end_to_end_us'] / res['auto']['end_to_end_us']:.1f}x")
+                  f"{100 * roof / auto['end_to_end_us']:.0f}% of roofline")
+        if _accelerated(auto) and "end_to_end_us" in ref:
+            print(f"  auto vs reference: {ref['end_to_end_us'] / auto['end_to_end_us']:.1f}x")
 
 
 def plot(path: str, results: list[dict], backends: list[str], device: str) -> None:
@@ -355,7 +413,7 @@ def plot(path: str, results: list[dict], backends: list[str], device: str) -> No
 def run(args) -> int:
     import jax
 
-    from moe_jax.bench._cli import Progress, check_plot_available, write_json
+    from moe_jax.bench._cli import Progress, check_plot_available, exit_status, write_json
 
     check_plot_available(args.plot)
     backends = [b for b in args.backends.split(",") if b]
@@ -365,23 +423,38 @@ def run(args) -> int:
         raise SystemExit(f"--shapes: expected a comma list of prefill, decode, got {args.shapes!r}")
     if not backends:
         raise SystemExit("--backends: expected a comma list of backend names, got an empty list")
-    plan = [(s, 64 if args.small else 4096, "contig") if s == "prefill" else (s, 16 if args.small else 128, "masked")
+    small = _small_shapes(args, jax.default_backend())
+    plan = [(s, 64 if small else 4096, "contig") if s == "prefill" else (s, 16 if small else 128, "masked")
             for s in ("prefill", "decode") if s in shapes]
     error = not args.no_error
     progress = Progress("layer", total=len(plan) * (1 + int(error) + STEPS_PER_BACKEND * len(backends)) + 1)
-    results = [bench_shape(name, m, layout, backends, args.reps, small=args.small, error=error, progress=progress)
+    results = [bench_shape(name, m, layout, backends, args.reps, small=small, error=error, progress=progress)
                for name, m, layout in plan]
     progress.step("copy bandwidth")
-    bw = _copy_bandwidth(1 << 20 if args.small else 1 << 30)
+    bw = _copy_bandwidth(1 << 20 if small else 1 << 30)
     progress.close()
     device = str(jax.devices()[0].device_kind)
-    print_table(results, backends, device, bw / 1e9)
+    print_table(results, backends, device, bw / 1e9, scaled=small)
     if args.json:
         write_json(args.json, dict(device=device, jax=jax.__version__, backends=backends, copy_GBps=bw / 1e9,
-                                   results=results))
+                                   scaled=small, results=results))
     if args.plot:
         plot(args.plot, results, backends, device)
-    return 0
+    return exit_status([f"{res['shape']} {be}" for res in results for be in backends if "error" in res.get(be, {})])
+
+
+def _small_shapes(args, platform: str) -> bool:
+    """--small, --full, or by default: full sizes on a GPU, scaled shapes elsewhere (the DeepSeek-V3
+    sizes take minutes and tens of GB of memory on a CPU), said on stderr."""
+    from moe_jax.bench._cli import log
+
+    if args.small or args.full:
+        return args.small
+    if platform == "gpu":
+        return False
+    log(f"moe_jax.bench layer: no GPU (jax platform {platform!r}): running scaled shapes, as --small does "
+        f"(64 / 16 tokens, 16 experts, H 256, I 128); --full runs the DeepSeek-V3 sizes")
+    return True
 
 
 def _copy_bandwidth(n: int) -> float:
@@ -405,7 +478,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PATH", help="write a PNG here: stacked stage times per backend and shape")
     parser.add_argument("--no-error", action="store_true",
                         help="skip the float32 model and the error columns")
-    parser.add_argument("--small", action="store_true", help="tiny sizes (smoke test without a GPU)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--small", action="store_true",
+                      help="scaled shapes: 64 / 16 tokens, 16 experts, H 256, I 128 (the default without a GPU)")
+    size.add_argument("--full", action="store_true",
+                      help="the DeepSeek-V3 sizes even without a GPU (the default on a GPU; minutes and tens of GB "
+                           "of memory on a CPU)")
     parser.set_defaults(func=run)
 
 

@@ -1,7 +1,7 @@
 """Parallel MoE: the attention x MoE parallel patterns (docs/ARCHITECTURE.md) as `shard_map` programs over a `Mesh` (single- or
 multi-host alike), EP dispatch/combine in three modes, and the bytes each moves.
 CLIs (not imported here): `python -m moe_jax.parallel.bytes` (computed bytes per layer),
-`python -m moe_jax.parallel.bench` (timings on whatever devices jax sees).
+`python -m moe_jax.bench parallel` (timings on whatever devices jax sees).
 
     pc = ParallelConfig("dp_ep", moe_axes=("ep",), ep_mode="normal")
     params = shard_params(params, config, mesh, pc)

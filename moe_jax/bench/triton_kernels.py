@@ -1,4 +1,4 @@
-"""Bandwidth of the Triton kernels at the prefill shape: ``python -m custom_calls.triton.bench``.
+"""``python -m moe_jax.bench triton``: bandwidth of the Triton kernels at the prefill shape.
 
 Shape (DeepSeek-V3 layer on one rank): M = 4096 tokens, top_k 8, H 7168, I 2048, 32 local experts
 (all of them), contig alignment 128, fp8_block on arch 90; decode: 128 tokens, masked, m_pad 256.
@@ -11,20 +11,25 @@ profiler trace of 3 such calls; the bandwidth columns use it. "wall": 4 calls di
 back, one sync, wall time / (4 R), median of 5 rounds after a warm-up (sustained clock); for
 short ops it also holds host dispatch that the GPU waits for, which inside the layer overlaps
 other work. The reference ops (pure JAX through XLA) are timed by wall clock the same way.
-`--no-sweep` skips the tiling variants.
+Each kernel runs with its heuristic config (`heuristic_config` of its module, what the "triton"
+backend uses), then with tiling variants passed as configs; `--no-sweep` skips the variants.
 Also times what stays outside these kernels: routing (gate GEMM, XLA top-k and grouped top-k with
 correction bias, E = 256, against the Triton routing epilogue) and the dispatcher's slot
 assignment (stable argsort against the Triton two-pass ranking).
+Needs a CUDA GPU with jax_triton; elsewhere it exits with status 2 and says so; status 1 when a
+row failed. Output: the table on stdout, one JSON line per row on stderr, `--json PATH`.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import jax
 import jax.numpy as jnp
 
-from custom_calls._timing import device_time, time_op
+from moe_jax.bench._cli import log
+from moe_jax.bench._timing import device_time, time_op
 
 
 def copy_bandwidth() -> dict:
@@ -57,35 +62,40 @@ def _nbytes(*arrays) -> int:
     return sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(arrays) if a is not None)
 
 
-def _with(module, overrides: dict):
-    """Context: set tiling constants of a kernel module (read at trace time), restore after."""
-    import contextlib
+def configs(default, variants: list[dict], sweep: bool) -> list[tuple[str, object]]:
+    """(label, config) pairs: the kernel's heuristic config, then (with `sweep`) each variant, the
+    heuristic with the given fields replaced."""
+    out = [("heuristic", default)]
+    if sweep:
+        out += [(" ".join(f"{k}={v}" for k, v in ch.items()), dataclasses.replace(default, **ch)) for ch in variants]
+    return out
 
-    @contextlib.contextmanager
-    def cm():
-        old = {k: getattr(module, k) for k in overrides}
-        for k, v in overrides.items():
-            setattr(module, k, v)
-        try:
-            yield
-        finally:
-            for k, v in old.items():
-                setattr(module, k, v)
-    return cm()
+
+# Tiling variants timed against each kernel's heuristic config (fields of its config dataclass).
+QUANT_SWEEP = [dict(block_m=8), dict(block_m=8, num_warps=8), dict(tile=2048, block_m=2),
+               dict(block_m=16, num_warps=8), dict(tile=2048, num_warps=8), dict(block_m=1),
+               dict(chunks_fastest=False)]
+PERMUTE_SWEEP = [dict(tokens=1), dict(tokens=2), dict(num_warps=8), dict(tokens=8, num_warps=8),
+                 dict(tokens=2, tile=2048, num_warps=8), dict(chunks_fastest=False),
+                 dict(image_rows=256, image_groups=4), dict(image_rows=64, image_groups=16)]
+ACT_SWEEP = [dict(num_warps=8), dict(block_m=8, num_warps=8), dict(block_m=2), dict(tile=2048, num_warps=8),
+             dict(chunks_fastest=False)]
+UNPERMUTE_SWEEP = [dict(num_warps=8), dict(block_h=2048, num_warps=8), dict(block_h=512, num_warps=2)]
 
 
 def run(reps: int = 6, decode: bool = True, sweep: bool = True) -> list[dict]:
+    """The rows of the table (the first holds the copy ceilings); a row that failed holds "error"."""
     from custom_calls.activation import ActivationSpec, activation_quant_contig, activation_quant_masked
     from custom_calls.act_quant import quantize_activation
     from custom_calls.permute import permute_contig, permute_masked
     from custom_calls.triton import activation_kernel, permute_kernel, quant_kernel, unpermute_kernel
-    from custom_calls.triton import quantize_activation as triton_quantize_activation
     from custom_calls.unpermute import unpermute
     from moe_jax.dispatch import dispatch_contig, dispatch_masked
 
     m, k, h, inter, e, align = 4096, 8, 7168, 2048, 32, 128
     recipe, arch = "fp8_block", 90
     act = ActivationSpec(kind="silu", swiglu_limit=7.0)
+    bf16 = jnp.bfloat16
     keys = jax.random.split(jax.random.PRNGKey(0), reps)
 
     def routes(key, m):
@@ -93,107 +103,101 @@ def run(reps: int = 6, decode: bool = True, sweep: bool = True) -> list[dict]:
 
     bws = copy_bandwidth()
     bw = max(bws.values())
-    print(json.dumps({k: v / 1e9 for k, v in bws.items()}), flush=True)
-    xs = [jax.random.normal(kk, (m, h), jnp.bfloat16) for kk in keys]
+    log(json.dumps({k: v / 1e9 for k, v in bws.items()}))
+    xs = [jax.random.normal(kk, (m, h), bf16) for kk in keys]
     disp = [dispatch_contig(routes(jax.random.fold_in(kk, 1), m), num_local_experts=e, alignment=align)
             for kk in keys]
     rows = disp[0].num_rows_cap
     table = []
 
-    def add(name, fn, sets, nbytes, ref_fn=None):
-        t = time_op(fn, sets)
-        dev = device_time(fn, sets)
-        k = dev.pop("total")
-        row = dict(kernel=name, us=t * 1e6, kernel_us=k * 1e6, kernels={n: v * 1e6 for n, v in dev.items()},
-                   GBps=nbytes / k / 1e9, pct_copy=100 * nbytes / k / bw, pct_4300=100 * nbytes / k / 4.3e12,
-                   bytes=nbytes)
-        if ref_fn is not None:
-            tr = time_op(ref_fn, sets, rounds=3, chain=2)
-            row.update(ref_us=tr * 1e6, speedup=tr / t)
+    def add(name, fn, sets, nbytes, ref_fn=None, config=None):
+        row = dict(kernel=name, bytes=nbytes)
+        if config is not None:
+            row["config"] = dataclasses.asdict(config)
+        try:
+            t = time_op(fn, sets)
+            dev = device_time(fn, sets)
+            kt = dev.pop("total")
+            row.update(us=t * 1e6, kernel_us=kt * 1e6, kernels={n: v * 1e6 for n, v in dev.items()},
+                       GBps=nbytes / kt / 1e9, pct_copy=100 * nbytes / kt / bw, pct_4300=100 * nbytes / kt / 4.3e12)
+            if ref_fn is not None:
+                tr = time_op(ref_fn, sets, rounds=3, chain=2)
+                row.update(ref_us=tr * 1e6, speedup=tr / t)
+        except Exception as exc:  # report the row as failed and go on
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
         table.append(row)
-        print(json.dumps(row), flush=True)
-
-    def variants(module, default: dict, options: list[dict]):
-        return [dict(default)] + (options if sweep else [])
+        log(json.dumps(row))
 
     # 1. per-token-group quant (x -> e4m3 + fp32 MN-major image)
     q, img = quantize_activation(xs[0], recipe, arch)
     qbytes = _nbytes(xs[0], q, img)
-    for ov in variants(quant_kernel, {}, [dict(_BLOCK_M=8), dict(_BLOCK_M=8, _NUM_WARPS=8), dict(_TILE=2048, _BLOCK_M=2),
-                                          dict(_BLOCK_M=16, _NUM_WARPS=8), dict(_TILE=2048, _BLOCK_M=4, _NUM_WARPS=8),
-                                          dict(_BLOCK_M=1, _NUM_WARPS=4), dict(_CHUNKS_FASTEST=False)]):
-        with _with(quant_kernel, ov):
-            add(f"quant (M,H) {ov}", lambda x: triton_quantize_activation(x, recipe, arch), [(x,) for x in xs],
-                qbytes, (lambda x: quantize_activation(x, recipe, arch)) if not ov else None)
+    for label, cfg in configs(quant_kernel.heuristic_config(recipe, arch), QUANT_SWEEP, sweep):
+        add(f"quant (M,H) {label}", lambda x, c=cfg: quant_kernel.quantize_activation(x, recipe, arch, config=c),
+            [(x,) for x in xs], qbytes,
+            (lambda x: quantize_activation(x, recipe, arch)) if label == "heuristic" else None, config=cfg)
     # 2. permute contig: scatter + quant + zero rows
     lhs, img = permute_contig(xs[0], disp[0].src2dst, num_rows=rows, recipe=recipe, arch=arch)
     pbytes = _nbytes(xs[0], lhs, img, disp[0].src2dst)
     del lhs
-    for ov in variants(permute_kernel, {}, [dict(_TOKENS=1), dict(_TOKENS=2), dict(_TOKENS=4, _NUM_WARPS=8),
-                                            dict(_TOKENS=8, _NUM_WARPS=8), dict(_TOKENS=2, _TILE=2048, _NUM_WARPS=8),
-                                            dict(_CHUNKS_FASTEST=False), dict(_IMAGE_ROWS=256, _IMAGE_GROUPS=4),
-                                            dict(_IMAGE_ROWS=64, _IMAGE_GROUPS=16)]):
-        with _with(permute_kernel, ov):
-            add(f"permute_contig (M_cap={rows}) {ov}",
-                lambda x, s: permute_contig(x, s, num_rows=rows, recipe=recipe, arch=arch, backend="triton"),
-                [(x, d.src2dst) for x, d in zip(xs, disp)], pbytes,
-                (lambda x, s: permute_contig(x, s, num_rows=rows, recipe=recipe, arch=arch, backend="reference"))
-                if not ov else None)
+    for label, cfg in configs(permute_kernel.heuristic_config(recipe), PERMUTE_SWEEP, sweep):
+        add(f"permute_contig (M_cap={rows}) {label}",
+            lambda x, s, c=cfg: permute_kernel.permute_contig(x, s, num_rows=rows, recipe=recipe, arch=arch, config=c),
+            [(x, d.src2dst) for x, d in zip(xs, disp)], pbytes,
+            (lambda x, s: permute_contig(x, s, num_rows=rows, recipe=recipe, arch=arch, backend="reference"))
+            if label == "heuristic" else None, config=cfg)
     # 3. activation + quant contig
-    gu = [jax.random.normal(kk, (rows, 2 * inter), jnp.bfloat16) for kk in keys]
+    gu = [jax.random.normal(kk, (rows, 2 * inter), bf16) for kk in keys]
     a, img = activation_quant_contig(gu[0], act=act, recipe=recipe, arch=arch)
     abytes = _nbytes(gu[0], a, img)
-    for ov in variants(activation_kernel, {}, [dict(_NUM_WARPS=8), dict(_TILE_ELEMS=8192, _NUM_WARPS=8),
-                                                dict(_TILE_ELEMS=2048), dict(_TILE_ELEMS=8192, _ROW_TILE=2048, _NUM_WARPS=8),
-                                                dict(_CHUNKS_FASTEST=False)]):
-        with _with(activation_kernel, ov):
-            add(f"act_quant_contig silu+limit {ov}",
-                lambda g: activation_quant_contig(g, act=act, recipe=recipe, arch=arch, backend="triton"),
-                [(g,) for g in gu], abytes,
-                (lambda g: activation_quant_contig(g, act=act, recipe=recipe, arch=arch, backend="reference"))
-                if not ov else None)
+    for label, cfg in configs(activation_kernel.heuristic_config(inter, recipe), ACT_SWEEP, sweep):
+        add(f"act_quant_contig silu+limit {label}",
+            lambda g, c=cfg: activation_kernel.activation_quant_contig(g, act=act, recipe=recipe, arch=arch, config=c),
+            [(g,) for g in gu], abytes,
+            (lambda g: activation_quant_contig(g, act=act, recipe=recipe, arch=arch, backend="reference"))
+            if label == "heuristic" else None, config=cfg)
     del gu
     # 4. unpermute
-    ds = [jax.random.normal(kk, (rows, h), jnp.bfloat16) for kk in keys]
+    ds = [jax.random.normal(kk, (rows, h), bf16) for kk in keys]
     ws = [jax.random.uniform(kk, (m, k)) for kk in keys]
     ubytes = m * k * h * 2 + _nbytes(disp[0].src2dst, ws[0]) + m * h * 2
-    for ov in variants(unpermute_kernel, {}, [dict(_NUM_WARPS=8), dict(_BLOCK_H=2048, _NUM_WARPS=8),
-                                               dict(_BLOCK_H=512, _NUM_WARPS=2)]):
-        with _with(unpermute_kernel, ov):
-            add(f"unpermute {ov}", lambda d, s, w: unpermute(d, s, w, routed_scaling_factor=2.5, backend="triton"),
-                [(d, dd.src2dst, w) for d, dd, w in zip(ds, disp, ws)], ubytes,
-                (lambda d, s, w: unpermute(d, s, w, routed_scaling_factor=2.5, backend="reference"))
-                if not ov else None)
+    for label, cfg in configs(unpermute_kernel.heuristic_config(), UNPERMUTE_SWEEP, sweep):
+        add(f"unpermute {label}",
+            lambda d, s, w, c=cfg: unpermute_kernel.unpermute(d, s, w, routed_scaling_factor=2.5, out_dtype=bf16,
+                                                              config=c),
+            [(d, dd.src2dst, w) for d, dd, w in zip(ds, disp, ws)], ubytes,
+            (lambda d, s, w: unpermute(d, s, w, routed_scaling_factor=2.5, backend="reference"))
+            if label == "heuristic" else None, config=cfg)
     del ds
     # jnp stages outside the kernels
     ids = [routes(jax.random.fold_in(kk, 1), m) for kk in keys]
     for be in ("reference", "triton"):
         t = time_op(lambda i: dispatch_contig(i, num_local_experts=e, alignment=align, backend=be), [(i,) for i in ids])
         table.append(dict(kernel=f"dispatch_contig ({be} ranking)", us=t * 1e6))
-        print(json.dumps(table[-1]), flush=True)
+        log(json.dumps(table[-1]))
     for name, t in routing_bench(m, reps).items():
         table.append(dict(kernel=f"routing {name}" + ("" if "triton" in name else " (XLA)"), us=t * 1e6))
-        print(json.dumps(table[-1]), flush=True)
+        log(json.dumps(table[-1]))
     if decode:
         md, m_pad = 128, 256
-        xd = [jax.random.normal(kk, (md, h), jnp.bfloat16) for kk in keys]
+        xd = [jax.random.normal(kk, (md, h), bf16) for kk in keys]
         dm = [dispatch_masked(routes(jax.random.fold_in(kk, 2), md), num_local_experts=e, m_pad=m_pad,
                               num_experts_global=e) for kk in keys]
         _, img = permute_masked(xd[0], dm[0].src2dst, num_groups=e, m_pad=m_pad, recipe=recipe, arch=arch)
         add("decode permute_masked (bytes of routed rows)",
-            lambda x, s: permute_masked(x, s, num_groups=e, m_pad=m_pad, recipe=recipe, arch=arch, backend="triton"),
+            lambda x, s: permute_kernel.permute_masked(x, s, num_groups=e, m_pad=m_pad, recipe=recipe, arch=arch),
             [(x, d.src2dst) for x, d in zip(xd, dm)], _nbytes(xd[0], img, dm[0].src2dst) + md * k * h,
             lambda x, s: permute_masked(x, s, num_groups=e, m_pad=m_pad, recipe=recipe, arch=arch,
                                         backend="reference"))
-        gm = [jax.random.normal(kk, (e, m_pad, 2 * inter), jnp.bfloat16) for kk in keys]
+        gm = [jax.random.normal(kk, (e, m_pad, 2 * inter), bf16) for kk in keys]
         real = md * k
         add("decode act_quant_masked (bytes of real rows)",
-            lambda g, mm: activation_quant_masked(g, mm, act=act, recipe=recipe, arch=arch, backend="triton"),
+            lambda g, mm: activation_kernel.activation_quant_masked(g, mm, act=act, recipe=recipe, arch=arch),
             [(g, d.masked_m) for g, d in zip(gm, dm)], real * (2 * inter * 2 + inter + 16 * 4),
             lambda g, mm: activation_quant_masked(g, mm, act=act, recipe=recipe, arch=arch, backend="reference"))
-        ds = [jax.random.normal(kk, (e * m_pad, h), jnp.bfloat16) for kk in keys]
+        ds = [jax.random.normal(kk, (e * m_pad, h), bf16) for kk in keys]
         wd = [jax.random.uniform(kk, (md, k)) for kk in keys]
-        add("decode unpermute", lambda d, s, w: unpermute(d, s, w, routed_scaling_factor=2.5, backend="triton"),
+        add("decode unpermute",
+            lambda d, s, w: unpermute_kernel.unpermute(d, s, w, routed_scaling_factor=2.5, out_dtype=bf16),
             [(d, dd.src2dst, w) for d, dd, w in zip(ds, dm, wd)], md * k * h * 2 + md * h * 2,
             lambda d, s, w: unpermute(d, s, w, routed_scaling_factor=2.5, backend="reference"))
     return [dict(copy_GBps={k: v / 1e9 for k, v in bws.items()})] + table
@@ -224,29 +228,52 @@ def routing_bench(m: int = 4096, reps: int = 6) -> dict:
                 gate_gemm=time_op(lambda x: router_logits(x, gw), [(x,) for x in xs]))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m custom_calls.triton.bench",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=6, help="distinct input sets per timed dispatch")
-    parser.add_argument("--json", help="write the table here")
-    parser.add_argument("--no-sweep", action="store_true", help="only the default tiling of each kernel")
-    args = parser.parse_args(argv)
-    table = run(args.reps, sweep=not args.no_sweep)
+def gpu_reason() -> str | None:
+    """Why the Triton kernels cannot run here (they need a CUDA GPU and jax_triton), or None."""
+    from custom_calls.triton.launch import missing_dependencies
+
+    platform = jax.default_backend()
+    if platform != "gpu":
+        return f"needs a CUDA GPU visible to jax (compute capability >= 8.9); jax platform is {platform!r}"
+    missing = missing_dependencies()
+    if missing:
+        return f"needs the Python package(s) {missing} (pip install 'moe-jax[gpu]')"
+    return None
+
+
+def print_table(table: list[dict]) -> None:
     print(f"{'op':64s} {'wall us':>8s} {'kern us':>8s} {'GB/s':>6s} {'%copy':>6s} {'%4.3T':>6s} {'ref us':>8s} "
           f"{'x ref':>6s}")
     print("copy bandwidth (GB/s, read + write): " + ", ".join(f"{k} {v:.0f}" for k, v in table[0]["copy_GBps"].items()))
     nan = float("nan")
     for r in table[1:]:
+        if "error" in r:
+            print(f"{r['kernel'][:64]:64s} FAILED {r['error']}")
+            continue
         print(f"{r['kernel'][:64]:64s} {r['us']:8.1f} {r.get('kernel_us', nan):8.1f} {r.get('GBps', nan):6.0f} "
               f"{r.get('pct_copy', nan):6.1f} {r.get('pct_4300', nan):6.1f} {r.get('ref_us', nan):8.1f} "
               f"{r.get('speedup', nan):6.1f}")
         if len(r.get("kernels", {})) > 1:
             print("    " + ", ".join(f"{n[:40]} {v:.1f}" for n, v in r["kernels"].items()))
+
+
+def run_cli(args) -> int:
+    from moe_jax.bench._cli import exit_status, write_json
+
+    reason = gpu_reason()
+    if reason:
+        log(f"python -m moe_jax.bench triton: {reason}")
+        return 2
+    table = run(args.reps, sweep=not args.no_sweep)
+    print_table(table)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(table, f, indent=1)
-    return 0
+        write_json(args.json, table)
+    return exit_status([r["kernel"] for r in table[1:] if "error" in r])
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__.split("\n\n")[0] if __doc__ else None
+    parser.add_argument("--reps", type=int, default=6, help="distinct input sets per timed dispatch (default 6)")
+    parser.add_argument("--json", metavar="PATH", help="write every row as JSON here")
+    parser.add_argument("--no-sweep", action="store_true", help="only the heuristic config of each kernel")
+    parser.set_defaults(func=run_cli)
