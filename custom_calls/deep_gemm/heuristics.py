@@ -201,23 +201,36 @@ def sm90_config_reason(cfg: Sm90GemmConfig, m: int, n: int, k: int) -> str | Non
     return None
 
 
-def sm90_candidates(kernel: Literal["fp8_1d2d", "bf16"], gemm_kind: GemmKind, m: int, n: int, k: int,
-                    num_groups: int, num_sms: int, *, cd_dtype: Literal["bf16", "f32"] = "bf16"
-                    ) -> list[Sm90GemmConfig]:
-    """Every legal SM90 config for this GEMM: tiles × clusters × stages (2 .. the most that fit)
-    × D swizzles. Any of them computes the same products (same k order, other tiling)."""
+def sm90_tile_configs(kernel: Literal["fp8_1d2d", "bf16"], gemm_kind: GemmKind, m: int, n: int, k: int,
+                      num_groups: int, num_sms: int, *, cd_dtype: Literal["bf16", "f32"] = "bf16"
+                      ) -> list[Sm90GemmConfig]:
+    """One config per legal tile (BLOCK_M, BLOCK_N, cluster): the most stages that fit, the largest D swizzle."""
     out = []
     for cm, cn in SM90_CLUSTERS:
         for bm in _SM90_BLOCK_MS:
             for bn in range(16, 257, 16):
                 if sm90_tile_reason(kernel, gemm_kind, m, n, bm, bn, cm, cn, num_sms):
                     continue
-                for swz in sm90_swizzle_cd_choices(kernel, cd_dtype, bn):
-                    for stages in range(_SM90_MIN_STAGES, sm90_max_stages(kernel, cd_dtype, k, bm, bn) + 1):
-                        cfg = sm90_build_config(kernel, gemm_kind, cd_dtype, num_groups, num_sms, k, bm, bn,
-                                                cm, cn, stages, swz)
-                        if sm90_config_reason(cfg, m, n, k) is None:
-                            out.append(cfg)
+                cfg = sm90_build_config(kernel, gemm_kind, cd_dtype, num_groups, num_sms, k, bm, bn, cm, cn)
+                if sm90_config_reason(cfg, m, n, k) is None:
+                    out.append(cfg)
+    return out
+
+
+def sm90_candidates(kernel: Literal["fp8_1d2d", "bf16"], gemm_kind: GemmKind, m: int, n: int, k: int,
+                    num_groups: int, num_sms: int, *, cd_dtype: Literal["bf16", "f32"] = "bf16"
+                    ) -> list[Sm90GemmConfig]:
+    """Every legal SM90 config for this GEMM: tiles × clusters × stages (2 .. the most that fit)
+    × D swizzles. Any of them computes the same products (same k order, other tiling)."""
+    out = []
+    for tile in sm90_tile_configs(kernel, gemm_kind, m, n, k, num_groups, num_sms, cd_dtype=cd_dtype):
+        for swz in sm90_swizzle_cd_choices(kernel, cd_dtype, tile.block_n):
+            for stages in range(_SM90_MIN_STAGES, tile.num_stages + 1):
+                cfg = dataclasses.replace(tile, num_stages=stages, swizzle_cd=swz,
+                                          smem_bytes=sm90_smem_bytes(kernel, cd_dtype, k, tile.block_m,
+                                                                     tile.block_n, stages))
+                if sm90_config_reason(cfg, m, n, k) is None:
+                    out.append(cfg)
     return out
 
 

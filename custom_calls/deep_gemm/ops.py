@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from custom_calls._checks import check_dtype, check_rank, check_shape
 
-from . import compiler, launch_plan, toolchain
+from . import autotune, compiler, launch_plan, toolchain
 from .heuristics import (CONTIG_ALIGNMENT, ceil_div, align, sm90_gemm_config, sm90_prenorm_config,
                          sm100_mgrouped_config)
 from .codegen import sm90_gemm_source, sm90_prenorm_source, sm100_gemm_source
@@ -183,18 +183,18 @@ def supports_tf32_prenorm_gemm(*, n: int, k: int, num_splits: int = 1, arch: int
 # --- kernel selection (also used by warmup) -----------------------------------------------------
 
 def grouped_kernel(kind: str, rows: int, n: int, k: int, num_groups: int, recipe: str, arch: int,
-                   num_sms: int, expected_m: int | None = None):
+                   num_sms: int, expected_m: int | None = None, tuning: autotune.TuningPolicy | None = None):
     """(name, source, plan_fn) for a grouped GEMM; plan_fn(cubin_path) -> LaunchPlan.
 
     expected_m (masked only; None = rows) is clamped to [1, rows] here, so the op and the warm-up
-    pick the same tile for the same hint.
+    pick the same tile for the same hint. tuning: how SM90 picks its config (None: the documented
+    default, $MOE_JAX_GEMM_TUNING; see autotune.py).
     """
     if kind == "masked":
         expected_m = rows if expected_m is None else max(1, min(expected_m, rows))
     if arch == 90:
-        kernel = "bf16" if recipe == "bf16" else "fp8_1d2d"
-        cfg = sm90_gemm_config(kernel, kind, rows, n, k, num_groups, num_sms,
-                               expected_m=expected_m if kind == "masked" else None)
+        problem = autotune.grouped_problem(kind, rows, n, k, num_groups, recipe, expected_m)
+        kernel, cfg = problem.kernel, autotune.sm90_config(problem, num_sms, tuning)
         src = sm90_gemm_source(cfg, n, k)
         builder = launch_plan.sm90_bf16_plan if kernel == "bf16" else launch_plan.sm90_fp8_plan
         plan_fn = functools.partial(_plan, builder, cfg, m=rows, n=n, k=k, num_groups=num_groups)
