@@ -400,8 +400,9 @@ class TuneReport:
     entry: TunedEntry
     times_us: dict[str, dict[str, float]]  # config label -> pattern -> median µs (last trace it ran in)
     rejected: dict[str, str]  # config label -> why it was not timed (compile error, output mismatch)
-    patterns: dict[str, list[int]]  # masked_m per pattern (contig: the valid row count)
+    patterns: dict[str, list[int]]  # masked_m per pattern (contig: rows per group)
     path: Path | None = None
+    confirm_us: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # (heuristic, best) per round
 
 
 def _log(msg: str) -> None:
@@ -523,9 +524,9 @@ class TraceMismatch(RuntimeError):
 
 
 def trace_kernel_durations(calls: Sequence[Callable[[], Any]], needles: Sequence[str], *,
-                           sync_every: int = 16) -> list[float]:
-    """Run ``calls`` in order (each launches exactly one kernel whose name contains one of ``needles``)
-    under the jax profiler; returns each call's kernel duration in seconds, in call order."""
+                           sync_every: int = 16, per_call: int = 1) -> list[float]:
+    """Run ``calls`` in order under the jax profiler, each launching exactly ``per_call`` kernels whose
+    name contains one of ``needles`` (others are ignored); their durations in seconds, in launch order."""
     import glob
 
     import jax
@@ -557,8 +558,9 @@ def trace_kernel_durations(calls: Sequence[Callable[[], Any]], needles: Sequence
             for ev in line.events:
                 if any(nd in ev.name for nd in needles):
                     events.add((ev.start_ns, ev.duration_ns))
-    if len(events) != len(calls):
-        raise TraceMismatch(f"the trace holds {len(events)} GEMM kernels for {len(calls)} launches")
+    if len(events) != per_call * len(calls):
+        raise TraceMismatch(f"the trace holds {len(events)} kernels named {'/'.join(needles)} for "
+                            f"{len(calls)} calls of {per_call}")
     return [dur / 1e9 for _, dur in sorted(events)]
 
 
@@ -711,7 +713,8 @@ def tune(problems: Sequence[Sm90Problem], *, num_sms: int | None = None,
         entry = TunedEntry(config=cfg, heuristic=h, tuned=won, heuristic_us=h_us, config_us=c_us,
                            num_candidates=len(fns[i]), created=created)
         path = store_entry(keys[i], entry)
-        reports[i] = TuneReport(problems[i], keys[i], entry, times[i], rejected[i], cases[i].patterns, path)
+        reports[i] = TuneReport(problems[i], keys[i], entry, times[i], rejected[i], cases[i].patterns, path,
+                                rounds[i])
         log(f"  tuning: {problems[i].label}: {'tuned ' + config_label(cfg) if won else 'heuristic kept'} "
             f"({hl}: {h_us[0]:.1f} us, best {winners[i]}: {_objective(times[i][winners[i]]):.1f} us)")
     del cases, weights
