@@ -335,6 +335,88 @@ def test_ops_and_warmup_use_the_tuned_config_when_enabled(cache, captured_launch
     assert kernel_for(shape, 90, 132, A.TuningPolicy(mode="off"))[1] == codegen.sm90_gemm_source(p.heuristic(132), n, k)
 
 
+@pytest.mark.parametrize("p", [A.Sm90Problem("fp8_1d2d", "masked", 128, 256, 384, 3, 40),
+                               A.Sm90Problem("fp8_1d2d", "contig", 3 * 256 + 128, 256, 384, 3),
+                               A.Sm90Problem("bf16", "masked", 256, 128, 192, 2, 200),
+                               A.Sm90Problem("bf16", "contig", 512, 128, 192, 2)], ids=lambda p: p.label)
+def test_search_inputs_match_the_launch_plans(p):
+    """The timing inputs (built with jax, here on the CPU) have the operand layout the plans address,
+    and the output check flags exactly the elements more than one bf16 ulp off, on valid rows only."""
+    case = A._Case(p, seed=3, weights={})
+    cfg = p.heuristic(132)
+    builder = LP.sm90_fp8_plan if p.kernel == "fp8_1d2d" else LP.sm90_bf16_plan
+    plan = builder(cfg, "/x.cubin", m=p.m, n=p.n, k=p.k, num_groups=p.num_groups)
+    for pat, layout in case.layouts.items():
+        ops_ = [*case.inputs, layout]
+        assert [tuple(x.shape) for x in ops_] == [tuple(x.shape) for x in _ops_like(p)]
+        assert [x.dtype for x in ops_] == [x.dtype for x in _ops_like(p)]
+        plan.check_operands(tuple(x.size * x.dtype.itemsize for x in ops_) + (math.prod(case.out.shape) * 2,))
+        valid = np.broadcast_to(np.asarray(case.valid[pat]), case.out.shape)
+        if p.gemm_kind == "masked":
+            counts = np.asarray(layout)
+            assert sum(case.patterns[pat]) == counts.sum() and (counts <= p.m).all()
+            assert valid.sum() == counts.sum() * p.n
+        else:
+            ids = np.asarray(layout)
+            assert set(ids.tolist()) - {-1} == set(range(p.num_groups)) and valid.sum() == (ids >= 0).sum() * p.n
+    if p.gemm_kind == "masked":
+        assert case.patterns["uniform"] == [p.expected_m] * p.num_groups
+        routed = case.patterns["routed"]  # a multinomial draw of the same total, clipped to m_pad
+        assert sum(routed) == p.expected_m * p.num_groups or max(routed) == p.m
+    ref = jax.random.normal(jax.random.key(0), case.out.shape, jnp.float32).astype(jnp.bfloat16)
+    pat = next(iter(case.layouts))
+    valid = np.broadcast_to(np.asarray(case.valid[pat]), case.out.shape)
+    agree = A._agreement_fn()
+    assert [int(x) for x in agree(ref, ref, case.valid[pat])] == [0, int(valid.sum()), int(valid.sum())]
+    one_ulp = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(ref, jnp.uint16) + 1, jnp.bfloat16)
+    assert int(agree(one_ulp, ref, case.valid[pat])[0]) == 0  # the last bit may differ
+    bumped = jnp.where(jnp.asarray(valid), ref * 1.03, ref)
+    assert int(agree(bumped, ref, case.valid[pat])[0]) == int((np.asarray(ref, np.float32)[valid] != 0).sum())
+    assert int(agree(jnp.where(jnp.asarray(valid), ref, jnp.nan), ref, case.valid[pat])[0]) == 0  # invalid rows
+
+
+def _ops_like(p: A.Sm90Problem) -> list[jax.ShapeDtypeStruct]:
+    """The operands the ops hand to the launch (see ops.m_grouped_gemm_*), as shapes."""
+    g, m, n, k = p.num_groups, p.m, p.n, p.k
+    masked = p.gemm_kind == "masked"
+    a = (g, m, k) if masked else (m, k)
+    lay = jax.ShapeDtypeStruct((g,) if masked else (m,), jnp.int32)
+    if p.kernel == "bf16":
+        return [jax.ShapeDtypeStruct(a, jnp.bfloat16), jax.ShapeDtypeStruct((g, n, k), jnp.bfloat16), lay]
+    sa = ((g,) if masked else ()) + (-(-k // 128), -(-m // 4) * 4)
+    return [jax.ShapeDtypeStruct(a, jnp.float8_e4m3fn), jax.ShapeDtypeStruct((g, n, k), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct(sa, jnp.float32), jax.ShapeDtypeStruct((g, -(-n // 128), -(-k // 128)), jnp.float32),
+            lay]
+
+
+def test_trace_durations_follow_launch_order(monkeypatch):
+    """Kernel events of a (fake) profiler trace: GEMM kernels only, duplicates across stream lines
+    counted once, returned in start order; a count that does not match the launches is an error."""
+    from types import SimpleNamespace as NS
+
+    gemm = "void deep_gemm::sm90_fp8_gemm_1d2d_impl<(cute::UMMA::Major)0, 0u, 4096u>(float*, int*)"
+    ev = lambda start, dur, name=gemm: NS(start_ns=start, duration_ns=dur, name=name)  # noqa: E731
+    planes = [NS(name="/host:CPU", lines=[NS(name="Stream #1", events=[ev(1, 999)])]),
+              NS(name="/device:GPU:0", lines=[
+                  NS(name="Stream #7", events=[ev(300, 30), ev(100, 10), ev(150, 5, "loop_add_fusion"), ev(200, 20)]),
+                  NS(name="Stream #7(compute)", events=[ev(100, 10)]),
+                  NS(name="XLA Ops", events=[ev(100, 10)])])]
+
+    def start(d):
+        Path(d, "t.xplane.pb").write_bytes(b"")
+
+    monkeypatch.setattr(jax.profiler, "start_trace", start)
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: None)
+    monkeypatch.setattr(jax.profiler, "ProfileData", NS(from_file=lambda f: NS(planes=planes)))
+    ran = []
+    calls = [lambda i=i: ran.append(i) for i in range(3)]
+    assert A.trace_kernel_durations(calls, ("sm90_fp8_gemm_1d2d",)) == [10e-9, 20e-9, 30e-9] and ran == [0, 1, 2]
+    with pytest.raises(A.TraceMismatch, match="3 kernels"):
+        A.trace_kernel_durations(calls[:2], ("sm90_fp8_gemm_1d2d",))
+    with pytest.raises(A.TraceMismatch):
+        A.trace_kernel_durations(calls, ("sm90_fp8_gemm_1d2d",), per_call=2)
+
+
 # --- the search's bookkeeping, with the device replaced by a model of kernel times -------------------
 
 class _FakeCase:
