@@ -70,7 +70,7 @@ class TuningPolicy:
 
     mode: Literal["off", "cached", "search"] = "off"
     min_gain: float = 0.01  # a tuned config must beat the heuristic by more than this, every round
-    max_tiles: int = 14  # phase-1 tiles per shape (the heuristic's included)
+    max_tiles: int = 16  # phase-1 tiles per shape (the heuristic's included)
     refine_tiles: int = 2  # phase 2 varies stages and D swizzle of this many fastest tiles
     iters: int = 8  # timed launches per candidate (and masked_m pattern) per trace
     confirm_rounds: int = 2
@@ -343,8 +343,8 @@ def phase1_candidates(problem: Sm90Problem, num_sms: int, max_tiles: int) -> lis
     """Tiles to time first (at most ``max_tiles``), each with the most stages that fit and the
     largest D swizzle, in this order: the heuristic's tile; at its BLOCK_M, the best tile of every
     cluster choice (no multicast, multicast of A, of B); the best tile at half and at twice its
-    BLOCK_M; its BLOCK_M and cluster with the four BLOCK_N nearest its own; then the rest by the
-    heuristic's traffic model."""
+    BLOCK_M; its BLOCK_M and cluster with the four (masked: six) BLOCK_N nearest its own; then the
+    rest by the heuristic's traffic model."""
     p = problem
     heur = problem.heuristic(num_sms)
     tiles = sm90_tile_configs(p.kernel, p.gemm_kind, p.m, p.n, p.k, p.num_groups, num_sms, cd_dtype=p.cd_dtype)
@@ -361,7 +361,8 @@ def phase1_candidates(problem: Sm90Problem, num_sms: int, max_tiles: int) -> lis
     picks += [next((c for c in same_bm if (c.cluster_m, c.cluster_n) == cl), None) for cl in SM90_CLUSTERS]
     picks += [next((c for c in ranked if c.block_m == bm), None) for bm in (heur.block_m // 2, heur.block_m * 2)]
     family = [c for c in same_bm if (c.cluster_m, c.cluster_n) == (heur.cluster_m, heur.cluster_n)]
-    picks += sorted(family, key=lambda c: (abs(c.block_n - heur.block_n), c.block_n))[1:5]
+    near = 6 if p.gemm_kind == "masked" else 4  # memory-bound masked GEMMs: BLOCK_N sets the load balance
+    picks += sorted(family, key=lambda c: (abs(c.block_n - heur.block_n), c.block_n))[1:1 + near]
     picks += ranked
     chosen: list[Sm90GemmConfig] = []
     for c in picks:
@@ -485,8 +486,8 @@ class _Case:
         self.valid[name] = jnp.asarray(valid)
         self.patterns[name] = pattern
 
-    def launcher(self, cfg: Sm90GemmConfig, cubin: Path) -> Callable:
-        """The XLA executable launching ``cfg`` on this case's operands (compiled here)."""
+    def lower(self, cfg: Sm90GemmConfig, cubin: Path):
+        """The lowered XLA program launching ``cfg`` on this case's operands (compile() it to run)."""
         import jax
 
         from .launch import launch
@@ -496,7 +497,10 @@ class _Case:
         plan = builder(cfg, str(cubin), m=p.m, n=p.n, k=p.k, num_groups=p.num_groups)
         out = self.out
         fn = jax.jit(lambda *ops: launch(plan, list(ops), [out])[0])
-        return fn.lower(*self.inputs, next(iter(self.layouts.values()))).compile()
+        return fn.lower(*self.inputs, next(iter(self.layouts.values())))
+
+    def launcher(self, cfg: Sm90GemmConfig, cubin: Path) -> Callable:
+        return self.lower(cfg, cubin).compile()
 
     def call(self, fn: Callable, pattern: str):
         return fn(*self.inputs, self.layouts[pattern])
@@ -649,8 +653,9 @@ def tune(problems: Sequence[Sm90Problem], *, num_sms: int | None = None,
                                        f"compile: {cubins[src]}")
                 rejected[i][config_label(c)] = f"compile: {str(cubins[src])[-300:]}"
         ok = [(i, c, cubins[src]) for (i, c), (_, src) in jobs.items() if not isinstance(cubins[src], Exception)]
+        lowered = [cases[i].lower(c, path) for i, c, path in ok]  # tracing stays on this thread
         with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-            execs = list(pool.map(lambda job: cases[job[0]].launcher(job[1], job[2]), ok))
+            execs = list(pool.map(lambda low: low.compile(), lowered))
         agree = _agreement_fn()
         for (i, c, _), fn in zip(ok, execs):
             lab, case = config_label(c), cases[i]

@@ -31,6 +31,7 @@ FFI_TARGET_CMD_BUFFER = "moe_jax_deep_gemm_launch_cmd_buffer"  # same launch, XL
 _SOURCE = Path(__file__).parent / "csrc" / "launch_handler.cc"
 _lock = threading.Lock()
 _registered = False
+_cmd_buffer_error: str | None = None  # why FFI_TARGET_CMD_BUFFER could not be registered
 
 
 def find_cxx() -> str:
@@ -86,15 +87,18 @@ def build_handler() -> Path:
 
 def register() -> None:
     """Build and register the launcher with XLA (CUDA platform), once per process."""
-    global _registered
+    global _registered, _cmd_buffer_error
     with _lock:
         if _registered:
             return
         lib = ctypes.cdll.LoadLibrary(str(build_handler()))
         jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(lib.MoeJaxDeepGemmLaunch), platform="CUDA")
-        from jaxlib.xla_client import CustomCallTargetTraits
-        jax.ffi.register_ffi_target(FFI_TARGET_CMD_BUFFER, jax.ffi.pycapsule(lib.MoeJaxDeepGemmLaunchCmdBuffer),
-                                    platform="CUDA", traits=CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
+        try:  # XLA takes a Python-registered target's traits from this argument
+            from jaxlib.xla_client import CustomCallTargetTraits
+            jax.ffi.register_ffi_target(FFI_TARGET_CMD_BUFFER, jax.ffi.pycapsule(lib.MoeJaxDeepGemmLaunchCmdBuffer),
+                                        platform="CUDA", traits=CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
+        except (ImportError, AttributeError, TypeError) as e:
+            _cmd_buffer_error = f"this jaxlib cannot register command-buffer-compatible FFI targets: {e}"
         _registered = True
 
 
@@ -112,6 +116,8 @@ def launch(plan: LaunchPlan, inputs: Sequence[jax.Array],
     plan.check_operands(tuple(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
                               for x in (*inputs, *outputs)))
     register()
+    if plan.command_buffer and _cmd_buffer_error:
+        raise RuntimeError(f"{_cmd_buffer_error} (unset MOE_JAX_DEEP_GEMM_COMMAND_BUFFER)")
     call = jax.ffi.ffi_call(FFI_TARGET_CMD_BUFFER if plan.command_buffer else FFI_TARGET, list(outputs),
                             has_side_effect=False)
     res = call(*inputs, **plan.ffi_attributes())

@@ -161,6 +161,10 @@ def decode_layer(tokens: int = 128, reps: int = 4, iters: int = 200) -> dict:
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
     rows = tokens * cfg.top_k
     gemm_bytes = [e * 2 * i * h + rows * (h + 2 * 2 * i), e * h * i + rows * (i + 2 * h)]  # weights + real rows
+    # XLA's default command-buffer types (xla_gpu_enable_command_buffer: FUSION, CUBLAS, CUBLASLT,
+    # CUSTOM_CALL, CUDNN, and DYNAMIC_SLICE_FUSION in recent XLA; "+TYPE"/"-TYPE" edit that list)
+    # include CUSTOM_CALL, so the command-buffer launcher alone lets XLA capture the DeepGEMM calls;
+    # "" turns command buffers off. While the profiler runs XLA executes the plain thunks instead.
     variants = [("heuristic, plain launches", "off", "0", None),
                 ("tuned, plain launches", "cached", "0", None),
                 ("tuned, command-buffer launches", "cached", "1", None),
@@ -208,7 +212,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0] if __doc__ else None
     p.add_argument("--quick", action="store_true", help="first contig and masked shape only, no decode layer")
     p.add_argument("--no-layer", action="store_true", help="skip the decode-layer measurements")
-    p.add_argument("--max-tiles", type=int, default=14, help="phase-1 tiles per shape (default 14)")
+    p.add_argument("--max-tiles", type=int, default=16, help="phase-1 tiles per shape (default 16)")
     p.add_argument("--iters", type=int, default=8, help="timed launches per config and pattern per trace")
     p.add_argument("--cached", action="store_true", help="keep configs tuned earlier (default: search again)")
     p.add_argument("--json", metavar="PATH", help="write the reports and layer figures as JSON here")
