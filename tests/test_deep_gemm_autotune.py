@@ -104,7 +104,8 @@ def test_candidates_span_tiles_multicast_stages_and_swizzles():
     assert {c.block_m for c in cands} == {16, 32, 64, 128}  # contig blocks never straddle 128-row segments
     assert {c.swizzle_cd for c in cands} == {0, 32, 64, 128}
     tile = [c for c in cands if (c.block_m, c.block_n, c.cluster_m, c.cluster_n, c.swizzle_cd) == (128, 128, 1, 1, 128)]
-    assert sorted(c.num_stages for c in tile) == list(range(2, H.sm90_max_stages("fp8_1d2d", "bf16", p.k, 128, 128) + 1))
+    most = H.sm90_max_stages("fp8_1d2d", "bf16", p.k, 128, 128)
+    assert sorted(c.num_stages for c in tile) == list(range(2, most + 1))
     assert all(c.block_n <= 192 for c in cands)  # larger FP8 tiles spill
     # masked with an odd number of N blocks: no cluster (the paired CTAs must stay in one group)
     odd = A.Sm90Problem("fp8_1d2d", "masked", 256, 3 * 128, 512, 4, 16)
@@ -634,7 +635,8 @@ def test_command_buffer_launches_match_plain_ones_as_addresses_change(monkeypatc
     compiled = {}
     for flag in ("0", "1"):
         monkeypatch.setenv(LP.COMMAND_BUFFER_ENV, flag)
-        sample = (jnp.zeros((g, m_pad, k), jnp.bfloat16), jnp.zeros((g, n, k), jnp.bfloat16), jnp.zeros((g,), jnp.int32))
+        sample = (jnp.zeros((g, m_pad, k), jnp.bfloat16), jnp.zeros((g, n, k), jnp.bfloat16),
+                  jnp.zeros((g,), jnp.int32))
         compiled[flag] = jax.jit(f, compiler_options=opts).lower(*sample).compile()
     text = compiled["1"].as_text()
     assert launch.FFI_TARGET_CMD_BUFFER in text and launch.FFI_TARGET_CMD_BUFFER not in compiled["0"].as_text()

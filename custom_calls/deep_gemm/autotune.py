@@ -13,13 +13,14 @@ Opt-in and static. A frozen ``TuningPolicy`` says what the ops and ``warmup`` us
 The documented default policy comes from ``$MOE_JAX_GEMM_TUNING`` (off | cached | search), read by
 ``TuningPolicy.from_env`` only.
 
-Search (GPU): the candidates are legal configs (``heuristics.sm90_candidates``). Phase 1 times the
-heuristic's tile and the best tiles of every (BLOCK_M, cluster) family by the heuristic's traffic
-model, then the model's overall best, up to ``max_tiles``, each with the most stages that fit and the
-largest D swizzle; phase 2 times fewer stages and the other D swizzles of the ``refine_tiles``
-fastest tiles. Every candidate's output is compared with the heuristic's on the same inputs first:
-any tiling computes the same products in the same k order, so they must agree within the bf16
-rounding of the output (one unit in the last place), else the candidate is dropped. Times are GPU
+Search (GPU): the candidates are legal configs (``heuristics.sm90_candidates``). Phase 1 times up
+to ``max_tiles`` tiles, each with the most stages that fit and the largest D swizzle: the heuristic's,
+the other multicast choices and block heights around it, its BLOCK_N neighbours, then the best by the
+heuristic's traffic model (``phase1_candidates``); phase 2 times fewer stages and the other D
+swizzles of the ``refine_tiles`` fastest tiles beside the heuristic and the phase-1 winner. Every
+candidate's output is compared with the heuristic's on the same inputs first: any tiling computes
+the same products in the same k order, so they must agree within the bf16 rounding of the output
+(one unit in the last place), else the candidate is dropped. Times are GPU
 kernel durations from one profiler trace per phase, the candidates of a shape interleaved round by
 round (a clock change under the power cap then hits all of them alike); masked shapes are timed on
 two ``masked_m`` patterns (every group at expected_m, and a multinomial draw of the same total, as
@@ -54,8 +55,9 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 from . import codegen, compiler, launch_plan, toolchain
-from .heuristics import (SM90_CLUSTERS, Sm90GemmConfig, align, ceil_div, sm90_build_config, sm90_candidates, sm90_config_reason,
-                         sm90_gemm_config, sm90_model_cost, sm90_swizzle_cd_choices, sm90_tile_configs)
+from .heuristics import (SM90_CLUSTERS, Sm90GemmConfig, align, ceil_div, sm90_build_config, sm90_candidates,
+                         sm90_config_reason, sm90_gemm_config, sm90_model_cost, sm90_swizzle_cd_choices,
+                         sm90_tile_configs)
 
 TUNING_ENV = "MOE_JAX_GEMM_TUNING"
 TUNING_MODES = ("off", "cached", "search")
@@ -411,7 +413,8 @@ def _log(msg: str) -> None:
 
 
 def _kernel_source(problem: Sm90Problem, cfg: Sm90GemmConfig) -> tuple[str, str]:
-    name = f"sm90_{cfg.kernel}_{cfg.gemm_kind}_n{problem.n}_k{problem.k}_g{problem.num_groups}_{cfg.block_m}x{cfg.block_n}"
+    p = problem
+    name = f"sm90_{cfg.kernel}_{cfg.gemm_kind}_n{p.n}_k{p.k}_g{p.num_groups}_{cfg.block_m}x{cfg.block_n}"
     return name, codegen.sm90_gemm_source(cfg, problem.n, problem.k)
 
 
@@ -454,7 +457,7 @@ class _Case:
             weights[wkey] = (rhs.astype(jnp.float8_e4m3fn), rhs_scale) if fp8 else (rhs, None)
         rhs, rhs_scale = weights[wkey]
         if fp8:
-            sa_shape = (g, ceil_div(k, 128), align(m, 4)) if p.gemm_kind == "masked" else (ceil_div(k, 128), align(m, 4))
+            sa_shape = ((g,) if p.gemm_kind == "masked" else ()) + (ceil_div(k, 128), align(m, 4))
             lhs_scale = jax.random.uniform(k_sa, sa_shape, jnp.float32, 0.5, 1.0) * 2.0 ** -6
             self.inputs = [lhs.astype(jnp.float8_e4m3fn), rhs, lhs_scale, rhs_scale]
         else:
@@ -684,8 +687,9 @@ def tune(problems: Sequence[Sm90Problem], *, num_sms: int | None = None,
         return min(labs, key=lambda lab: _objective(times[i][lab]))
 
     ranked = {i: sorted(times1[i], key=lambda lab: _objective(times1[i][lab])) for i in todo}
-    p2 = {i: [c for c in refine_candidates(problems[i], num_sms, [cfg_of[i][lab] for lab in ranked[i][:policy.refine_tiles]])
-              if config_label(c) not in fns[i]] for i in todo}
+    parents = {i: [cfg_of[i][lab] for lab in ranked[i][:policy.refine_tiles]] for i in todo}
+    p2 = {i: [c for c in refine_candidates(problems[i], num_sms, parents[i]) if config_label(c) not in fns[i]]
+          for i in todo}
     if policy.refine_tiles and any(p2.values()):
         prepare({i: [heur[i]] + p2[i] for i in todo})  # heuristic first: it is the reference output
         blocks = {}
@@ -701,7 +705,7 @@ def tune(problems: Sequence[Sm90Problem], *, num_sms: int | None = None,
     # confirmation: winner against heuristic, confirm_rounds traces
     rounds: dict[int, list[tuple[float, float]]] = {i: [] for i in todo}
     contest = [i for i in todo if winners[i] != config_label(heur[i])]
-    for r in range(policy.confirm_rounds if contest else 0):
+    for _ in range(policy.confirm_rounds if contest else 0):
         hl = {i: config_label(heur[i]) for i in contest}
         res = _measure([(cases[i], {hl[i]: fns[i][hl[i]], winners[i]: fns[i][winners[i]]}) for i in contest],
                        policy.iters)
