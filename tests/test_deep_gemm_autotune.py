@@ -22,22 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from custom_calls.deep_gemm import autotune as A, codegen, heuristics as H, launch, launch_plan as LP, ops, toolchain
+from custom_calls.deep_gemm import autotune as A, codegen, heuristics as H, launch, launch_plan as LP, ops
+from test_deep_gemm_host import needs_nvcc
 
 CAP = 232448
 DEVICE = "NVIDIA H200"
 
-
-def _has_toolchain() -> bool:
-    try:
-        toolchain.deep_gemm_include_dir()
-        toolchain.find_nvcc()
-        return True
-    except toolchain.ToolchainError:
-        return False
-
-
-needs_nvcc = pytest.mark.skipif(not _has_toolchain(), reason="needs nvcc and sgl-deep-gemm")
 
 PROBLEMS = [
     A.Sm90Problem("fp8_1d2d", "contig", 32 * 1024, 4096, 7168, 32),
@@ -433,6 +423,9 @@ class _FakeCase:
     def lower(self, cfg, cubin):
         return type("Lowered", (), {"compile": lambda _: cfg})()
 
+    def launcher(self, cfg, cubin):
+        return cfg
+
     def call(self, fn, pattern):
         return fn
 
@@ -495,6 +488,39 @@ def test_search_keeps_the_heuristic_unless_it_loses_by_more_than_min_gain(cache,
     rep, traces = _fake_search(monkeypatch, p, speed)
     assert not rep.entry.tuned and rep.entry.config == heur
     assert len(traces) == (2 if gain == 0 else 4)  # a challenger within 1 % is confirmed, then rejected
+
+
+@needs_nvcc
+def test_compare_cached_times_tuned_entries_only(cache, monkeypatch):
+    tuned_p, kept_p, none_p = PROBLEMS[2], PROBLEMS[3], PROBLEMS[5]
+    other = _other(tuned_p)
+    A.store_entry(A.tuning_key(tuned_p, 132, DEVICE), _entry(tuned_p, other))
+    A.store_entry(A.tuning_key(kept_p, 132, DEVICE), _entry(kept_p, kept_p.heuristic(132)))
+    monkeypatch.setattr(ops, "detected_device", lambda: ("gpu", 90, 132))
+    monkeypatch.setattr(A, "detected_device_kind", lambda: DEVICE)
+    monkeypatch.setattr(A, "_Case", _FakeCase)
+    monkeypatch.setattr(A, "compile_all", lambda jobs, workers=None: {src: Path("/x.cubin") for _, src in jobs})
+    monkeypatch.setattr(A, "_measure", lambda blocks, iters: [
+        {lab: {pat: (80.0 if fn == other else 100.0) for pat in case.layouts} for lab, fn in fns.items()}
+        for case, fns in blocks])
+    (row,) = A.compare_cached([tuned_p, kept_p, none_p])
+    assert row["problem"] == tuned_p.label and row["tuned"] == A.config_label(other)
+    assert row["heuristic_us"] == {"uniform": 100.0, "routed": 100.0} and row["gain"] == pytest.approx(0.25)
+
+
+def test_bench_shapes_map_to_tuning_problems():
+    from moe_jax.bench import gemm, tune
+
+    probs = tune.problems(quick=False)
+    assert len(probs) == len(set(probs)) == 11
+    assert A.grouped_problem("contig", 32 * 1024, 4096, 7168, 32, "bf16") in probs
+    layer = {(p.m, p.expected_m, p.n, p.k) for p in probs if p.gemm_kind == "masked"}
+    # decode at 32 / 128 / 512 tokens, top-8 of 32 experts: GEMM1 (N 2I, K H) and GEMM2 (N H, K I)
+    assert layer == {(256, 8, 4096, 7168), (256, 8, 7168, 2048), (256, 32, 4096, 7168), (256, 32, 7168, 2048),
+                     (512, 128, 4096, 7168), (512, 128, 7168, 2048)}
+    assert gemm.tuning_problems([("masked", gemm.MASKED[0])]) == [A.Sm90Problem("fp8_1d2d", "masked", 256, 4096,
+                                                                                7168, 32, 32)]
+    assert len(tune.problems(quick=True)) == 3
 
 
 # --- the command-buffer launcher ------------------------------------------------------------------

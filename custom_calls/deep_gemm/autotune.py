@@ -745,20 +745,21 @@ def compare_cached(problems: Sequence[Sm90Problem], *, num_sms: int | None = Non
             found.append((p, entry))
     if not found:
         return []
-    jobs = [_kernel_source(p, c) for p, e in found for c in (e.heuristic, e.config)]
+    pairs = [(p, p.heuristic(num_sms), e.config) for p, e in found]  # today's heuristic
+    jobs = [_kernel_source(p, c) for p, h, t in pairs for c in (h, t)]
     cubins = compile_all(jobs)
     for _, src in jobs:
         if isinstance(cubins[src], Exception):
             raise cubins[src]
     weights: dict = {}
     blocks = []
-    for seed, (p, e) in enumerate(found):
+    for seed, (p, h, t) in enumerate(pairs):
         case = _Case(p, seed=seed, weights=weights)
         blocks.append((case, {name: case.launcher(c, cubins[_kernel_source(p, c)[1]])
-                              for name, c in (("heuristic", e.heuristic), ("tuned", e.config))}))
+                              for name, c in (("heuristic", h), ("tuned", t))}))
     rows = []
-    for (p, e), (case, _), t in zip(found, blocks, _measure(blocks, iters)):
-        rows.append({"problem": p.label, "heuristic": config_label(e.heuristic), "tuned": config_label(e.config),
+    for (p, h, c), (case, _), t in zip(pairs, blocks, _measure(blocks, iters)):
+        rows.append({"problem": p.label, "heuristic": config_label(h), "tuned": config_label(c),
                      "heuristic_us": t["heuristic"], "tuned_us": t["tuned"],
                      "gain": _objective(t["heuristic"]) / _objective(t["tuned"]) - 1.0, "patterns": case.patterns})
     return rows
