@@ -7,8 +7,10 @@ Importing this package imports no GPU dependency and probes no device.
 from custom_calls.act_quant import quantize_activation
 from custom_calls.activation import (ActivationSpec, activation_quant_contig,
                                      activation_quant_masked, gated_activation)
-from custom_calls.backends import (AUTO, REFERENCE, Implementation, backends, get_default_backend,
-                                   register, register_lazy, resolve, use_backend)
+from custom_calls.backends import (AUTO, REFERENCE, Implementation, OpSpec, auto_order, backend_stages,
+                                   backends, declare_op, get_default_backend, known_backends, op_spec,
+                                   register, register_lazy, resolve, set_environment, static_supports,
+                                   use_backend)
 from custom_calls.expert_rank import rank_within_expert
 from custom_calls.grouped_gemm import (dequantize_lhs, dequantize_rhs, m_grouped_gemm_contig,
                                        m_grouped_gemm_masked)
@@ -17,9 +19,10 @@ from custom_calls.route_topk import route_topk
 from custom_calls.unpermute import unpermute
 
 __all__ = [
-    "AUTO", "REFERENCE", "ActivationSpec", "Implementation", "activation_quant_contig",
-    "activation_quant_masked", "backends", "dequantize_lhs", "dequantize_rhs", "gated_activation",
-    "get_default_backend", "m_grouped_gemm_contig", "m_grouped_gemm_masked", "permute_contig",
-    "permute_masked", "quantize_activation", "rank_within_expert", "register", "register_lazy",
-    "resolve", "route_topk", "scatter_rows", "unpermute", "use_backend",
+    "AUTO", "REFERENCE", "ActivationSpec", "Implementation", "OpSpec", "activation_quant_contig",
+    "activation_quant_masked", "auto_order", "backend_stages", "backends", "declare_op",
+    "dequantize_lhs", "dequantize_rhs", "gated_activation", "get_default_backend", "known_backends",
+    "m_grouped_gemm_contig", "m_grouped_gemm_masked", "op_spec", "permute_contig", "permute_masked",
+    "quantize_activation", "rank_within_expert", "register", "register_lazy", "resolve",
+    "route_topk", "scatter_rows", "set_environment", "static_supports", "unpermute", "use_backend",
 ]

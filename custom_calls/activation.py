@@ -8,8 +8,8 @@
 
 gate = first half of the 2I columns, up = second half. Math in fp32; the result is rounded to bf16
 before quantization (as the default fused kernels do) unless `keep_fp32` (silu only, FP8 weights),
-which quantizes the fp32 value. Quantization: `act_quant.quantize_activation` with K = I (GEMM2's
-A recipe recomputed for K = I).
+which quantizes the fp32 value. Quantization: the lhs format of `layouts.gemm_format(recipe, arch)`
+with K = I (GEMM2's A recipe recomputed for K = I).
 Every variant, SiTU included, quantizes with the already rounded-up UE8M0 scale on arch 100. The
 seed's SiTU Triton kernel instead quantizes with the exact amax/448 scale and rounds the scale up
 afterwards, which inflates the dequantized values by the rounding factor (up to 2x); we do not
@@ -23,10 +23,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from layouts import store_as
-from custom_calls._checks import FLOATS, check_dtype, check_rank, check_recipe_arch, check_shape
-from custom_calls.act_quant import quantize_activation
-from custom_calls.backends import REFERENCE, register, resolve
+from layouts import FLOAT_DTYPES, GemmFormat, gemm_format, store_as
+from layouts.checks import check_dtype, check_rank, check_shape
+from custom_calls.backends import declare_op, resolve
 
 OP_CONTIG = "activation_quant_contig"
 OP_MASKED = "activation_quant_masked"
@@ -82,7 +81,7 @@ def _act_quant(gateup, act: ActivationSpec, recipe: str, arch: int):
     y = gated_activation(gateup, act)
     if not act.keep_fp32:
         y = store_as(y, jnp.bfloat16)
-    return quantize_activation(y, recipe, arch)
+    return gemm_format(recipe, arch).quantize_lhs(y)
 
 
 def _contig_reference(gateup, *, act, recipe, arch):
@@ -95,20 +94,29 @@ def _masked_reference(gateup, masked_m, *, act, recipe, arch):
     return _act_quant(jnp.where(valid, gateup, 0), act, recipe, arch)
 
 
-register(OP_CONTIG, REFERENCE, jax.jit(_contig_reference, static_argnames=("act", "recipe", "arch")))
-register(OP_MASKED, REFERENCE, jax.jit(_masked_reference, static_argnames=("act", "recipe", "arch")))
+declare_op(OP_CONTIG, stage="activation", static_args=("rows", "two_i", "act", "recipe", "arch", "dtype"),
+           reference=jax.jit(_contig_reference, static_argnames=("act", "recipe", "arch")))
+declare_op(OP_MASKED, stage="activation",
+           static_args=("num_groups", "m_pad", "two_i", "act", "recipe", "arch", "dtype"),
+           reference=jax.jit(_masked_reference, static_argnames=("act", "recipe", "arch")))
 
 
-def _check(gateup, act, recipe, arch):
+def keep_fp32_allowed(fmt: GemmFormat) -> bool:
+    """`keep_fp32` quantizes SiLU*up from fp32: only for FP8 expert weights (e4m3 values)."""
+    return fmt.is_quantized and fmt.rhs_k_pack == 1
+
+
+def _check(gateup, act, recipe, arch) -> GemmFormat:
     if not isinstance(act, ActivationSpec):
         raise TypeError(f"act: expected ActivationSpec, got {type(act).__name__}")
-    check_recipe_arch(recipe, arch)
-    check_dtype("gateup", gateup, FLOATS)
+    fmt = gemm_format(recipe, arch)
+    check_dtype("gateup", gateup, FLOAT_DTYPES)
     two_i = gateup.shape[-1]
     if two_i % 2:
         raise ValueError(f"gateup: last axis must be even (gate | up), got shape {tuple(gateup.shape)}")
-    if act.keep_fp32 and recipe not in ("fp8_block", "mxfp8"):
+    if act.keep_fp32 and not keep_fp32_allowed(fmt):
         raise ValueError(f"act.keep_fp32: only for FP8 expert weights (fp8_block, mxfp8), got recipe {recipe!r}")
+    return fmt
 
 
 def activation_quant_contig(gateup: jax.Array, *, act: ActivationSpec, recipe: str, arch: int,

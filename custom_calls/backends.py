@@ -1,18 +1,31 @@
 """Backend registry: one op name, several implementations behind the same signature.
 
-Implementations register `(op, backend, supports_fn, impl_fn)`. `supports_fn(**static) -> (ok,
-reason)` sees the op's static arguments (shapes, dtypes, recipe, arch, ...) plus `platform`
-(`jax.default_backend()` at resolve time). `resolve(op, backend, **static)`:
-  * an explicit name -> that implementation, or ValueError carrying its reason;
-  * "auto" -> the first accelerated implementation whose package is available on this platform
-    and whose supports_fn says ok, else "reference";
-  * None -> the default set by `use_backend` ("reference" unless changed).
+The registry is the single source of truth about ops and backends:
+
+* `declare_op(name, static_args=..., reference=..., stage=...)` declares an op once: its name, the
+  static keywords every resolution passes (shapes, dtypes, recipe, arch, ...), its pure-JAX
+  reference (registered as backend "reference") and the layer stage it implements.
+* `register(op, backend, impl, supports)` adds an implementation. `supports(**static) -> (ok,
+  reason)` answers from the static arguments alone (shapes, dtypes, recipe); whether the backend
+  can run on this machine at all (platform, packages, device) is the backend's `environment`
+  check, declared once per backend with `register_lazy` / `set_environment`.
+* `resolve(op, backend, **static)` checks the static keywords against the declaration (unknown or
+  missing ones are a TypeError), then:
+    - an explicit name -> that implementation, or ValueError carrying the reason it cannot run;
+    - "auto" -> the first backend of `auto_order()` that is available here and whose supports
+      says ok, else "reference";
+    - None -> the default set by `use_backend` ("reference" unless changed).
+  `supports` runs here, once; a registered implementation trusts the call that `resolve`
+  accepted (the public op functions check their inputs before resolving).
+* `backend_stages(backend)` is the set of layer stages a backend implements, from its registered
+  ops; `static_supports(...)` answers the shape question without the environment (e.g. whether
+  the masked activation kernel could serve a layout, also on a machine without a GPU).
 
 Accelerated packages register lazily: `register_lazy(backend, module, platforms)` names a module
-that is imported only when that backend is first resolved on one of `platforms` (e.g. "gpu"); the
-module registers its ops on import. Importing `custom_calls` imports no GPU dependency and probes
-no device. Resolution happens at trace time: under `jax.jit` pass backends explicitly (a changed
-`use_backend` default does not retrace an already compiled function).
+imported when the backend is first needed (resolution on one of `platforms`, or a stage/static
+query); the module registers its ops on import. Importing `custom_calls` imports no GPU dependency
+and probes no device. Resolution happens at trace time: under `jax.jit` pass backends explicitly
+(a changed `use_backend` default does not retrace an already compiled function).
 """
 
 from __future__ import annotations
@@ -25,8 +38,23 @@ from typing import Callable, Iterator
 
 REFERENCE = "reference"
 AUTO = "auto"
+# The order in which "auto" tries accelerated backends; backends registered later and not listed
+# here are tried after these, in registration order.
+AUTO_ORDER = ("deep_gemm", "triton")
 
 SupportsFn = Callable[..., tuple[bool, str]]
+EnvironmentFn = Callable[..., str]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """An op: its name, the static keywords of its resolution, its layer stage (None: not a
+    stage of the layer) and its pure-JAX reference."""
+
+    name: str
+    static_args: frozenset
+    stage: str | None
+    reference: Callable
 
 
 @dataclass(frozen=True)
@@ -37,11 +65,18 @@ class Implementation:
     impl: Callable
 
 
+@dataclass
+class _Backend:
+    module: str | None = None  # imported on first need; registers the backend's ops
+    platforms: tuple[str, ...] | None = None  # None: any platform
+    environment: EnvironmentFn | None = None  # (platform, **static) -> "" or why it cannot run here
+    load_error: str | None = None
+
+
+_OPS: dict[str, OpSpec] = {}
 _IMPLS: dict[str, dict[str, Implementation]] = {}
-_LAZY: dict[str, tuple[str, tuple[str, ...]]] = {}
-_PLATFORMS: dict[str, tuple[str, ...]] = {}  # backend -> platforms it runs on (absent: any)
-_LAZY_ERRORS: dict[str, str] = {}
-_LOCK = threading.Lock()
+_BACKENDS: dict[str, _Backend] = {}
+_LOCK = threading.RLock()
 _DEFAULT = threading.local()
 
 
@@ -49,20 +84,63 @@ def _always(**_static) -> tuple[bool, str]:
     return True, ""
 
 
-def register(op: str, backend: str, impl: Callable, supports: SupportsFn | None = None) -> None:
-    """Register `impl` as `backend`'s implementation of `op` (replacing an earlier one)."""
-    if backend == AUTO:
-        raise ValueError(f"backend: {AUTO!r} is reserved for selection, not a registrable name")
+def declare_op(name: str, *, static_args: tuple[str, ...], reference: Callable,
+               stage: str | None = None) -> OpSpec:
+    """Declare op `name` once, with its reference implementation (backend "reference")."""
     with _LOCK:
-        _IMPLS.setdefault(op, {})[backend] = Implementation(op, backend, supports or _always, impl)
+        if name in _OPS:
+            raise ValueError(f"op: {name!r} is already declared")
+        spec = OpSpec(name, frozenset(static_args), stage, reference)
+        _OPS[name] = spec
+        _IMPLS.setdefault(name, {})[REFERENCE] = Implementation(name, REFERENCE, _always, reference)
+    return spec
+
+
+def op_spec(op: str) -> OpSpec:
+    if op not in _OPS:
+        raise ValueError(f"op: expected one of {sorted(_OPS)}, got {op!r}")
+    return _OPS[op]
+
+
+def register(op: str, backend: str, impl: Callable, supports: SupportsFn | None = None) -> None:
+    """Register `impl` as `backend`'s implementation of the declared op `op` (replacing an earlier
+    one). `supports(**static) -> (ok, reason)` sees the op's declared static keywords."""
+    if backend in (AUTO, REFERENCE):
+        raise ValueError(f"backend: {backend!r} is reserved, not a registrable name")
+    op_spec(op)
+    with _LOCK:
+        _BACKENDS.setdefault(backend, _Backend())
+        _IMPLS[op][backend] = Implementation(op, backend, supports or _always, impl)
 
 
 def register_lazy(backend: str, module: str, platforms: tuple[str, ...] = ("gpu",)) -> None:
-    """Declare that importing `module` registers `backend`'s implementations; the import happens
-    on first resolution on one of `platforms`."""
+    """Declare that importing `module` registers `backend`'s implementations and that the backend
+    runs only on `platforms`."""
     with _LOCK:
-        _LAZY[backend] = (module, tuple(platforms))
-        _PLATFORMS[backend] = tuple(platforms)
+        b = _BACKENDS.setdefault(backend, _Backend())
+        b.module, b.platforms = module, tuple(platforms)
+
+
+def set_environment(backend: str, environment: EnvironmentFn) -> None:
+    """`environment(platform, **static) -> reason` ("" when `backend` can run here): packages,
+    device, compiler. Asked before any of the backend's `supports`."""
+    with _LOCK:
+        _BACKENDS.setdefault(backend, _Backend()).environment = environment
+
+
+def _load(backend: str) -> str | None:
+    """Import a lazily registered backend; returns an error text when it cannot be loaded."""
+    b = _BACKENDS.get(backend)
+    if b is None or b.module is None:
+        return None
+    if b.load_error is None:
+        try:
+            importlib.import_module(b.module)
+        except Exception as exc:  # the reason travels to the user; never a silent fallback
+            b.load_error = f"importing {b.module} failed: {type(exc).__name__}: {exc}"
+        else:
+            b.load_error = ""
+    return b.load_error or None
 
 
 def _current_platform() -> str:
@@ -71,26 +149,35 @@ def _current_platform() -> str:
     return jax.default_backend()
 
 
-def _load(backend: str) -> str | None:
-    """Import a lazily registered backend; returns an error text when it cannot be loaded."""
-    if backend not in _LAZY:
-        return None
-    if backend in _LAZY_ERRORS:
-        return _LAZY_ERRORS[backend]
-    module, _ = _LAZY[backend]
-    try:
-        importlib.import_module(module)
-    except Exception as exc:  # the reason travels to the user; never a silent fallback
-        _LAZY_ERRORS[backend] = f"importing {module} failed: {type(exc).__name__}: {exc}"
-        return _LAZY_ERRORS[backend]
-    with _LOCK:
-        del _LAZY[backend]
-    return None
+def auto_order() -> tuple[str, ...]:
+    """Accelerated backends in the order "auto" tries them."""
+    rest = [b for b in _BACKENDS if b not in AUTO_ORDER]
+    return tuple(b for b in AUTO_ORDER if b in _BACKENDS) + tuple(rest)
 
 
 def backends(op: str) -> list[str]:
-    """Names of the implementations of `op` registered so far (lazy ones not yet loaded excluded)."""
-    return list(_IMPLS.get(op, {}))
+    """Names of the implementations of `op` (lazily registered backends are loaded first)."""
+    op_spec(op)
+    for name in list(_BACKENDS):
+        _load(name)
+    return list(_IMPLS[op])
+
+
+def backend_stages(backend: str) -> frozenset:
+    """Layer stages (`OpSpec.stage`) `backend` implements, from its registered ops."""
+    if backend == REFERENCE:
+        return frozenset(s.stage for s in _OPS.values() if s.stage)
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {sorted({REFERENCE, AUTO, *_BACKENDS})}, got {backend!r}")
+    err = _load(backend)
+    if err is not None:
+        raise ValueError(f"backend {backend!r} is unavailable: {err}")
+    return frozenset(_OPS[op].stage for op, impls in _IMPLS.items() if backend in impls and _OPS[op].stage)
+
+
+def known_backends() -> tuple[str, ...]:
+    """Every backend name a caller may pass: "reference", "auto" and the registered ones."""
+    return (REFERENCE, AUTO, *_BACKENDS)
 
 
 def get_default_backend() -> str:
@@ -110,42 +197,86 @@ def use_backend(name: str) -> Iterator[str]:
         _DEFAULT.name = prev
 
 
+def _check_static(spec: OpSpec, static: dict) -> None:
+    given = set(static)
+    unknown, missing = given - spec.static_args, spec.static_args - given
+    if unknown or missing:
+        parts = ([f"unknown {sorted(unknown)}"] if unknown else []) + ([f"missing {sorted(missing)}"] if missing else [])
+        raise TypeError(f"static arguments of op {spec.name!r}: expected {sorted(spec.static_args)}, "
+                        f"got {' and '.join(parts)}")
+
+
+def _platform_reason(backend: str, platform: str) -> str:
+    """Why `backend` cannot even be considered on `platform` (wrong platform, failed import)."""
+    b = _BACKENDS[backend]
+    if b.platforms is not None and platform not in b.platforms:
+        return f"runs on platform(s) {b.platforms}, current platform is {platform!r}"
+    err = _load(backend)
+    return f"is unavailable: {err}" if err is not None else ""
+
+
+def _environment_reason(backend: str, platform: str, static: dict) -> str:
+    env = _BACKENDS[backend].environment
+    return env(platform, **static) if env is not None else ""
+
+
+def _lookup(op: str, backend: str) -> Implementation:
+    impl = _IMPLS[op].get(backend)
+    if impl is None:
+        raise ValueError(f"backend {backend!r}: no implementation of op {op!r} "
+                         f"(known: {sorted({*_IMPLS[op], AUTO})})")
+    return impl
+
+
 def resolve(op: str, backend: str | None = None, **static) -> Implementation:
-    """Pick the implementation of `op` for `backend` given the op's static arguments."""
+    """Pick the implementation of `op` for `backend` given the op's static arguments (all of the
+    declared ones; `platform=` overrides `jax.default_backend()`)."""
+    spec = op_spec(op)
+    platform = static.pop("platform", None) or _current_platform()
+    _check_static(spec, static)
     if backend is None:
         backend = get_default_backend()
-    platform = static.pop("platform", None) or _current_platform()
     if backend == AUTO:
-        for name, (_, platforms) in list(_LAZY.items()):
-            if platform in platforms:
-                _load(name)
-        for name, impl in _IMPLS.get(op, {}).items():
-            # a package imported directly (not through the registry) is registered but may still
-            # not run here: its platforms are checked before its supports_fn is asked
-            if name == REFERENCE or platform not in _PLATFORMS.get(name, (platform,)):
+        for name in auto_order():
+            if _platform_reason(name, platform):
                 continue
-            ok, _ = impl.supports(platform=platform, **static)
-            if ok:
+            impl = _IMPLS[op].get(name)
+            if (impl is not None and impl.supports(**static)[0]
+                    and not _environment_reason(name, platform, static)):
                 return impl
         backend = REFERENCE
-    platforms = _PLATFORMS.get(backend)
-    if platforms is not None and platform not in platforms:
-        raise ValueError(f"backend {backend!r} for op {op!r}: runs on platform(s) {platforms}, "
-                         f"current platform is {platform!r}")
-    if backend in _LAZY:
-        err = _load(backend)
-        if err is not None:
-            raise ValueError(f"backend {backend!r} for op {op!r} is unavailable: {err}")
-    impl = _IMPLS.get(op, {}).get(backend)
-    if impl is None:
-        known = sorted(set(_IMPLS.get(op, {})) | set(_LAZY) | {AUTO})
-        raise ValueError(f"backend {backend!r}: no implementation of op {op!r} (known: {known})")
-    ok, reason = impl.supports(platform=platform, **static)
-    if not ok:
+    if backend == REFERENCE:
+        return _IMPLS[op][REFERENCE]
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend {backend!r}: no implementation of op {op!r} (known: "
+                         f"{sorted({*_IMPLS[op], *_BACKENDS, AUTO})})")
+    reason = _platform_reason(backend, platform)
+    if reason:
+        raise ValueError(f"backend {backend!r} for op {op!r}: {reason}")
+    impl = _lookup(op, backend)
+    ok, reason = impl.supports(**static)  # what the call asks for first, then whether this machine can
+    reason = reason if not ok else _environment_reason(backend, platform, static)
+    if reason:
         raise ValueError(f"backend {backend!r} cannot run op {op!r}: {reason}")
     return impl
 
 
-# Accelerated packages: imported only when chosen on a GPU.
+def static_supports(op: str, backend: str, **static) -> tuple[bool, str]:
+    """(ok, reason) of `backend`'s implementation of `op` for these static arguments, without the
+    environment check (platform, packages, device). "auto" asks the first accelerated backend of
+    `auto_order()` that implements the op; "reference" and "auto" without one are always ok."""
+    spec = op_spec(op)
+    _check_static(spec, static)
+    if backend == AUTO:
+        backend = next((b for b in auto_order() if _load(b) is None and b in _IMPLS[op]), REFERENCE)
+    if backend == REFERENCE:
+        return True, ""
+    if backend not in _BACKENDS or _load(backend) is not None or backend not in _IMPLS[op]:
+        return False, f"backend {backend!r} has no implementation of op {op!r}"
+    return _IMPLS[op][backend].supports(**static)
+
+
+# Accelerated packages: imported when first needed (never at `import custom_calls`).
 register_lazy("deep_gemm", "custom_calls.deep_gemm", platforms=("gpu",))
-register_lazy("triton", "custom_calls.triton", platforms=("gpu",))
+# the CPU only under Triton's interpreter (its environment check says which)
+register_lazy("triton", "custom_calls.triton", platforms=("gpu", "cpu"))

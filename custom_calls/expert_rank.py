@@ -1,4 +1,4 @@
-"""Slot ranking for dispatch (SPEC §3): how many routes each local expert receives and the position
+"""Slot ranking for dispatch: how many routes each local expert receives and the position
 of every route among the routes of its expert, in (token, k) order. The dispatcher
 (moe_jax.dispatch) turns these into segment offsets and `src2dst`.
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from custom_calls._checks import check_dtype, check_rank
-from custom_calls.backends import REFERENCE, register, resolve
+from layouts.checks import check_dtype, check_rank
+from custom_calls.backends import declare_op, resolve
 
 OP = "rank_within_expert"
 
@@ -28,7 +28,8 @@ def _reference(e_flat, *, num_experts):
     return counts_all[:num_experts], rank
 
 
-register(OP, REFERENCE, jax.jit(_reference, static_argnames=("num_experts",)))
+declare_op(OP, stage="dispatch", static_args=("num_routes", "num_experts"),
+           reference=jax.jit(_reference, static_argnames=("num_experts",)))
 
 
 def rank_within_expert(e_flat: jax.Array, *, num_experts: int,

@@ -12,9 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from custom_calls._checks import FLOATS, check_dtype, check_rank, check_recipe_arch
-from custom_calls.act_quant import quantize_activation
-from custom_calls.backends import REFERENCE, register, resolve
+from layouts import FLOAT_DTYPES, gemm_format
+from layouts.checks import check_dtype, check_rank
+from custom_calls.backends import declare_op, resolve
 
 OP_CONTIG = "permute_contig"
 OP_MASKED = "permute_masked"
@@ -33,23 +33,26 @@ def scatter_rows(x: jax.Array, src2dst: jax.Array, num_rows: int) -> jax.Array:
 
 
 def _contig_reference(x, src2dst, *, num_rows, recipe, arch):
-    return quantize_activation(scatter_rows(x, src2dst, num_rows), recipe, arch)
+    return gemm_format(recipe, arch).quantize_lhs(scatter_rows(x, src2dst, num_rows))
 
 
 def _masked_reference(x, src2dst, *, num_groups, m_pad, recipe, arch):
     rows = scatter_rows(x, src2dst, num_groups * m_pad).reshape(num_groups, m_pad, x.shape[1])
-    return quantize_activation(rows, recipe, arch)
+    return gemm_format(recipe, arch).quantize_lhs(rows)
 
 
-register(OP_CONTIG, REFERENCE, jax.jit(_contig_reference, static_argnames=("num_rows", "recipe", "arch")))
-register(OP_MASKED, REFERENCE, jax.jit(_masked_reference,
-                                      static_argnames=("num_groups", "m_pad", "recipe", "arch")))
+declare_op(OP_CONTIG, stage="permute",
+           static_args=("num_tokens", "hidden", "top_k", "num_rows", "recipe", "arch", "dtype"),
+           reference=jax.jit(_contig_reference, static_argnames=("num_rows", "recipe", "arch")))
+declare_op(OP_MASKED, stage="permute",
+           static_args=("num_tokens", "hidden", "top_k", "num_groups", "m_pad", "recipe", "arch", "dtype"),
+           reference=jax.jit(_masked_reference, static_argnames=("num_groups", "m_pad", "recipe", "arch")))
 
 
 def _check(x, src2dst, recipe, arch):
-    check_recipe_arch(recipe, arch)
+    gemm_format(recipe, arch)
     check_rank("x", x, 2, "(M, H)")
-    check_dtype("x", x, FLOATS)
+    check_dtype("x", x, FLOAT_DTYPES)
     check_rank("src2dst", src2dst, 2, "(M, top_k)")
     if src2dst.shape[0] != x.shape[0]:
         raise ValueError(f"src2dst: expected {x.shape[0]} rows (tokens of x), got shape {tuple(src2dst.shape)}")
@@ -59,7 +62,7 @@ def _check(x, src2dst, recipe, arch):
 def permute_contig(x: jax.Array, src2dst: jax.Array, *, num_rows: int, recipe: str, arch: int,
                    backend: str | None = None) -> tuple[jax.Array, jax.Array | None]:
     """x: (M, H) float, src2dst: (M, k) int32 rows in [0, num_rows) or -1
-    -> (lhs (num_rows, H) bf16 | e4m3, lhs_scale image (see act_quant) | None).
+    -> (lhs (num_rows, H) bf16 | e4m3, lhs_scale image of `layouts.gemm_format(recipe, arch)` | None).
     num_rows = M_cap, the static contig capacity (a multiple of the alignment)."""
     _check(x, src2dst, recipe, arch)
     impl = resolve(OP_CONTIG, backend, num_tokens=x.shape[0], hidden=x.shape[1],

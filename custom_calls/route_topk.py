@@ -1,4 +1,4 @@
-"""Routing epilogue (SPEC §3): router logits -> scores -> (grouped) top-k on the bias-corrected
+"""Routing epilogue: router logits -> scores -> (grouped) top-k on the bias-corrected
 scores -> weights from the unbiased scores, renormalized. The gate GEMM before it and hash routing
 stay in moe_jax.routing.
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from custom_calls._checks import check_dtype, check_rank
-from custom_calls.backends import REFERENCE, register, resolve
+from layouts.checks import check_dtype, check_rank
+from custom_calls.backends import declare_op, resolve
 
 OP = "route_topk"
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -71,8 +71,9 @@ def _reference(logits, bias, *, top_k, scoring, n_group, topk_group, norm_topk_p
     return ids, renormalize(weights) if norm_topk_prob else weights
 
 
-register(OP, REFERENCE, jax.jit(_reference, static_argnames=("top_k", "scoring", "n_group", "topk_group",
-                                                             "norm_topk_prob")))
+declare_op(OP, stage="route", static_args=("num_experts", "top_k", "scoring", "n_group", "topk_group"),
+           reference=jax.jit(_reference, static_argnames=("top_k", "scoring", "n_group", "topk_group",
+                                                          "norm_topk_prob")))
 
 
 def route_topk(logits: jax.Array, bias: jax.Array | None, *, top_k: int, scoring: str, n_group: int = 1,

@@ -1,4 +1,4 @@
-"""Post-permute (SPEC §5, standard path): weighted gather-sum over top-k via src2dst, in fp32,
+"""Post-permute (standard path): weighted gather-sum over top-k via src2dst, in fp32,
 times routed_scaling_factor, in one pass."""
 
 from __future__ import annotations
@@ -6,8 +6,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from custom_calls._checks import FLOATS, check_dtype, check_rank
-from custom_calls.backends import REFERENCE, register, resolve
+from layouts import FLOAT_DTYPES
+from layouts.checks import check_dtype, check_rank
+from custom_calls.backends import declare_op, resolve
 
 OP = "unpermute"
 
@@ -24,7 +25,8 @@ def _reference(d, src2dst, topk_weights, *, routed_scaling_factor, out_dtype):
     return (out * jnp.float32(routed_scaling_factor)).astype(out_dtype)
 
 
-register(OP, REFERENCE, jax.jit(_reference, static_argnames=("routed_scaling_factor", "out_dtype")))
+declare_op(OP, stage="unpermute", static_args=("num_rows", "hidden", "num_tokens", "top_k", "out_dtype"),
+           reference=jax.jit(_reference, static_argnames=("routed_scaling_factor", "out_dtype")))
 
 
 def unpermute(d: jax.Array, src2dst: jax.Array, topk_weights: jax.Array, *,
@@ -35,13 +37,13 @@ def unpermute(d: jax.Array, src2dst: jax.Array, topk_weights: jax.Array, *,
     -> (M, H) out_dtype: out[m] = scaling * sum_j w[m, j] * d[src2dst[m, j]], accumulated in fp32
     (the reference returns a NaN row for a token with src2dst >= R)."""
     check_rank("d", d, 2, "(R, H)")
-    check_dtype("d", d, FLOATS)
+    check_dtype("d", d, FLOAT_DTYPES)
     check_rank("src2dst", src2dst, 2, "(M, top_k)")
     check_dtype("src2dst", src2dst, (jnp.int32,))
     if topk_weights.shape != src2dst.shape:
         raise ValueError(f"topk_weights: expected shape {tuple(src2dst.shape)} (as src2dst), got "
                          f"{tuple(topk_weights.shape)}")
-    check_dtype("topk_weights", topk_weights, FLOATS)
+    check_dtype("topk_weights", topk_weights, FLOAT_DTYPES)
     out_dtype = jnp.dtype(out_dtype)
     impl = resolve(OP, backend, num_rows=d.shape[0], hidden=d.shape[1], num_tokens=src2dst.shape[0],
                    top_k=src2dst.shape[1], out_dtype=out_dtype)

@@ -1,8 +1,9 @@
 """Data formats of moe_jax, in pure jax.numpy: FP8/E2M1 quantizers, UE8M0 scales, DeepGEMM scale
-layouts (memory images), recipes and load-time weight paths. Every function is jit- and
-vmap-able; shapes and dtypes are in each docstring."""
+layouts (memory images), recipes, the GEMM format of each (recipe, arch) pair and load-time weight
+paths. Every function is jit- and vmap-able; shapes and dtypes are in each docstring."""
 
-from layouts._checks import SUPPORTED_ARCHS, align, ceil_div
+from layouts.archs import ARCHS, SUPPORTED_ARCHS, ArchSpec, check_arch
+from layouts.checks import FLOAT_DTYPES, align, ceil_div
 from layouts.fp4 import (
     E2M1_VALUES,
     decode_e2m1,
@@ -23,7 +24,8 @@ from layouts.fp8 import (
     quantize_mxfp8,
 )
 from layouts.rounding import store_as
-from layouts.recipes import RECIPE_NAMES, MoEQuantInfo, QuantRecipe, get_recipe
+from layouts.gemm_format import GemmFormat
+from layouts.recipes import RECIPE_NAMES, MoEQuantInfo, QuantRecipe, gemm_format, get_recipe
 from layouts.scale_layout import (
     broadcast_block_scale_to_rows,
     from_mn_major_tma_aligned,
@@ -50,9 +52,9 @@ from layouts.weight_paths import (
 )
 
 __all__ = [
-    "SUPPORTED_ARCHS", "align", "ceil_div", "store_as",
-    # recipes
-    "RECIPE_NAMES", "QuantRecipe", "get_recipe", "MoEQuantInfo",
+    "ARCHS", "ArchSpec", "FLOAT_DTYPES", "SUPPORTED_ARCHS", "align", "ceil_div", "check_arch", "store_as",
+    # recipes and GEMM formats
+    "RECIPE_NAMES", "QuantRecipe", "get_recipe", "GemmFormat", "gemm_format", "MoEQuantInfo",
     # UE8M0
     "ceil_to_ue8m0", "e8m0_round_up_bytes", "is_ue8m0", "pack_ue8m0", "unpack_ue8m0",
     "ue8m0_bytes_to_fp32", "ue8m0_scale_from_amax",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from layouts._checks import (
+from layouts.checks import (
     ceil_div,
     check_dtype,
     check_float,

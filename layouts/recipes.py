@@ -1,8 +1,17 @@
-"""Quantization recipes (SPEC §2) and the MoE quantization descriptor ``MoEQuantInfo``.
+"""Quantization recipes, the GEMM format each (recipe, arch) pair implies, and the MoE
+quantization descriptor ``MoEQuantInfo`` (a view of the format).
 
-Both are frozen, hashable dataclasses, usable as static jit arguments.
+All are frozen, hashable dataclasses, usable as static jit arguments.
 DeepGEMM scale recipes are (gran_mn, gran_k) tuples: (1, 128) per-row 128-groups, (128, 128)
 weight blocks, (1, 32) MX groups.
+
+  recipe     weights (checkpoint form)                    scales                      runs on
+  bf16       bf16 (E, N, K)                               -                           90, 100
+  fp8_block  e4m3 (E, N, K)                               128x128 blocks, f32         90, 100
+  mxfp8      e4m3 (E, N, K)                               1x32 groups, powers of two  100
+  mxfp4      int8 holding two e2m1 codes (E, N, K/2)      1x32 groups, powers of two  100; 90 after
+                                                                                      the load-time
+                                                                                      FP4 -> FP8 cast
 """
 
 from __future__ import annotations
@@ -10,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from layouts._checks import SUPPORTED_ARCHS, ceil_div, check_arch
+from layouts.checks import ceil_div
+from layouts.archs import SUPPORTED_ARCHS, check_arch
+from layouts.gemm_format import GemmFormat, format_for, value_dtypes
 
 RECIPE_NAMES = ("bf16", "fp8_block", "mxfp8", "mxfp4")
 
@@ -28,6 +39,8 @@ class QuantRecipe:
     is_fp4_experts: weights are int8 holding two e2m1 codes, (E, N, K/2).
     supported_archs: SM versions that run it (mxfp4 on 90 through the load-time FP4->FP8 path).
     act_recipe / weight_recipe: DeepGEMM (gran_mn, gran_k) of the activation / weight scales.
+    converted_on: (arch, recipe) pairs: on that arch the weights are converted at load time to the
+      other recipe, which the GEMMs then consume.
     """
 
     name: str
@@ -38,6 +51,7 @@ class QuantRecipe:
     supported_archs: frozenset
     act_recipe: ScaleRecipe
     weight_recipe: ScaleRecipe
+    converted_on: tuple[tuple[int, str], ...] = ()
 
     @property
     def is_quantized(self) -> bool:
@@ -65,14 +79,29 @@ class QuantRecipe:
     def gemm_recipe(self, arch: int) -> "QuantRecipe":
         """The recipe the GEMM sees on ``arch``: mxfp4 on SM90 is fp8_block after the load-time cast."""
         self.check_arch(arch)
-        if self.name == "mxfp4" and arch == 90:
-            return get_recipe("fp8_block")
-        return self
+        return get_recipe(dict(self.converted_on).get(arch, self.name))
+
+    def gemm_format(self, arch: int) -> GemmFormat:
+        """The operand format of the GEMMs that run this recipe's weights on ``arch`` (after any
+        load-time conversion)."""
+        return format_for(self.gemm_recipe(arch), arch)
 
     def scales_ue8m0(self, arch: int) -> bool:
         """True when GEMM scales on ``arch`` are packed UE8M0 int32 images (every quantized recipe on SM100)."""
-        self.check_arch(arch)
-        return self.is_quantized and arch == 100
+        return self.gemm_format(arch).ue8m0
+
+    def checkpoint_scale_shape(self, num_experts: int, n: int, k: int) -> tuple[int, int, int] | None:
+        """Scale shape of (E, N, K) weights in checkpoint form: (E, ceil(N/bn), ceil(K/bk)) for the
+        weight block (bn, bk); None for bf16."""
+        if self.weight_block is None:
+            return None
+        bn, bk = self.weight_block
+        return num_experts, ceil_div(n, bn), ceil_div(k, bk)
+
+    @property
+    def value_dtypes(self) -> tuple:
+        """dtypes of the weight values in checkpoint form."""
+        return value_dtypes(self.is_quantized, self.weight_k_pack)
 
 
 _RECIPES = {
@@ -81,8 +110,23 @@ _RECIPES = {
         "fp8_block", 128, (128, 128), False, False, frozenset({90, 100}), (1, 128), (128, 128)
     ),
     "mxfp8": QuantRecipe("mxfp8", 32, (1, 32), True, False, frozenset({100}), (1, 32), (1, 32)),
-    "mxfp4": QuantRecipe("mxfp4", 128, (1, 32), True, True, frozenset({90, 100}), (1, 128), (1, 32)),
+    "mxfp4": QuantRecipe("mxfp4", 128, (1, 32), True, True, frozenset({90, 100}), (1, 128), (1, 32),
+                         converted_on=((90, "fp8_block"),)),
 }
+
+
+def gemm_format(recipe: str, arch: int) -> GemmFormat:
+    """The format of GEMMs that consume ``recipe`` directly on ``arch``. A recipe the arch only runs
+    after a load-time conversion (mxfp4 on 90) is an error naming the converted recipe."""
+    rec = get_recipe(recipe)
+    arch = check_arch(arch)
+    consumed = tuple(a for a in SUPPORTED_ARCHS if a in rec.supported_archs and rec.gemm_recipe(a) is rec)
+    if arch not in consumed:
+        hint = ""
+        if arch in rec.supported_archs:
+            hint = f" ({rec.name} on arch {arch} is converted to {rec.gemm_recipe(arch).name} at load time)"
+        raise ValueError(f"recipe {rec.name!r}: GEMM formats exist for arch {consumed}, got arch {arch}{hint}")
+    return format_for(rec, arch)
 
 
 def get_recipe(name: str) -> QuantRecipe:
@@ -94,9 +138,18 @@ def get_recipe(name: str) -> QuantRecipe:
     return _RECIPES[name]
 
 
+def _declared_block(rec: QuantRecipe) -> Optional[tuple[int, int]]:
+    # the block the descriptor declares: MX weights (1, 32); FP4 experts declare (128, 128) like
+    # block FP8, although their scales are 1x32 groups
+    if not rec.is_quantized:
+        return None
+    return (1, 32) if rec.use_mxfp8 else (128, 128)
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEQuantInfo:
-    """Quantization descriptor of the expert weights (SPEC §2; metadata only, no arrays).
+    """Quantization descriptor of the expert weights (metadata only, no arrays), a view of the
+    GemmFormat (``MoEQuantInfo.of(fmt)``).
 
     recipe: one of RECIPE_NAMES, consistent with the flags below.
     use_fp8: weights quantized (False only for bf16).
@@ -134,29 +187,27 @@ class MoEQuantInfo:
             raise ValueError("scale_ue8m0: is_fp4_experts requires UE8M0 scales (True), got False")
         if self.is_fp4_experts and self.use_mxfp8:
             raise ValueError("is_fp4_experts/use_mxfp8: expected at most one of them True, got both")
-        want = {
-            "bf16": dict(use_fp8=False, block_shape=None, is_fp4_experts=False, use_mxfp8=False, scale_ue8m0=False),
-            "fp8_block": dict(use_fp8=True, block_shape=(128, 128), is_fp4_experts=False, use_mxfp8=False),
-            "mxfp8": dict(use_fp8=True, block_shape=(1, 32), is_fp4_experts=False, use_mxfp8=True),
-            "mxfp4": dict(use_fp8=True, block_shape=(128, 128), is_fp4_experts=True, use_mxfp8=False),
-        }[self.recipe]
+        rec = get_recipe(self.recipe)
+        want = dict(use_fp8=rec.is_quantized, block_shape=_declared_block(rec),
+                    is_fp4_experts=rec.is_fp4_experts, use_mxfp8=rec.use_mxfp8)
+        if not rec.is_quantized:
+            want["scale_ue8m0"] = False
         for field, expected in want.items():
             got = getattr(self, field)
             if got != expected:
                 bad(field, expected, got)
 
     @classmethod
+    def of(cls, fmt: GemmFormat) -> "MoEQuantInfo":
+        """The descriptor as a view of a GEMM format."""
+        rec = get_recipe(fmt.recipe)
+        return cls(recipe=rec.name, use_fp8=rec.is_quantized, block_shape=_declared_block(rec),
+                   is_fp4_experts=rec.is_fp4_experts, use_mxfp8=rec.use_mxfp8, scale_ue8m0=fmt.ue8m0)
+
+    @classmethod
     def for_recipe(cls, recipe: str, arch: int) -> "MoEQuantInfo":
         """The descriptor of ``recipe`` as the GEMMs of ``arch`` see it (mxfp4 on SM90 -> fp8_block)."""
-        rec = get_recipe(recipe).gemm_recipe(arch)
-        return cls(
-            recipe=rec.name,
-            use_fp8=rec.is_quantized,
-            block_shape=None if not rec.is_quantized else ((1, 32) if rec.use_mxfp8 else (128, 128)),
-            is_fp4_experts=rec.is_fp4_experts,
-            use_mxfp8=rec.use_mxfp8,
-            scale_ue8m0=rec.scales_ue8m0(arch),
-        )
+        return cls.of(get_recipe(recipe).gemm_format(arch))
 
     @property
     def quant_recipe(self) -> QuantRecipe:
@@ -192,4 +243,4 @@ class MoEQuantInfo:
         return None, None
 
 
-__all__ = ["RECIPE_NAMES", "QuantRecipe", "get_recipe", "MoEQuantInfo", "SUPPORTED_ARCHS"]
+__all__ = ["RECIPE_NAMES", "QuantRecipe", "get_recipe", "gemm_format", "MoEQuantInfo", "SUPPORTED_ARCHS"]

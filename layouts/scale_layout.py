@@ -20,7 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from layouts._checks import align, ceil_div, check_arch, check_dtype, check_min_ndim
+from layouts.archs import ARCHS, SCALE_UE8M0, check_arch
+from layouts.checks import align, ceil_div, check_dtype, check_min_ndim
 from layouts.ue8m0 import ceil_to_ue8m0, pack_ue8m0, unpack_ue8m0
 
 TMA_ALIGNMENT_BYTES = 16
@@ -98,10 +99,6 @@ def broadcast_block_scale_to_rows(sf: jax.Array, mn: int, block_mn: int = 128) -
     return jnp.repeat(sf, block_mn, axis=-2)[..., :mn, :]
 
 
-_SM90_RECIPES = ((1, 128), (128, 128))
-_SM100_RECIPES = ((1, 128), (128, 128), (1, 32))
-
-
 def _check_recipe(recipe) -> tuple[int, int]:
     if (
         not isinstance(recipe, tuple)
@@ -139,9 +136,10 @@ def transform_sf_into_required_layout(
     ``pack_ue8m0``); ``ue8m0_cast=True`` instead rounds them up with ``ceil_to_ue8m0`` — this
     changes non-power-of-two values, so it is opt-in.
     """
-    arch = check_arch(arch)
+    spec = ARCHS[check_arch(arch)]
+    ue8m0 = spec.scale_kind == SCALE_UE8M0
     gran_mn, gran_k = _check_recipe(recipe)
-    allowed = _SM90_RECIPES if arch == 90 else _SM100_RECIPES
+    allowed = spec.scale_recipes
     if (gran_mn, gran_k) not in allowed:
         raise ValueError(f"recipe: expected one of {allowed} for arch {arch}, got {recipe!r}")
     for name, v in (("mn", mn), ("k", k)):
@@ -154,7 +152,7 @@ def transform_sf_into_required_layout(
         lead = (num_groups,)
     g = ceil_div(k, gran_k)
 
-    if arch == 100 and sf.dtype == jnp.int32:
+    if ue8m0 and sf.dtype == jnp.int32:
         expected = (*lead, ceil_div(g, 4), get_tma_aligned_size(mn))
         if tuple(sf.shape) != expected:
             raise ValueError(
@@ -170,7 +168,7 @@ def transform_sf_into_required_layout(
             f"num_groups {num_groups}), got {tuple(sf.shape)}"
         )
 
-    if arch == 90:
+    if not ue8m0:
         if gran_mn == 1:
             return to_mn_major_tma_aligned(sf)
         return sf

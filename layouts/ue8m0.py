@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from layouts._checks import ceil_div, check_dtype, check_float, check_min_ndim, host_value
+from layouts.checks import ceil_div, check_dtype, check_float, check_min_ndim, host_value
 
 UE8M0_MIN = 2.0**-126  # smallest normal fp32: exponent byte 1
 UE8M0_MAX = 2.0**127  # exponent byte 254 (255 is inf/NaN in fp32)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from layouts._checks import (
+from layouts.archs import check_arch
+from layouts.checks import (
     ceil_div,
-    check_arch,
     check_dtype,
     check_float,
     check_min_ndim,
@@ -109,7 +109,8 @@ def expand_per_tensor_scale(
 def prepare_expert_weights(
     w: jax.Array, scale: jax.Array | None, *, recipe: str, arch: int
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Run the SPEC §2.1 load-time path for (recipe, arch); returns (weight, scale) in GEMM form.
+    """Run the load-time path for (recipe, arch); returns (weight, scale) in the GEMM form of
+    ``get_recipe(recipe).gemm_format(arch)``.
 
     Inputs (E = experts or any leading dims, N x K per expert):
       bf16:      w (E, N, K) bf16, scale None                       -> (w, None)
@@ -127,41 +128,33 @@ def prepare_expert_weights(
     arch = check_arch(arch)
     rec = get_recipe(recipe)
     rec.check_arch(arch)
+    fmt = rec.gemm_format(arch)
     check_min_ndim("w", w, 3, "(E, N, K)")
-    if rec.name == "bf16":
+    if not rec.is_quantized:
         check_dtype("w", w, (jnp.bfloat16,))
         if scale is not None:
-            raise ValueError(f"scale: expected None for recipe 'bf16', got {type(scale).__name__}")
+            raise ValueError(f"scale: expected None for recipe {rec.name!r}, got {type(scale).__name__}")
         return w, None
     if scale is not None and scale.dtype == jnp.uint8:
         scale = ue8m0_bytes_to_fp32(scale)
-    num_groups = w.shape[0] if w.ndim == 3 else None
-    if rec.name == "fp8_block":
-        check_dtype("w", w, (FP8_DTYPE,))
-        _require_scale(scale, rec.name)
-        n, k = w.shape[-2:]
-        if arch == 90:
-            check_dtype("scale", scale, (jnp.float32,))
-            exp = (*w.shape[:-2], ceil_div(n, FP8_BLOCK), ceil_div(k, FP8_BLOCK))
-            if tuple(scale.shape) != exp:
-                raise ValueError(f"scale: expected shape {exp}, got {tuple(scale.shape)}")
-            return w, scale
-        w, sf = requant_fp8_block_ue8m0(w, scale)
-        return w, _to_gemm(sf, n, k, (FP8_BLOCK, FP8_BLOCK), num_groups, arch)
-    if rec.name == "mxfp8":
-        if scale is None:
-            check_float("w", w)
-            w, scale = quantize_mxfp8(w, MXFP4_GROUP)
-        check_dtype("w", w, (FP8_DTYPE,))
-        n, k = w.shape[-2:]
-        return w, _to_gemm(scale, n, k, (1, MXFP4_GROUP), num_groups, arch)
-    # mxfp4
-    check_dtype("w", w, (jnp.int8,))
+    if scale is None and rec.use_mxfp8:  # path D from high-precision weights
+        check_float("w", w)
+        w, scale = quantize_mxfp8(w, rec.weight_block[1])
+    check_dtype("w", w, rec.value_dtypes)
     _require_scale(scale, rec.name)
-    n, k = w.shape[-2], 2 * w.shape[-1]
-    if arch == 90:
+    n, k = w.shape[-2], w.shape[-1] * rec.weight_k_pack
+    if rec.gemm_recipe(arch) is not rec:  # path B: the arch has no GEMM for these values
         return mxfp4_to_fp8_block(w, scale)
-    return w, _to_gemm(scale, n, k, (1, MXFP4_GROUP), num_groups, arch)
+    if not fmt.ue8m0:  # the checkpoint's fp32 block scales are what the GEMM reads
+        check_dtype("scale", scale, (jnp.float32,))
+        exp = rec.checkpoint_scale_shape(1, n, k)[1:]
+        if tuple(scale.shape) != (*w.shape[:-2], *exp):
+            raise ValueError(f"scale: expected shape {(*w.shape[:-2], *exp)}, got {tuple(scale.shape)}")
+        return w, scale
+    if not rec.requires_ue8m0:  # path C: power-of-two scales need a numerical requant
+        w, scale = requant_fp8_block_ue8m0(w, scale, rec.weight_block[0])
+    num_groups = w.shape[0] if w.ndim == 3 else None
+    return w, _to_gemm(scale, n, k, rec.weight_block, num_groups, arch)
 
 
 def _require_scale(scale, recipe: str) -> None:

@@ -4,25 +4,24 @@
     params = prepare_params(init_params(jax.random.key(0), config), config)
     y = jax.jit(moe_forward, static_argnames=("config",))(x, params, config=config)
 
-Stages, one file each: config, params, routing, dispatch, core, layer (routed/shared experts and
-moe_forward); the ops themselves live in `custom_calls`.
+Stages, one file each: config, params, routing, dispatch, experts (the expert MLP), layer
+(routed/shared experts and moe_forward); the ops themselves live in `custom_calls`.
 """
 
 from moe_jax.config import MoEConfig
-from moe_jax.core import activation_spec, expert_core_contig, expert_core_masked
-from moe_jax.dispatch import (ContigDispatch, MaskedDispatch, choose_layout, contig_capacity,
+from moe_jax.dispatch import (LAYOUTS, ContigDispatch, MaskedDispatch, choose_layout, contig_capacity,
                               default_masked_m_pad, dispatch_contig, dispatch_masked, expected_m,
-                              masked_activation_unsupported_reason, masked_peak_bytes)
-from moe_jax.layer import moe_forward, resolve_layout, routed_experts, shared_experts
-from moe_jax.params import MoEParams, init_params, prepare_params
+                              masked_peak_bytes)
+from moe_jax.experts import expert_core_contig, expert_core_masked
+from moe_jax.layer import STAGES, moe_forward, resolve_layout, routed_experts, shared_experts, stage_backends
+from moe_jax.params import MoEParams, check_params, check_shared, init_params, prepare_params
 from moe_jax.routing import route, router_logits, score, select_experts
-from moe_jax.validate import check_params, check_shared, check_x
+from moe_jax.validate import check_x
 
 __all__ = [
-    "ContigDispatch", "MaskedDispatch", "MoEConfig", "MoEParams", "activation_spec", "check_params",
+    "LAYOUTS", "STAGES", "ContigDispatch", "MaskedDispatch", "MoEConfig", "MoEParams", "check_params",
     "check_shared", "check_x", "choose_layout", "contig_capacity", "default_masked_m_pad", "dispatch_contig",
     "dispatch_masked", "expected_m", "expert_core_contig", "expert_core_masked", "init_params",
-    "masked_activation_unsupported_reason", "masked_peak_bytes", "moe_forward", "prepare_params",
-    "resolve_layout", "route", "routed_experts", "router_logits", "score", "select_experts",
-    "shared_experts",
+    "masked_peak_bytes", "moe_forward", "prepare_params", "resolve_layout", "route", "routed_experts",
+    "router_logits", "score", "select_experts", "shared_experts", "stage_backends",
 ]

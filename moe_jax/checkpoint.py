@@ -57,8 +57,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from layouts._checks import ceil_div
-from moe_jax.config import RECIPE_ARCHS, MoEConfig
+from layouts import get_recipe
+from layouts.checks import ceil_div
+from moe_jax.config import MoEConfig
 from moe_jax.params import MoEParams
 
 CHECKPOINT_FORMATS = ("bf16", "fp8_block", "fp8_per_tensor", "mxfp8", "mxfp4")
@@ -492,9 +493,10 @@ def load_moe_params(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckp
         prefix = DEFAULT_PREFIX.format(layer=layer)
     if arch is None:
         arch = config.gemm_arch
-    if arch not in RECIPE_ARCHS[config.recipe]:
+    runs_on = tuple(sorted(get_recipe(config.recipe).supported_archs))
+    if arch not in runs_on:
         raise ValueError(f"arch: target arch {arch!r} cannot run recipe {config.recipe!r} "
-                         f"(runs on {RECIPE_ARCHS[config.recipe]})")
+                         f"(runs on {runs_on})")
     if arch != config.gemm_arch:  # the layer runs params in the form of config.gemm_arch
         raise ValueError(f"arch: {arch} disagrees with config.gemm_arch={config.gemm_arch} "
                          f"(set MoEConfig.arch={arch})")
@@ -538,7 +540,7 @@ def load_moe_params(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckp
     import jax.numpy as jnp
 
     from moe_jax.params import prepare_params
-    from moe_jax.validate import check_params
+    from moe_jax.params import check_params
 
     i = config.intermediate_size
     w13, s13 = _to_checkpoint_form(*_stack_experts(ckpt, plan, config, "w13"), plan.fmt,

@@ -1,4 +1,4 @@
-"""`MoEConfig`: the static description of one MoE layer (SPEC §1-§5).
+"""`MoEConfig`: the static description of one MoE layer (routing, experts, core; docs/ARCHITECTURE.md).
 
 A frozen, hashable dataclass: pass it as a static argument to `jax.jit`. Sizes here are the model's
 (global) sizes; the sharded paths read per-rank sizes (E_local, I_local) from the parameter shapes.
@@ -9,17 +9,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from custom_calls.activation import KINDS as ACTIVATIONS
-from layouts import SUPPORTED_ARCHS as ARCHS
+from custom_calls.activation import ActivationSpec
+from custom_calls.route_topk import SCORINGS
 from layouts import RECIPE_NAMES as RECIPES
+from layouts import SUPPORTED_ARCHS as ARCHS
 from layouts import get_recipe
-
-SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
-LAYOUTS = ("auto", "contig", "masked")
-
-# Archs each recipe runs on (SPEC §8). mxfp4 runs on 90 through the load-time FP4 -> FP8 path
-# (SPEC §2.1 B); mxfp8 needs UE8M0 GEMMs, i.e. 100.
-RECIPE_ARCHS = {r: tuple(sorted(get_recipe(r).supported_archs)) for r in RECIPES}
+from moe_jax.dispatch import LAYOUTS
 
 # Quantized recipes: H and I must be multiples of this (128x128 weight blocks, 128-wide activation
 # groups, and the FP4 -> FP8 re-grouping to 128 on SM90).
@@ -38,11 +33,12 @@ class MoEConfig:
     multiplies the routed output once. `hash_routing` marks a hash-routed layer (params carry
     `tid2eid (vocab_size, top_k)`; `route` needs token ids).
 
-    Experts: `activation` "silu" (`swiglu_limit` clamps up to [-l, l], gate above only),
-    "swiglu_oai" (gate*sigmoid(gemm1_alpha*gate)*(up+1), same clamps), "situ"
-    (situ_beta*tanh(gate/situ_beta)*sigmoid(gate) * situ_linear_beta*tanh(up/situ_linear_beta)).
-    `silu_mul_keep_fp32` quantizes SiLU*up from fp32 instead of rounding to bf16 first (FP8 expert
-    weights, silu only).
+    Experts: `activation`, a `custom_calls.ActivationSpec` (routed and shared experts): kind "silu"
+    (`swiglu_limit` clamps up to [-l, l], gate above only), "swiglu_oai"
+    (gate*sigmoid(gemm1_alpha*gate)*(up+1), same clamps), "situ"
+    (situ_beta*tanh(gate/situ_beta)*sigmoid(gate) * situ_linear_beta*tanh(up/situ_linear_beta));
+    `keep_fp32` quantizes SiLU*up from fp32 instead of rounding to bf16 first (FP8 expert weights,
+    silu only). A kind name alone (`activation="situ"`) means `ActivationSpec(kind=...)`.
 
     Core: `recipe` ("bf16" | "fp8_block" | "mxfp8" | "mxfp4"), `arch` (90 | 100 | None: which GPU
     family's GEMM scale formats the core produces; None -> 90 unless the recipe needs 100),
@@ -66,12 +62,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     hash_routing: bool = False
     vocab_size: int | None = None
-    activation: str = "silu"
-    swiglu_limit: float | None = None
-    gemm1_alpha: float | None = None
-    situ_beta: float = 1.0
-    situ_linear_beta: float = 1.0
-    silu_mul_keep_fp32: bool = False
+    activation: ActivationSpec = ActivationSpec()
     recipe: str = "bf16"
     arch: int | None = None
     layout: str = "auto"
@@ -80,6 +71,8 @@ class MoEConfig:
     masked_memory_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.activation, str):
+            object.__setattr__(self, "activation", ActivationSpec(kind=self.activation))
         _validate(self)
 
     # -- derived static properties ---------------------------------------------------------------
@@ -88,7 +81,7 @@ class MoEConfig:
         """GPU family whose GEMM formats the core produces: `arch`, or 90 unless the recipe needs 100."""
         if self.arch is not None:
             return self.arch
-        return 90 if 90 in RECIPE_ARCHS[self.recipe] else 100
+        return min(get_recipe(self.recipe).supported_archs)
 
     @property
     def gemm_recipe(self) -> str:
@@ -103,7 +96,7 @@ class MoEConfig:
         """A copy with some fields replaced, e.g. `scaled(num_experts=16, hidden_size=256,
         intermediate_size=128)`. Grouped top-k keeps `n_group` when it still divides the expert
         count, else uses the largest divisor not above it; `topk_group`/`top_k` are clipped to fit."""
-        fields = dataclasses.asdict(self)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields.update(overrides)
         e = fields["num_experts"]
         if fields["use_grouped_topk"] and "n_group" not in overrides:
@@ -128,7 +121,7 @@ class MoEConfig:
         base = dict(
             num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048, n_shared_experts=1,
             scoring="sigmoid", use_correction_bias=True, use_grouped_topk=True, n_group=8,
-            topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, activation="silu",
+            topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5,
             recipe="fp8_block",
         )
         base.update(overrides)
@@ -143,8 +136,8 @@ class MoEConfig:
         base = dict(
             num_experts=256, top_k=6, hidden_size=4096, intermediate_size=2048, n_shared_experts=1,
             scoring="sqrtsoftplus", use_correction_bias=True, use_grouped_topk=False,
-            norm_topk_prob=True, routed_scaling_factor=1.5, activation="silu", swiglu_limit=10.0,
-            recipe="mxfp4", vocab_size=129280,
+            norm_topk_prob=True, routed_scaling_factor=1.5,
+            activation=ActivationSpec(kind="silu", swiglu_limit=10.0), recipe="mxfp4", vocab_size=129280,
         )
         base.update(overrides)
         return cls(**base)
@@ -163,8 +156,8 @@ def _validate(c: MoEConfig) -> None:
     _check(c.n_shared_experts >= 0, f"MoEConfig.n_shared_experts must be >= 0, got {c.n_shared_experts}")
     _check(c.recipe in RECIPES, f"MoEConfig.recipe must be one of {RECIPES}, got {c.recipe!r}")
     _check(c.scoring in SCORINGS, f"MoEConfig.scoring must be one of {SCORINGS}, got {c.scoring!r}")
-    _check(c.activation in ACTIVATIONS,
-           f"MoEConfig.activation must be one of {ACTIVATIONS}, got {c.activation!r}")
+    _check(isinstance(c.activation, ActivationSpec),
+           f"MoEConfig.activation must be an ActivationSpec or a kind name, got {c.activation!r}")
     _check(c.layout in LAYOUTS, f"MoEConfig.layout must be one of {LAYOUTS}, got {c.layout!r}")
     _check(c.top_k <= c.num_experts,
            f"MoEConfig.top_k={c.top_k} exceeds num_experts={c.num_experts}")
@@ -179,12 +172,13 @@ def _validate(c: MoEConfig) -> None:
     if c.hash_routing:
         _check(c.vocab_size is not None and c.vocab_size >= 1,
                f"MoEConfig.hash_routing needs a positive vocab_size, got {c.vocab_size!r}")
+    rec = get_recipe(c.recipe)
     if c.arch is not None:
         _check(c.arch in ARCHS, f"MoEConfig.arch must be one of {ARCHS} or None, got {c.arch!r}")
-        _check(c.arch in RECIPE_ARCHS[c.recipe],
+        _check(c.arch in rec.supported_archs,
                f"MoEConfig.recipe={c.recipe!r} does not run on arch {c.arch} "
-               f"(supported: {RECIPE_ARCHS[c.recipe]})")
-    if c.recipe != "bf16":
+               f"(supported: {tuple(sorted(rec.supported_archs))})")
+    if rec.is_quantized:
         for name in ("hidden_size", "intermediate_size"):
             v = getattr(c, name)
             _check(v % QUANT_SIZE_MULTIPLE == 0, f"MoEConfig.{name}={v} must be a multiple of "
@@ -192,22 +186,10 @@ def _validate(c: MoEConfig) -> None:
         _check(c.alignment % QUANT_ALIGNMENT_MULTIPLE == 0,
                f"MoEConfig.alignment={c.alignment} must be a multiple of "
                f"{QUANT_ALIGNMENT_MULTIPLE} for recipe {c.recipe!r}")
-    if c.activation == "swiglu_oai":
-        _check(c.gemm1_alpha is not None, "MoEConfig.activation='swiglu_oai' needs gemm1_alpha")
-    else:
-        _check(c.gemm1_alpha is None,
-               f"MoEConfig.gemm1_alpha is only used by activation='swiglu_oai', got "
-               f"activation={c.activation!r} with gemm1_alpha={c.gemm1_alpha}")
-    if c.activation == "situ":
-        _check(c.swiglu_limit is None, "MoEConfig.swiglu_limit does not apply to activation='situ'")
-        _check(c.situ_beta > 0 and c.situ_linear_beta > 0,
-               f"MoEConfig.situ_beta/situ_linear_beta must be > 0, got {c.situ_beta}, {c.situ_linear_beta}")
-    if c.swiglu_limit is not None:
-        _check(c.swiglu_limit > 0, f"MoEConfig.swiglu_limit must be > 0, got {c.swiglu_limit}")
-    if c.silu_mul_keep_fp32:
-        _check(c.activation == "silu" and c.recipe in ("fp8_block", "mxfp8"),
-               "MoEConfig.silu_mul_keep_fp32 needs activation='silu' and FP8 expert weights "
-               f"(fp8_block or mxfp8), got activation={c.activation!r}, recipe={c.recipe!r}")
+    if c.activation.keep_fp32:
+        _check(rec.is_quantized and rec.weight_k_pack == 1,
+               "MoEConfig.activation.keep_fp32 needs FP8 expert weights (fp8_block or mxfp8), got "
+               f"recipe={c.recipe!r}")
     if c.masked_m_pad is not None:
         _check(c.masked_m_pad >= 1 and c.masked_m_pad % 128 == 0,
                f"MoEConfig.masked_m_pad must be a positive multiple of 128, got {c.masked_m_pad}")

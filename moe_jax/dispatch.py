@@ -1,4 +1,4 @@
-"""Dispatch (SPEC §3): where each (token, k) route goes in the grouped layout, with static
+"""Dispatch: where each (token, k) route goes in the grouped layout (contig or masked), with static
 capacities, plus the auto layout choice. The data movement + activation quantization is the
 permute op (custom_calls.permute).
 
@@ -27,9 +27,14 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from custom_calls.activation import OP_MASKED as OP_ACTIVATION_MASKED
+from custom_calls.activation import ActivationSpec
+from custom_calls.backends import get_default_backend, static_supports
 from custom_calls.expert_rank import rank_within_expert
-from moe_jax.validate import ceil_div, round_up
+from layouts import get_recipe
+from layouts.checks import align, ceil_div
 
+LAYOUTS = ("auto", "contig", "masked")  # "auto": `choose_layout` decides
 MASKED_M_PAD_MULTIPLE = 256
 DEFAULT_MASKED_BUDGET_FRACTION = 0.25
 
@@ -42,7 +47,7 @@ def contig_capacity(num_tokens: int, top_k: int, num_local_experts: int, alignme
 
 
 def default_masked_m_pad(num_tokens: int) -> int:
-    return round_up(max(num_tokens, 1), MASKED_M_PAD_MULTIPLE)
+    return align(max(num_tokens, 1), MASKED_M_PAD_MULTIPLE)
 
 
 def expected_m(num_tokens: int, top_k: int, num_experts_global: int) -> int:
@@ -156,24 +161,7 @@ def dispatch_masked(topk_ids: jax.Array, *, num_local_experts: int, m_pad: int,
                           m_pad=m_pad, expected_m=expected_m(m, k, num_experts_global))
 
 
-# -- layout choice (SPEC §3, seed App. B) ---------------------------------------------------------
-
-def masked_activation_unsupported_reason(*, intermediate_size: int, num_local_experts: int,
-                                         act_group_size: int | None, clamped: bool) -> str | None:
-    """The clamped (swiglu_limit) masked activation kernel needs D//8 >= E_local, group 128 and
-    D % (4*group) == 0 (D = I, the activation's output width); None when masked is fine."""
-    if not clamped:
-        return None
-    d = intermediate_size
-    group = act_group_size or 128
-    if d // 8 < num_local_experts:
-        return f"clamped masked activation needs I//8 >= E_local, got I={d}, E_local={num_local_experts}"
-    if group != 128:
-        return f"clamped masked activation needs activation group 128, got {group}"
-    if d % (4 * group):
-        return f"clamped masked activation needs I % {4 * group} == 0, got I={d}"
-    return None
-
+# -- layout choice (the seed's App. B rule) ---------------------------------------------------------
 
 def masked_peak_bytes(*, num_local_experts: int, m_pad: int, hidden_size: int,
                       intermediate_size: int, quantized: bool) -> int:
@@ -189,23 +177,23 @@ def masked_peak_bytes(*, num_local_experts: int, m_pad: int, hidden_size: int,
 
 
 def choose_layout(*, num_tokens: int, num_local_experts: int, hidden_size: int,
-                  intermediate_size: int, recipe: str, act_group_size: int | None,
-                  swiglu_limit: float | None, m_pad: int | None = None,
+                  intermediate_size: int, recipe: str, arch: int, act: ActivationSpec,
+                  backend: str | None = "auto", m_pad: int | None = None,
                   memory_budget_bytes: int | None = None,
                   budget_fraction: float = DEFAULT_MASKED_BUDGET_FRACTION) -> str:
-    """"contig" or "masked" from static sizes: contig when the clamped masked activation cannot run
-    (`masked_activation_unsupported_reason`); else masked only if `masked_peak_bytes` fits
-    budget_fraction * memory_budget_bytes (free device memory, queried by the caller outside jit);
-    with no budget given, contig (like the seed's graph-capture case, which cannot query memory)."""
-    if masked_activation_unsupported_reason(intermediate_size=intermediate_size,
-                                            num_local_experts=num_local_experts,
-                                            act_group_size=act_group_size,
-                                            clamped=swiglu_limit is not None):
-        return "contig"
-    if memory_budget_bytes is None:
-        return "contig"
+    """"contig" or "masked" from static sizes (recipe/arch: the GEMM recipe and arch). Contig when
+    the masked activation of `backend` cannot serve the masked layout (its `supports_*` answer,
+    device aside: e.g. the Triton clamp/SiTU kernel's D//8 >= E_local, group and width
+    constraints); else masked only if `masked_peak_bytes` fits budget_fraction *
+    memory_budget_bytes (free device memory, queried by the caller outside jit); with no budget
+    given, contig (like the seed's graph-capture case, which cannot query memory)."""
     m_pad = default_masked_m_pad(num_tokens) if m_pad is None else m_pad
+    ok, _ = static_supports(OP_ACTIVATION_MASKED, get_default_backend() if backend is None else backend,
+                            num_groups=num_local_experts, m_pad=m_pad, two_i=2 * intermediate_size, act=act,
+                            recipe=recipe, arch=arch, dtype=jnp.dtype(jnp.bfloat16))
+    if not ok or memory_budget_bytes is None:
+        return "contig"
     peak = masked_peak_bytes(num_local_experts=num_local_experts, m_pad=m_pad,
                              hidden_size=hidden_size, intermediate_size=intermediate_size,
-                             quantized=recipe != "bf16")
+                             quantized=get_recipe(recipe).is_quantized)
     return "masked" if peak <= budget_fraction * memory_budget_bytes else "contig"

@@ -1,13 +1,17 @@
-"""The whole layer (SPEC §1): route -> dispatch/permute -> core -> un-permute, plus the shared
-experts and the tail rule (routed + shared).
+"""The whole layer: route -> dispatch/permute -> expert MLP -> un-permute, plus the shared experts
+and the tail rule (routed + shared).
 
 Backends: `backend` is a name applied to every stage ("reference", "auto"), the name of an
-accelerated backend that implements some stages (`BACKEND_STAGES`: "deep_gemm" runs the GEMMs,
-"triton" the routing epilogue, dispatch ranking, permute, activation and un-permute; the other
-stages use the reference), or a dict {stage: name} over the stages "route", "dispatch", "permute",
-"gemm", "activation", "unpermute" (missing stages -> "reference"; as a tuple of (stage, name)
-pairs it is hashable, for static jit arguments). None -> the `custom_calls.use_backend` default.
-Resolution happens at trace time.
+accelerated backend that implements some stages (a bare name runs the stages the registry says it
+implements — `custom_calls.backend_stages`: "deep_gemm" the GEMMs, "triton" the routing
+epilogue, dispatch ranking, permute, activation and un-permute — and the others on the
+reference), or a dict {stage: name} over `STAGES` (missing stages -> "reference"; as a tuple of
+(stage, name) pairs it is hashable, for static jit arguments). None -> the
+`custom_calls.use_backend` default. Names are checked when parsed; implementations are resolved at
+trace time.
+
+Every public function here takes tokens with any leading dims, `x: (..., H)`, checks its inputs once
+and returns the same leading shape.
 """
 
 from __future__ import annotations
@@ -17,26 +21,31 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from custom_calls import gated_activation, permute_contig, permute_masked, unpermute
+from custom_calls import (AUTO, REFERENCE, backend_stages, gated_activation, known_backends, permute_contig,
+                          permute_masked, unpermute)
 from layouts import get_recipe, store_as
 from moe_jax.config import MoEConfig
-from moe_jax.core import activation_spec, expert_core_contig, expert_core_masked
-from moe_jax.dispatch import (choose_layout, default_masked_m_pad, dispatch_contig, dispatch_masked,
-                              local_expert_ids)
-from moe_jax.params import MoEParams, prepare_params
-from moe_jax.routing import route
-from moe_jax.validate import check_params, check_shared, check_x
+from moe_jax.dispatch import (LAYOUTS, choose_layout, default_masked_m_pad, dispatch_contig,
+                              dispatch_masked, local_expert_ids)
+from moe_jax.experts import expert_core_contig, expert_core_masked
+from moe_jax.params import MoEParams, check_params, check_shared, prepare_params
+from moe_jax.routing import check_router, route_tokens
+from moe_jax.validate import check_token_ids, flatten_routes, flatten_tokens
 
+# The layer's stages in data-flow order; every registered op names one of them (or none).
 STAGES = ("route", "dispatch", "permute", "gemm", "activation", "unpermute")
-# Accelerated backends that implement only some stages: a bare name runs those stages on it and the
-# others on the reference (backend="deep_gemm" = DeepGEMM GEMMs around reference permute/activation).
-BACKEND_STAGES = {"deep_gemm": ("gemm",),
-                  "triton": ("route", "dispatch", "permute", "activation", "unpermute")}
+assert backend_stages(REFERENCE) <= set(STAGES), "an op declares a stage the layer does not have"
 
 
-def _stage_backends(backend) -> dict[str, str | None]:
-    if isinstance(backend, str) and backend in BACKEND_STAGES:
-        return {s: backend if s in BACKEND_STAGES[backend] else "reference" for s in STAGES}
+def stage_backends(backend) -> dict[str, str | None]:
+    """{stage: backend name or None} for every stage of `STAGES`, from `backend` as `moe_forward`
+    takes it. Unknown backend or stage names are a ValueError listing the known ones."""
+    known = known_backends()
+    if isinstance(backend, str) and backend not in (REFERENCE, AUTO):
+        if backend not in known:
+            raise ValueError(f"backend: expected one of {known}, a {{stage: name}} dict or None, got {backend!r}")
+        covered = backend_stages(backend)
+        return {s: backend if s in covered else REFERENCE for s in STAGES}
     if backend is None or isinstance(backend, str):
         return {s: backend for s in STAGES}
     if isinstance(backend, tuple):  # hashable form for static jit arguments: (("gemm", name), ...)
@@ -45,29 +54,35 @@ def _stage_backends(backend) -> dict[str, str | None]:
         unknown = set(backend) - set(STAGES)
         if unknown:
             raise ValueError(f"backend: unknown stage(s) {sorted(unknown)}; stages are {STAGES}")
-        return {s: backend.get(s, "reference") for s in STAGES}
+        for stage, name in backend.items():
+            if name is not None and name not in known:
+                raise ValueError(f"backend[{stage!r}]: expected one of {known} or None, got {name!r}")
+        return {s: backend.get(s, REFERENCE) for s in STAGES}
     raise TypeError(f"backend: expected a name, a {{stage: name}} dict / pairs, or None, got "
                     f"{type(backend).__name__}")
 
 
 def stage_backend(backend, stage: str) -> str | None:
     """The backend name `backend` (as `moe_forward` takes it) gives stage `stage` (one of STAGES)."""
-    return _stage_backends(backend)[stage]
+    return stage_backends(backend)[stage]
 
 
 def resolve_layout(layout: str, config: MoEConfig, *, num_tokens: int, num_local_experts: int,
-                   local_intermediate_size: int) -> str:
-    """"contig" | "masked": an explicit argument wins, then config.layout, else the auto rule."""
-    if layout not in ("auto", "contig", "masked"):
-        raise ValueError(f"layout: expected 'auto', 'contig' or 'masked', got {layout!r}")
+                   local_intermediate_size: int, arch: int | None = None,
+                   act_backend: str | None = AUTO) -> str:
+    """"contig" | "masked": an explicit argument wins, then config.layout, else `choose_layout` for
+    the GEMMs of `arch` (None -> config.gemm_arch) with the activation stage's backend."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     if layout == "auto":
         layout = config.layout
     if layout != "auto":
         return layout
+    arch = config.gemm_arch if arch is None else arch
     return choose_layout(num_tokens=num_tokens, num_local_experts=num_local_experts,
                          hidden_size=config.hidden_size, intermediate_size=local_intermediate_size,
-                         recipe=config.recipe, act_group_size=get_recipe(config.recipe).act_group_size,
-                         swiglu_limit=config.swiglu_limit, m_pad=config.masked_m_pad,
+                         recipe=get_recipe(config.recipe).gemm_recipe(arch).name, arch=arch,
+                         act=config.activation, backend=act_backend, m_pad=config.masked_m_pad,
                          memory_budget_bytes=config.masked_memory_budget_bytes)
 
 
@@ -76,36 +91,42 @@ def routed_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, p
                    backend="reference", out_dtype=None) -> jax.Array:
     """Routed branch for the experts held in `params`.
 
-    x: (M, H) float; topk_ids: (M, k) int32 GLOBAL expert ids (-1 = excluded row/route);
-    topk_weights: (M, k) f32 -> (M, H) out_dtype (None -> x.dtype), routed_scaling_factor included.
-    E_local = params.w13.shape[0] experts are held, global ids [expert_offset, expert_offset +
-    E_local) (expert_offset: python int or traced int32 scalar, e.g. axis_index * E_local under
-    shard_map); other ids contribute nothing. The intermediate size is read from params (I_local
-    may be a tensor-parallel shard of config.intermediate_size; the result is then a partial sum).
-    Checkpoint-form params are converted with `prepare_params` on every call: prepare once and pass
-    the result.
+    x: (..., H) float; topk_ids: (..., k) int32 GLOBAL expert ids (-1 = excluded row/route);
+    topk_weights: (..., k) f32 -> (..., H) out_dtype (None -> x.dtype), routed_scaling_factor
+    included. E_local = params.w13.shape[0] experts are held, global ids [expert_offset,
+    expert_offset + E_local) (expert_offset: python int or traced int32 scalar, e.g. axis_index *
+    E_local under shard_map); other ids contribute nothing. The intermediate size is read from
+    params (I_local may be a tensor-parallel shard of config.intermediate_size; the result is then
+    a partial sum). Checkpoint-form params are converted with `prepare_params` on every call:
+    prepare once and pass the result.
     """
-    check_x(x, config)
-    m = x.shape[0]
-    k = config.top_k
-    if topk_ids.shape != (m, k) or topk_weights.shape != (m, k):
-        raise ValueError(f"topk_ids/topk_weights: expected shape ({m}, {k}), got "
-                         f"{tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}")
-    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
-        raise TypeError(f"topk_ids: expected an integer dtype, got {topk_ids.dtype}")
-    if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
-        raise TypeError(f"topk_weights: expected a float dtype, got {topk_weights.dtype}")
-    e_loc, i_loc = check_params(params, config)
+    x2, lead = flatten_tokens(x, config)
+    ids, weights = flatten_routes(topk_ids, topk_weights, lead, config)
+    params, sizes = _checked_params(params, config)
+    out = _routed(x2, ids, weights, params, config, sizes, expert_offset=expert_offset, layout=layout,
+                  backend=backend, out_dtype=x.dtype if out_dtype is None else jnp.dtype(out_dtype))
+    return out.reshape(*lead, -1)
+
+
+def _checked_params(params: MoEParams, config: MoEConfig) -> tuple[MoEParams, tuple[int, int]]:
+    """check_params once; GEMM-form params for config (prepared here if in checkpoint form)."""
+    sizes = check_params(params, config)
     if not params.is_prepared:
         params = prepare_params(params, config)
     elif config.arch is not None and params.gemm_arch != config.arch:
         raise ValueError(f"params: prepared for arch {params.gemm_arch}, but config.arch={config.arch}")
-    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
-    be = _stage_backends(backend)
-    recipe, arch = params.gemm_recipe, params.gemm_arch
-    act = activation_spec(config)
+    return params, sizes
+
+
+def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, layout, backend,
+            out_dtype) -> jax.Array:
+    """`routed_experts` on checked inputs: x (M, H), ids/weights (M, k), GEMM-form params."""
+    e_loc, i_loc = sizes
+    m = x.shape[0]
+    be = stage_backends(backend)
+    recipe, arch, act = params.gemm_recipe, params.gemm_arch, config.activation
     layout = resolve_layout(layout, config, num_tokens=m, num_local_experts=e_loc,
-                            local_intermediate_size=i_loc)
+                            local_intermediate_size=i_loc, arch=arch, act_backend=be["activation"])
     if layout == "contig":
         disp = dispatch_contig(topk_ids, num_local_experts=e_loc, alignment=config.alignment,
                                expert_offset=expert_offset, backend=be["dispatch"])
@@ -137,18 +158,24 @@ def routed_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, p
 def shared_experts(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dtype=None) -> jax.Array:
     """Shared-expert MLP, same activation (clamps included) as the routed experts, bf16 weights,
     fp32 accumulation, bf16 rounding between the stages like the routed bf16 path.
-    x: (M, H) -> (M, H) out_dtype (None -> x.dtype); zeros when config.n_shared_experts == 0.
+    x: (..., H) -> (..., H) out_dtype (None -> x.dtype); zeros when config.n_shared_experts == 0.
     Its intermediate size is read from params (may be a tensor-parallel shard)."""
-    check_x(x, config)
-    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    x2, lead = flatten_tokens(x, config)
+    if config.n_shared_experts:
+        check_shared(params, config)
+    out = _shared(x2, params, config, x.dtype if out_dtype is None else jnp.dtype(out_dtype))
+    return out.reshape(*lead, -1)
+
+
+def _shared(x, params, config, out_dtype) -> jax.Array:
+    """`shared_experts` on checked inputs: x (M, H) -> (M, H) out_dtype."""
     if not config.n_shared_experts:
         return jnp.zeros(x.shape, out_dtype)
-    check_shared(params, config)
     w13, w2 = params.shared_w13, params.shared_w2
     hi = jax.lax.Precision.HIGHEST
     xb = store_as(x, jnp.bfloat16).astype(jnp.float32)
     gateup = store_as(jnp.einsum("mh,nh->mn", xb, w13.astype(jnp.float32), precision=hi), jnp.bfloat16)
-    a = store_as(gated_activation(gateup, activation_spec(config)), jnp.bfloat16)
+    a = store_as(gated_activation(gateup, config.activation), jnp.bfloat16)
     y = jnp.einsum("mi,hi->mh", a.astype(jnp.float32), w2.astype(jnp.float32), precision=hi)
     return y.astype(out_dtype)
 
@@ -158,18 +185,22 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
                 backend="reference") -> jax.Array:
     """The MoE layer: route -> routed_experts + shared_experts (tail rule: the routed output
     already carries routed_scaling_factor; the two are added in fp32 and cast once).
-    x: (M, H) float (bf16 typical) -> (M, H) x.dtype. jit-able with `config` (and layout/backend)
-    static: `jax.jit(moe_forward, static_argnames=("config", "layout", "backend"))`.
+    x: (..., H) float (bf16 typical) -> (..., H) x.dtype; token_ids (...) int for hash-routed
+    layers. jit-able with `config` (and layout/backend) static:
+    `jax.jit(moe_forward, static_argnames=("config", "layout", "backend"))`.
     Pass `prepare_params(params, config)` to keep the load-time conversion out of the call."""
-    check_x(x, config)
+    x2, lead = flatten_tokens(x, config)
     if params.w13.shape[0] != config.num_experts:
         # a shard of the experts would silently run as experts 0..E_local-1
         raise ValueError(f"params.w13: moe_forward needs all {config.num_experts} experts, got "
                          f"{params.w13.shape[0]}; for an expert shard call routed_experts(..., "
                          f"expert_offset=first_expert) or moe_jax.parallel.sharded_moe_forward")
-    topk_ids, topk_weights = route(x, params, config, token_ids=token_ids,
-                                   backend=stage_backend(backend, "route"))
-    routed = routed_experts(x, topk_ids, topk_weights, params, config, layout=layout,
-                            backend=backend, out_dtype=jnp.float32)
-    shared = shared_experts(x, params, config, out_dtype=jnp.float32)
-    return (routed + shared).astype(x.dtype)
+    tok = check_token_ids(token_ids, lead, config)
+    check_router(params, config)
+    gemm_params, sizes = _checked_params(params, config)
+    be = stage_backends(backend)
+    topk_ids, topk_weights = route_tokens(x2, params, config, tok, be["route"])
+    routed = _routed(x2, topk_ids, topk_weights, gemm_params, config, sizes, expert_offset=0,
+                     layout=layout, backend=be, out_dtype=jnp.float32)
+    shared = _shared(x2, params, config, jnp.float32)
+    return (routed + shared).astype(x.dtype).reshape(*lead, -1)

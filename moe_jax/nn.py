@@ -28,14 +28,14 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from moe_jax.config import MoEConfig
+from moe_jax.dispatch import LAYOUTS
 from moe_jax.layer import moe_forward
 from moe_jax.params import MoEParams, init_params, prepare_params
-from moe_jax.validate import check_params
+from moe_jax.params import check_params
 
 DEFAULT_EXPERT_AXIS = "ep"
 DEFAULT_INTERMEDIATE_AXIS = "tp"
 _DERIVE = object()  # sentinel: derive the axis name from `parallel` / defaults
-_LAYOUTS = ("auto", "contig", "masked")
 
 
 class Table(nnx.Variable):
@@ -44,7 +44,7 @@ class Table(nnx.Variable):
 
 def _w13_scale_viewable(p: MoEParams) -> bool:
     # arch-100 GEMM-form scales are packed MN-major (E, K-packs, align(N, 4)): no N axis to split
-    return p.w13_scale is not None and not (p.is_prepared and p.gemm_arch == 100)
+    return p.w13_scale is not None and not p.scales_packed
 
 
 def _axes(name, value, default, mesh: Mesh | None):
@@ -73,7 +73,7 @@ class MoE(nnx.Module):
 
     config: MoEConfig (static). rngs: initializes random weights (`init_params`) unless `params`
     (a MoEParams, checkpoint or GEMM form) is given. prepare: convert checkpoint-form weights to
-    the GEMM form of `config.gemm_arch` once, here (SPEC §2.1); False keeps checkpoint form (the
+    the GEMM form of `config.gemm_arch` once, here (the load-time paths); False keeps checkpoint form (the
     layer then converts on every call). backend / layout: as in `moe_forward` (static).
     mesh + parallel (a `moe_jax.parallel.ParallelConfig`): run `sharded_moe_forward` over the mesh;
     mesh alone only places the variables. expert_axis / intermediate_axis: annotation axis names
@@ -86,8 +86,8 @@ class MoE(nnx.Module):
                  expert_axis=_DERIVE, intermediate_axis=_DERIVE):
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config: expected MoEConfig, got {type(config).__name__}")
-        if layout not in _LAYOUTS:
-            raise ValueError(f"layout: expected one of {_LAYOUTS}, got {layout!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
         if mesh is not None and not isinstance(mesh, Mesh):
             raise TypeError(f"mesh: expected jax.sharding.Mesh or None, got {type(mesh).__name__}")
         ep_default, tp_default = DEFAULT_EXPERT_AXIS, DEFAULT_INTERMEDIATE_AXIS
@@ -145,8 +145,7 @@ class MoE(nnx.Module):
             self.w13_scale = var(s13, None if s13 is None else (ea, None, None))
         self.w2 = var(params.w2, (ea, None, ia))
         s2 = params.w2_scale
-        packed_s2 = params.is_prepared and params.gemm_arch == 100
-        self.w2_scale = var(s2, None if s2 is None else ((ea, None, None) if packed_s2 else (ea, None, ia)))
+        self.w2_scale = var(s2, None if s2 is None else ((ea, None, None) if params.scales_packed else (ea, None, ia)))
         self.shared_w13 = var(params.shared_w13, (None, None))
         self.shared_w2 = var(params.shared_w2, (None, None))
         self.tid2eid = var(params.tid2eid, (None, None), Table)

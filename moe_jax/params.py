@@ -1,5 +1,6 @@
-"""`MoEParams`: the layer's weights as a pytree, `init_params`, and the load-time conversion
-`prepare_params` from checkpoint form to the form the grouped GEMMs consume (SPEC §2, §2.1).
+"""`MoEParams`: the layer's weights as a pytree, `init_params`, their validation against a config
+(`check_params`), and the load-time conversion `prepare_params` from checkpoint form to the form
+the grouped GEMMs consume (`layouts.weight_paths`).
 
 Checkpoint form, by recipe (E experts, I intermediate, H hidden):
     bf16       w13 (E, 2I, H) bf16, w2 (E, H, I) bf16, no scales
@@ -11,13 +12,14 @@ w13 rows 0..I-1 are the gate projection, I..2I-1 the up projection. The router `
 (I_s = I * n_shared_experts, gate rows then up rows) and `tid2eid (vocab, top_k) int32` are not
 quantized (the shared expert is a dense bf16 MLP here).
 
-GEMM form (after `prepare_params(params, config)`, see custom_calls.grouped_gemm for the formats):
+GEMM form (after `prepare_params(params, config)`): the rhs operands of
+`get_recipe(config.recipe).gemm_format(arch)` (`layouts.gemm_format`):
     bf16                 unchanged
     fp8_block, arch 90   unchanged (rhs_scale is the checkpoint's block scale)
-    fp8_block, arch 100  UE8M0 requant (SPEC §2.1 C), scales packed MN-major (E, ceil(K/512), align(N,4)) int32
-    mxfp8, arch 100      scales packed MN-major (E, ceil(K/128), align(N,4)) int32 (§2.1 D)
-    mxfp4, arch 100      values stay int8-packed; scales packed MN-major (§2.1 A)
-    mxfp4, arch 90       FP4 -> FP8 dequant to fp8_block (§2.1 B); the GEMMs then run fp8_block/90
+    fp8_block, arch 100  UE8M0 requant (path C), scales packed MN-major (E, ceil(K/512), align(N,4)) int32
+    mxfp8, arch 100      scales packed MN-major (E, ceil(K/128), align(N,4)) int32 (path D)
+    mxfp4, arch 100      values stay int8-packed; scales packed MN-major (path A)
+    mxfp4, arch 90       FP4 -> FP8 dequant to fp8_block (path B); the GEMMs then run fp8_block/90
 `params.gemm_recipe` / `params.gemm_arch` (static pytree metadata) say which form the params are in
 (None: checkpoint form).
 """
@@ -34,7 +36,9 @@ import jax
 import jax.numpy as jnp
 
 import layouts
-from moe_jax.config import RECIPE_ARCHS, MoEConfig
+from layouts import FLOAT_DTYPES, gemm_format, get_recipe
+from layouts.checks import check_dtype, check_shape
+from moe_jax.config import QUANT_SIZE_MULTIPLE, MoEConfig
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,11 @@ class MoEParams:
         packed = self.w2.dtype == jnp.int8
         return 2 * i if packed else i
 
+    @property
+    def scales_packed(self) -> bool:
+        """GEMM-form scales that are packed UE8M0 images (E, K-packs, align(N, 4)): no N axis."""
+        return self.is_prepared and self.w13_scale is not None and gemm_format(self.gemm_recipe, self.gemm_arch).ue8m0
+
     def replace(self, **kw) -> "MoEParams":
         return dataclasses.replace(self, **kw)
 
@@ -80,16 +89,16 @@ jax.tree_util.register_dataclass(
 
 
 def _quantize_checkpoint(w: jax.Array, recipe: str) -> tuple[jax.Array, jax.Array | None]:
-    """w: (E, N, K) f32 -> checkpoint-form (values, scale) of `recipe`."""
-    if recipe == "bf16":
+    """w: (E, N, K) f32 -> checkpoint-form (values, scale) of `recipe` (its weight block / group)."""
+    rec = get_recipe(recipe)
+    if not rec.is_quantized:
         return w.astype(jnp.bfloat16), None
-    if recipe == "fp8_block":
-        return layouts.quantize_fp8_per_block(w, block_size=128, ue8m0=False)
-    if recipe == "mxfp8":
-        return layouts.quantize_mxfp8(w, group_size=32)
-    if recipe == "mxfp4":
-        return layouts.quantize_mxfp4(w, group_size=32)
-    raise ValueError(f"recipe: expected one of bf16/fp8_block/mxfp8/mxfp4, got {recipe!r}")
+    bn, bk = rec.weight_block
+    if rec.is_fp4_experts:
+        return layouts.quantize_mxfp4(w, group_size=bk)
+    if bn == 1:  # 1 x bk groups with power-of-two scales
+        return layouts.quantize_mxfp8(w, group_size=bk)
+    return layouts.quantize_fp8_per_block(w, block_size=bk, ue8m0=rec.requires_ue8m0)
 
 
 def init_params(key: jax.Array, config: MoEConfig, *, num_local_experts: int | None = None,
@@ -141,28 +150,134 @@ def init_params(key: jax.Array, config: MoEConfig, *, num_local_experts: int | N
 
 @functools.partial(jax.jit, static_argnums=(2, 3))  # one compiled conversion, not op-by-op
 def _prepare_weight(w: jax.Array, sf: jax.Array | None, recipe: str, arch: int):
-    """One expert weight (E, N, K[/2]) from checkpoint form to GEMM form (SPEC §2.1 paths A-D)."""
-    if recipe == "bf16":
+    """One expert weight (E, N, K[/2]) from checkpoint form to GEMM form (load-time paths A-D)."""
+    if not get_recipe(recipe).is_quantized:
         return w, None
     return layouts.prepare_expert_weights(w, sf, recipe=recipe, arch=arch)
 
 
 def prepare_params(params: MoEParams, config: MoEConfig, arch: int | None = None) -> MoEParams:
     """Convert checkpoint-form expert weights to the GEMM form of (config.recipe, arch) — once, at
-    load time (SPEC §2.1). arch None -> `config.gemm_arch`. Already prepared params for the same
-    arch are returned unchanged; prepared params for another arch raise ValueError."""
+    load time. arch None -> `config.gemm_arch`. Already prepared params for the same arch are
+    returned unchanged; prepared params for another arch raise ValueError."""
     arch = config.gemm_arch if arch is None else arch
-    if arch not in RECIPE_ARCHS[config.recipe]:
-        raise ValueError(f"arch: recipe {config.recipe!r} runs on arch {RECIPE_ARCHS[config.recipe]}, "
+    rec = get_recipe(config.recipe)
+    if arch not in rec.supported_archs:
+        raise ValueError(f"arch: recipe {config.recipe!r} runs on arch {tuple(sorted(rec.supported_archs))}, "
                          f"got {arch!r}")
     if params.is_prepared:
         if params.gemm_arch != arch:
             raise ValueError(f"params: already prepared for arch {params.gemm_arch}, asked for arch {arch}")
         return params
-    from moe_jax.validate import check_params
-
     check_params(params, config)
     w13, s13 = _prepare_weight(params.w13, params.w13_scale, config.recipe, arch)
     w2, s2 = _prepare_weight(params.w2, params.w2_scale, config.recipe, arch)
-    gr = layouts.get_recipe(config.recipe).gemm_recipe(arch).name
+    gr = rec.gemm_recipe(arch).name
     return params.replace(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, gemm_recipe=gr, gemm_arch=arch)
+
+
+# -- validation against a config ------------------------------------------------------------------
+
+def expert_sizes(params: MoEParams, config: MoEConfig) -> tuple[int, int]:
+    """(E_local, I_local) held by `params`, validated against `config`."""
+    e_loc = params.w13.shape[0]
+    if not 1 <= e_loc <= config.num_experts:
+        raise ValueError(f"params.w13: expected 1..{config.num_experts} experts on axis 0, got "
+                         f"shape {tuple(params.w13.shape)}")
+    i_loc = params.local_intermediate_size
+    i = config.intermediate_size
+    if i_loc < 1 or i % i_loc:
+        raise ValueError(f"params.w2: intermediate size {i_loc} (last axis of shape "
+                         f"{tuple(params.w2.shape)}) must divide config.intermediate_size={i}")
+    if get_recipe(config.recipe).is_quantized and i_loc % QUANT_SIZE_MULTIPLE:
+        raise ValueError(f"params.w2: intermediate size {i_loc} must be a multiple of "
+                         f"{QUANT_SIZE_MULTIPLE} for recipe {config.recipe!r}")
+    return e_loc, i_loc
+
+
+def check_params(params: MoEParams, config: MoEConfig) -> tuple[int, int]:
+    """Validate shapes/dtypes of every field for `config`; returns (E_local, I_local)."""
+    if not isinstance(params, MoEParams):
+        raise TypeError(f"params: expected MoEParams, got {type(params).__name__}")
+    e, h = config.num_experts, config.hidden_size
+    check_shape("params.gate_weight", params.gate_weight, (e, h))
+    check_dtype("params.gate_weight", params.gate_weight, FLOAT_DTYPES)
+    if config.use_correction_bias:
+        check_shape("params.e_score_correction_bias", params.e_score_correction_bias, (e,),
+                    "config.use_correction_bias")
+    elif params.e_score_correction_bias is not None:
+        raise ValueError(f"params.e_score_correction_bias: expected None for config.use_correction_bias=False, "
+                         f"got shape {tuple(params.e_score_correction_bias.shape)}")
+    e_loc, i_loc = expert_sizes(params, config)
+    if params.is_prepared:
+        try:
+            expect = get_recipe(config.recipe).gemm_recipe(params.gemm_arch).name
+        except ValueError as exc:
+            raise ValueError(f"params: prepared as ({params.gemm_recipe!r}, arch {params.gemm_arch!r}), "
+                             f"which config.recipe={config.recipe!r} cannot use: {exc}") from None
+        if params.gemm_recipe != expect:
+            raise ValueError(f"params: prepared as {params.gemm_recipe!r} for arch {params.gemm_arch}, "
+                             f"but config.recipe={config.recipe!r} needs {expect!r}")
+        _check_gemm_form(params, e_loc, i_loc, h)
+    else:
+        _check_checkpoint_form(params, config.recipe, e_loc, i_loc, h)
+    if config.n_shared_experts:
+        check_shared(params, config)
+    elif params.shared_w13 is not None or params.shared_w2 is not None:
+        raise ValueError("params.shared_w13/shared_w2: expected None for config.n_shared_experts=0, got arrays")
+    if config.hash_routing:
+        if params.tid2eid is None:
+            raise ValueError("params.tid2eid: required when config.hash_routing is True, got None")
+        check_shape("params.tid2eid", params.tid2eid, (config.vocab_size, config.top_k))
+        check_dtype("params.tid2eid", params.tid2eid, (jnp.int32,))
+    elif params.tid2eid is not None:  # route() would ignore it: the config is the wrong one
+        raise ValueError(f"params.tid2eid: expected None for a layer with config.hash_routing=False, "
+                         f"got an array of shape {tuple(params.tid2eid.shape)}")
+    return e_loc, i_loc
+
+
+def check_shared(params: MoEParams, config: MoEConfig) -> int:
+    """shared_w13 (2*I_s, H), shared_w2 (H, I_s) with I_s dividing I*n_shared (a tensor-parallel
+    shard, or the whole when the shared expert is replicated); returns I_s."""
+    h, full = config.hidden_size, config.shared_intermediate_size
+    w13, w2 = params.shared_w13, params.shared_w2
+    if w13 is None or w2 is None:
+        raise ValueError("params.shared_w13/shared_w2: required when config.n_shared_experts > 0, got None")
+    if w2.ndim != 2 or w2.shape[0] != h or w2.shape[1] < 1 or full % w2.shape[1]:
+        raise ValueError(f"params.shared_w2: expected shape ({h}, I_s) with I_s dividing "
+                         f"{full} (I * n_shared_experts), got {tuple(w2.shape)}")
+    i_s = w2.shape[1]
+    check_shape("params.shared_w13", w13, (2 * i_s, h))
+    check_dtype("params.shared_w13", w13, FLOAT_DTYPES)
+    check_dtype("params.shared_w2", w2, FLOAT_DTYPES)
+    return i_s
+
+
+def _check_expert(name: str, values, scale, value_shape, value_dtypes, scale_shape, scale_dtype) -> None:
+    check_shape(f"params.{name}", values, value_shape)
+    check_dtype(f"params.{name}", values, value_dtypes)
+    if scale_shape is None:
+        return
+    check_shape(f"params.{name}_scale", scale, scale_shape)
+    check_dtype(f"params.{name}_scale", scale, (scale_dtype,))
+
+
+def _projections(e_loc: int, i_loc: int, h: int):
+    """(name, N, K) of the two expert weights."""
+    return (("w13", 2 * i_loc, h), ("w2", h, i_loc))
+
+
+def _check_checkpoint_form(params, recipe, e_loc, i_loc, h) -> None:
+    rec = get_recipe(recipe)
+    for name, n, k in _projections(e_loc, i_loc, h):
+        _check_expert(name, getattr(params, name), getattr(params, f"{name}_scale"),
+                      (e_loc, n, k // rec.weight_k_pack), rec.value_dtypes,
+                      rec.checkpoint_scale_shape(e_loc, n, k), jnp.float32)
+
+
+def _check_gemm_form(params, e_loc, i_loc, h) -> None:
+    fmt = gemm_format(params.gemm_recipe, params.gemm_arch)
+    for name, n, k in _projections(e_loc, i_loc, h):
+        _check_expert(name, getattr(params, name), getattr(params, f"{name}_scale"),
+                      (e_loc, n, fmt.rhs_width(k)), fmt.rhs_dtypes, fmt.rhs_scale_shape(e_loc, n, k),
+                      fmt.scale_dtype)

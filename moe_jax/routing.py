@@ -1,8 +1,8 @@
-"""Routing (SPEC §3): scores, (grouped) top-k with correction bias, hash routing, renormalization.
+"""Routing: scores, (grouped) top-k with correction bias, hash routing, renormalization.
 
-`route(x, params, config, *, token_ids=None) -> (topk_ids (M, k) int32, topk_weights (M, k) f32)`.
+`route(x, params, config, *, token_ids=None) -> (topk_ids (..., k) int32, topk_weights (..., k) f32)`.
 Ties are broken by the lower expert (and group) id: `jax.lax.top_k` keeps the lower index first.
-`routed_scaling_factor` is NOT applied here; the un-permute applies it once (SPEC §5).
+`routed_scaling_factor` is NOT applied here; the un-permute applies it once.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from custom_calls.route_topk import renormalize, route_topk, score, select_topk
 from moe_jax.config import MoEConfig
 from moe_jax.params import MoEParams
-from moe_jax.validate import check_x
+from moe_jax.validate import check_token_ids, flatten_tokens
 
 
 def router_logits(x: jax.Array, gate_weight: jax.Array) -> jax.Array:
@@ -34,18 +34,8 @@ def _n_group(config: MoEConfig) -> int:
     return config.n_group if config.use_grouped_topk and config.n_group > 1 else 1
 
 
-def route(x: jax.Array, params: MoEParams, config: MoEConfig, *,
-          token_ids: jax.Array | None = None, backend: str | None = None) -> tuple[jax.Array, jax.Array]:
-    """x: (M, H) float -> (topk_ids (M, k) int32 global expert ids, topk_weights (M, k) f32).
-
-    Hash-routed layers (`config.hash_routing`) take ids from `params.tid2eid[token_ids]`
-    (token_ids: (M,) int) and weights from the scores at those ids; other layers ignore
-    token_ids, and a tid2eid table in their params is an error (it would mean the wrong config). Weights are the unbiased scores of the chosen
-    experts, divided by their sum when `config.norm_topk_prob`. Differentiable w.r.t. x and
-    gate_weight (the selection itself is integer-valued) on the reference backend. `backend` runs
-    the epilogue after the gate GEMM (`custom_calls.route_topk`); hash routing has none.
-    """
-    check_x(x, config)
+def check_router(params: MoEParams, config: MoEConfig) -> None:
+    """The routing parameters against the config (gate weight, correction bias, tid2eid)."""
     e, h = config.num_experts, config.hidden_size
     if params.gate_weight.shape != (e, h):
         raise ValueError(f"params.gate_weight: expected shape {(e, h)}, got {tuple(params.gate_weight.shape)}")
@@ -54,17 +44,6 @@ def route(x: jax.Array, params: MoEParams, config: MoEConfig, *,
     if not config.hash_routing and params.tid2eid is not None:
         raise ValueError(f"params.tid2eid: expected None for a layer with config.hash_routing=False, "
                          f"got an array of shape {tuple(params.tid2eid.shape)}")
-    logits = router_logits(x, params.gate_weight)
-    if config.hash_routing:
-        if token_ids is None:
-            raise ValueError("token_ids: required for a hash-routed layer (config.hash_routing), got None")
-        if token_ids.shape != (x.shape[0],):
-            raise ValueError(f"token_ids: expected shape ({x.shape[0]},), got {tuple(token_ids.shape)}")
-        if not jnp.issubdtype(token_ids.dtype, jnp.integer):
-            raise TypeError(f"token_ids: expected an integer dtype, got {token_ids.dtype}")
-        ids = params.tid2eid[token_ids].astype(jnp.int32)
-        weights = jnp.take_along_axis(score(logits, config.scoring), ids, axis=1)
-        return ids, renormalize(weights) if config.norm_topk_prob else weights
     bias = params.e_score_correction_bias
     if config.use_correction_bias:
         if bias is None or bias.shape != (e,):
@@ -74,5 +53,35 @@ def route(x: jax.Array, params: MoEParams, config: MoEConfig, *,
     elif bias is not None:
         raise ValueError(f"params.e_score_correction_bias: expected None for "
                          f"config.use_correction_bias=False, got shape {tuple(bias.shape)}")
-    return route_topk(logits, bias, top_k=config.top_k, scoring=config.scoring, n_group=_n_group(config),
-                      topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob, backend=backend)
+
+
+def route(x: jax.Array, params: MoEParams, config: MoEConfig, *,
+          token_ids: jax.Array | None = None, backend: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """x: (..., H) float -> (topk_ids (..., k) int32 global expert ids, topk_weights (..., k) f32).
+
+    Hash-routed layers (`config.hash_routing`) take ids from `params.tid2eid[token_ids]`
+    (token_ids: (...) int, the leading dims of x) and weights from the scores at those ids; other
+    layers ignore token_ids, and a tid2eid table in their params is an error (it would mean the
+    wrong config). Weights are the unbiased scores of the chosen experts, divided by their sum
+    when `config.norm_topk_prob`. Differentiable w.r.t. x and gate_weight (the selection itself
+    is integer-valued) on the reference backend. `backend` runs the epilogue after the gate GEMM
+    (`custom_calls.route_topk`); hash routing has none.
+    """
+    x2, lead = flatten_tokens(x, config)
+    check_router(params, config)
+    ids, weights = route_tokens(x2, params, config, check_token_ids(token_ids, lead, config), backend)
+    k = config.top_k
+    return ids.reshape(*lead, k), weights.reshape(*lead, k)
+
+
+def route_tokens(x: jax.Array, params: MoEParams, config: MoEConfig, token_ids: jax.Array | None,
+                 backend: str | None) -> tuple[jax.Array, jax.Array]:
+    """`route` on checked inputs: x (M, H), token_ids (M,) int or None -> ((M, k), (M, k))."""
+    logits = router_logits(x, params.gate_weight)
+    if config.hash_routing:
+        ids = params.tid2eid[token_ids].astype(jnp.int32)
+        weights = jnp.take_along_axis(score(logits, config.scoring), ids, axis=1)
+        return ids, renormalize(weights) if config.norm_topk_prob else weights
+    return route_topk(logits, params.e_score_correction_bias, top_k=config.top_k, scoring=config.scoring,
+                      n_group=_n_group(config), topk_group=config.topk_group,
+                      norm_topk_prob=config.norm_topk_prob, backend=backend)

@@ -187,7 +187,7 @@ def test_problem_and_policy_validation(monkeypatch):
         A.TuningPolicy.from_env()
     monkeypatch.delenv(A.TUNING_ENV)
     assert A.TuningPolicy.from_env().mode == "off"
-    assert A.grouped_problem("masked", 256, 512, 512, 4, "fp8_block", 1000).expected_m == 256
+    assert A.grouped_problem("masked", 256, 512, 512, 4, "fp8_1d2d", 1000).expected_m == 256
     assert A.grouped_problem("masked", 256, 512, 512, 4, "bf16", 0).expected_m == 1
 
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import moe_jax as mj
+from custom_calls import ActivationSpec
 from moe_jax import MoEConfig
 
 
@@ -19,7 +20,7 @@ def test_presets():
     v4 = MoEConfig.deepseek_v4()
     assert (v4.num_experts, v4.top_k, v4.hidden_size, v4.intermediate_size) == (256, 6, 4096, 2048)
     assert v4.scoring == "sqrtsoftplus" and v4.use_correction_bias and not v4.use_grouped_topk
-    assert v4.norm_topk_prob and v4.routed_scaling_factor == 1.5 and v4.swiglu_limit == 10.0
+    assert v4.norm_topk_prob and v4.routed_scaling_factor == 1.5 and v4.activation.swiglu_limit == 10.0
     assert v4.recipe == "mxfp4" and v4.gemm_recipe == "fp8_block"  # SM90: FP4 -> FP8 at load
     assert v4.scaled(arch=100).gemm_recipe == "mxfp4"
     assert MoEConfig.deepseek_v4(hash_routing=True).vocab_size == 129280
@@ -47,11 +48,10 @@ def test_scaled_keeps_structure():
     (dict(arch=80), "arch must be one of"),
     (dict(recipe="fp4"), "recipe must be one of"),
     (dict(scoring="relu"), "scoring must be one of"),
-    (dict(activation="gelu"), "activation must be one of"),
-    (dict(activation="swiglu_oai"), "needs gemm1_alpha"),
-    (dict(gemm1_alpha=1.7), "only used by activation='swiglu_oai'"),
-    (dict(activation="situ", swiglu_limit=3.0), "does not apply to activation='situ'"),
-    (dict(silu_mul_keep_fp32=True), "silu_mul_keep_fp32 needs"),
+    (dict(activation="gelu"), r"kind: expected one of \('silu', 'swiglu_oai', 'situ'\), got 'gelu'"),
+    (dict(activation="swiglu_oai"), "gemm1_alpha: required by"),
+    (dict(activation=7), "activation must be an ActivationSpec or a kind name, got 7"),
+    (dict(activation=ActivationSpec(keep_fp32=True)), "activation.keep_fp32 needs FP8 expert weights"),
     (dict(hash_routing=True), "needs a positive vocab_size"),
     (dict(masked_m_pad=100), "masked_m_pad must be a positive multiple of 128"),
     (dict(num_experts=0), "num_experts must be a positive int"),

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import custom_calls as cc
+from custom_calls import ActivationSpec
 import moe_jax as mj
 
 
@@ -88,21 +89,27 @@ def test_dispatch_masked_and_overflow_reported():
 
 def test_choose_layout_rules():
     kw = dict(num_tokens=100, num_local_experts=16, hidden_size=512, intermediate_size=256,
-              recipe="fp8_block", act_group_size=128)
-    assert mj.choose_layout(**kw, swiglu_limit=None) == "contig"  # no budget given
-    assert mj.choose_layout(**kw, swiglu_limit=None, memory_budget_bytes=1 << 30) == "masked"
+              recipe="fp8_block", arch=90)
+    plain, clamp = ActivationSpec(), ActivationSpec(swiglu_limit=7.0)
+    assert mj.choose_layout(**kw, act=plain) == "contig"  # no budget given
+    assert mj.choose_layout(**kw, act=plain, memory_budget_bytes=1 << 30) == "masked"
     peak = mj.masked_peak_bytes(num_local_experts=16, m_pad=256, hidden_size=512,
                                 intermediate_size=256, quantized=True)
-    assert mj.choose_layout(**kw, swiglu_limit=None, memory_budget_bytes=4 * peak) == "masked"
-    assert mj.choose_layout(**kw, swiglu_limit=None, memory_budget_bytes=4 * peak - 4) == "contig"
-    # clamped activation on masked needs I//8 >= E_local, group 128, I % 512 == 0
-    assert mj.masked_activation_unsupported_reason(intermediate_size=256, num_local_experts=16,
-                                                   act_group_size=128, clamped=True)
-    assert mj.choose_layout(**kw, swiglu_limit=7.0, memory_budget_bytes=1 << 40) == "contig"
-    assert mj.masked_activation_unsupported_reason(intermediate_size=512, num_local_experts=16,
-                                                   act_group_size=128, clamped=True) is None
-    assert "group 128" in mj.masked_activation_unsupported_reason(
-        intermediate_size=1024, num_local_experts=4, act_group_size=32, clamped=True)
+    assert mj.choose_layout(**kw, act=plain, memory_budget_bytes=4 * peak) == "masked"
+    assert mj.choose_layout(**kw, act=plain, memory_budget_bytes=4 * peak - 4) == "contig"
+    # the clamped masked activation kernel (the accelerated one "auto" would use) needs
+    # I//8 >= E_local and (I / group) % 4 == 0: I = 256 has 2 groups of 128
+    static = dict(num_groups=16, m_pad=256, two_i=512, act=clamp, recipe="fp8_block", arch=90,
+                  dtype=jnp.dtype(jnp.bfloat16))
+    ok, reason = cc.static_supports("activation_quant_masked", "auto", **static)
+    assert not ok and "G % 4 == 0 violated" in reason
+    assert mj.choose_layout(**kw, act=clamp, memory_budget_bytes=1 << 40) == "contig"
+    # the reference activation has no such constraint
+    assert mj.choose_layout(**kw, act=clamp, backend="reference", memory_budget_bytes=1 << 40) == "masked"
+    assert mj.choose_layout(**dict(kw, intermediate_size=512), act=clamp, memory_budget_bytes=1 << 40) == "masked"
+    # D // 8 >= E_local: 64 experts need I >= 512
+    assert mj.choose_layout(**dict(kw, intermediate_size=512, num_local_experts=65), act=clamp,
+                            memory_budget_bytes=1 << 40) == "contig"
 
 
 @pytest.mark.parametrize("layout", ["contig", "masked"])
@@ -203,9 +210,9 @@ def test_bad_permute_and_unpermute_inputs():
     s2d = jnp.zeros((5, 2), jnp.int32)
     with pytest.raises(ValueError, match=r"src2dst: expected 5 rows \(tokens of x\), got shape \(4, 2\)"):
         cc.permute_contig(x, s2d[:4], num_rows=128, recipe="bf16", arch=90)
-    with pytest.raises(TypeError, match="src2dst: expected dtype in \\(int32\\), got int16"):
+    with pytest.raises(TypeError, match="src2dst: expected dtype int32, got int16"):
         cc.permute_contig(x, s2d.astype(jnp.int16), num_rows=128, recipe="bf16", arch=90)
-    with pytest.raises(TypeError, match="x: expected dtype in .*got int32"):
+    with pytest.raises(TypeError, match="x: expected dtype .*got int32"):
         cc.permute_contig(x.astype(jnp.int32), s2d, num_rows=128, recipe="bf16", arch=90)
     with pytest.raises(ValueError, match="m_pad: expected a multiple of 128, got 100"):
         cc.permute_masked(x, s2d, num_groups=2, m_pad=100, recipe="bf16", arch=90)
@@ -213,9 +220,9 @@ def test_bad_permute_and_unpermute_inputs():
     w = jnp.ones((5, 2), jnp.float32)
     with pytest.raises(ValueError, match=r"topk_weights: expected shape \(5, 2\) \(as src2dst\)"):
         cc.unpermute(d, s2d, w[:, :1])
-    with pytest.raises(TypeError, match="topk_weights: expected dtype in .*got int32"):
+    with pytest.raises(TypeError, match="topk_weights: expected dtype .*got int32"):
         cc.unpermute(d, s2d, w.astype(jnp.int32))
-    with pytest.raises(TypeError, match="d: expected dtype in .*got int8"):
+    with pytest.raises(TypeError, match="d: expected dtype .*got int8"):
         cc.unpermute(d.astype(jnp.int8), s2d, w)
     with pytest.raises(ValueError, match="d: expected rank 2"):
         cc.unpermute(d[None], s2d, w)
@@ -241,7 +248,7 @@ def test_bad_rank_within_expert_inputs():
 
     with pytest.raises(ValueError, match=r"e_flat: expected rank 1"):
         rank_within_expert(jnp.zeros((2, 2), jnp.int32), num_experts=2)
-    with pytest.raises(TypeError, match=r"e_flat: expected dtype in \(int32\), got float32"):
+    with pytest.raises(TypeError, match=r"e_flat: expected dtype int32, got float32"):
         rank_within_expert(jnp.zeros((4,), jnp.float32), num_experts=2)
     with pytest.raises(ValueError, match="num_experts: expected a positive int, got 0"):
         rank_within_expert(jnp.zeros((4,), jnp.int32), num_experts=0)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import moe_jax as mj
+from custom_calls import ActivationSpec
 from moe_jax import MoEConfig
 
 # ------------------------------------------------------------------------------------------------
@@ -83,14 +84,15 @@ def np_route(x, gate_weight, bias, cfg: MoEConfig, tid2eid=None, token_ids=None)
 def np_act(gateup: np.ndarray, cfg: MoEConfig) -> np.ndarray:
     i = gateup.shape[-1] // 2
     gate, up = gateup[..., :i], gateup[..., i:]
-    if cfg.activation == "situ":
-        bs, bl = cfg.situ_beta, cfg.situ_linear_beta
+    act = cfg.activation
+    if act.kind == "situ":
+        bs, bl = act.situ_beta, act.situ_linear_beta
         return bs * np.tanh(gate / bs) / (1 + np.exp(-gate)) * bl * np.tanh(up / bl)
-    if cfg.swiglu_limit is not None:
-        gate = np.minimum(gate, cfg.swiglu_limit)
-        up = np.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
-    if cfg.activation == "swiglu_oai":
-        return gate / (1 + np.exp(-cfg.gemm1_alpha * gate)) * (up + 1)
+    if act.swiglu_limit is not None:
+        gate = np.minimum(gate, act.swiglu_limit)
+        up = np.clip(up, -act.swiglu_limit, act.swiglu_limit)
+    if act.kind == "swiglu_oai":
+        return gate / (1 + np.exp(-act.gemm1_alpha * gate)) * (up + 1)
     return gate / (1 + np.exp(-gate)) * up
 
 
@@ -195,9 +197,9 @@ def test_contig_and_masked_identical(recipe, arch):
 
 
 ACT_CASES = {
-    "silu_limit": dict(swiglu_limit=0.3),
-    "swiglu_oai": dict(activation="swiglu_oai", gemm1_alpha=1.702, swiglu_limit=0.4),
-    "situ": dict(activation="situ", situ_beta=0.5, situ_linear_beta=0.25),
+    "silu_limit": dict(activation=ActivationSpec(swiglu_limit=0.3)),
+    "swiglu_oai": dict(activation=ActivationSpec(kind="swiglu_oai", gemm1_alpha=1.702, swiglu_limit=0.4)),
+    "situ": dict(activation=ActivationSpec(kind="situ", situ_beta=0.5, situ_linear_beta=0.25)),
     "softmax_flat": dict(scoring="softmax", use_correction_bias=False, use_grouped_topk=False,
                          norm_topk_prob=False, routed_scaling_factor=1.0, n_shared_experts=0),
     "sigmoid_nobias": dict(use_correction_bias=False, n_shared_experts=2),
@@ -212,15 +214,16 @@ def test_activation_and_scoring_variants_bf16(case):
     y = np.asarray(_forward(x, pp, config=cfg, layout="contig").astype(jnp.float32))
     ref = np_moe(x.astype(jnp.float32), p, cfg)
     assert rel_err(y, ref) < 1e-2
-    if cfg.swiglu_limit is not None:  # the clamp is active on these inputs
+    if cfg.activation.swiglu_limit is not None:  # the clamp is active on these inputs
         h = np.asarray(x, np.float64) @ np_dequant_weight(p.w13, None, "bf16")[0].T
-        assert np.abs(h).max() > cfg.swiglu_limit
+        assert np.abs(h).max() > cfg.activation.swiglu_limit
 
 
 @pytest.mark.parametrize("recipe,arch,layout,extra", [
-    ("fp8_block", 100, "masked", dict(silu_mul_keep_fp32=True)),
-    ("fp8_block", 90, "contig", dict(activation="swiglu_oai", gemm1_alpha=1.702, swiglu_limit=0.4)),
-    ("mxfp8", 100, "masked", dict(activation="situ", situ_beta=0.5, situ_linear_beta=0.25)),
+    ("fp8_block", 100, "masked", dict(activation=ActivationSpec(keep_fp32=True))),
+    ("fp8_block", 90, "contig", dict(activation=ActivationSpec(kind="swiglu_oai", gemm1_alpha=1.702,
+                                                              swiglu_limit=0.4))),
+    ("mxfp8", 100, "masked", dict(activation=ActivationSpec(kind="situ", situ_beta=0.5, situ_linear_beta=0.25))),
 ])
 def test_activation_variants_quantized(recipe, arch, layout, extra):
     cfg = BASE.scaled(recipe=recipe, arch=arch, **extra)
@@ -419,11 +422,13 @@ def test_jit_and_auto_layout_budget():
 def test_bad_x_rank_dtype_hidden():
     cfg = BASE.scaled(recipe="bf16")
     _, pp = params_for(cfg)
-    with pytest.raises(ValueError, match="x: expected rank 2"):
-        mj.moe_forward(jnp.zeros((2, 3, 256), jnp.bfloat16), pp, cfg)
+    with pytest.raises(ValueError, match=r"x: expected rank >= 2 \(..., H=256\), got shape \(256,\)"):
+        mj.moe_forward(jnp.zeros((256,), jnp.bfloat16), pp, cfg)
+    with pytest.raises(ValueError, match=r"x: expected at least one token \(..., H=256\), got shape \(2, 0, 256\)"):
+        mj.moe_forward(jnp.zeros((2, 0, 256), jnp.bfloat16), pp, cfg)
     with pytest.raises(TypeError, match="x: expected dtype"):
         mj.moe_forward(jnp.zeros((4, 256), jnp.int32), pp, cfg)
-    with pytest.raises(ValueError, match="x: expected hidden size 256"):
+    with pytest.raises(ValueError, match=r"x: expected shape \(..., H=256\), got \(4, 128\)"):
         mj.moe_forward(jnp.ones((4, 128), jnp.bfloat16), pp, cfg)
 
 
@@ -438,7 +443,7 @@ def test_bad_params_inconsistent_with_config():
     with pytest.raises(ValueError, match="params.shared_w13"):
         mj.moe_forward(x, pp.replace(shared_w13=None), cfg)
     fp8 = BASE.scaled(recipe="fp8_block", arch=90)
-    with pytest.raises(TypeError, match="params.w13: expected dtype in \\(float8_e4m3fn\\)"):
+    with pytest.raises(TypeError, match="params.w13: expected dtype float8_e4m3fn"):
         mj.moe_forward(x, params_for(cfg)[0], fp8)
     with pytest.raises(ValueError, match="prepared as 'bf16'"):
         mj.moe_forward(x, pp, fp8)

@@ -211,7 +211,7 @@ def test_bad_input(mesh):
     moe = MoE.from_params(raw, cfg)
     with pytest.raises(ValueError, match="num_tokens: only used with a parallel pattern"):
         moe(x_input(), num_tokens=jnp.array([M]))
-    with pytest.raises(ValueError, match=r"x: expected hidden size 64, got shape \(3, 32\)"):
+    with pytest.raises(ValueError, match=r"x: expected shape \(..., H=64\), got \(3, 32\)"):
         moe(jnp.ones((3, 32), jnp.bfloat16))
 
 

@@ -125,9 +125,15 @@ def test_bad_activation_inputs():
 # -- backend registry -----------------------------------------------------------------------------
 def test_registry_resolve_explicit_auto_default_and_errors():
     op = "test_only_op"
-    cc.register(op, "reference", lambda v: ("ref", v))
+    cc.declare_op(op, static_args=("size",), reference=lambda v: ("ref", v))
     cc.register(op, "fast", lambda v: ("fast", v),
-                supports=lambda *, platform, size: (size % 2 == 0, f"size {size} is odd"))
+                supports=lambda *, size: (size % 2 == 0, f"size {size} is odd"))
+    with pytest.raises(ValueError, match="op: 'test_only_op' is already declared"):
+        cc.declare_op(op, static_args=("size",), reference=lambda v: v)
+    with pytest.raises(ValueError, match="op: expected one of .* got 'undeclared_op'"):
+        cc.register("undeclared_op", "fast", lambda v: v)
+    with pytest.raises(TypeError, match=r"static arguments of op 'test_only_op': expected \['size'\], got unknown \['sise'\] and missing \['size'\]"):
+        cc.resolve(op, "reference", sise=3)
     assert cc.resolve(op, "reference", size=3).impl(1) == ("ref", 1)
     assert cc.resolve(op, "fast", size=4).impl(1) == ("fast", 1)
     with pytest.raises(ValueError, match="backend 'fast' cannot run op 'test_only_op': size 3 is odd"):
@@ -160,11 +166,13 @@ def test_gpu_backends_are_lazy_and_refused_off_gpu():
         cc.m_grouped_gemm_contig(jnp.ones((128, 128), jnp.bfloat16), jnp.ones((1, 8, 128), jnp.bfloat16),
                                  jnp.zeros((128,), jnp.int32), recipe="bf16", arch=90, backend="deep_gemm")
     # auto on CPU is the reference
-    assert cc.resolve("m_grouped_gemm_contig", "auto").backend == "reference"
+    static = dict(m_cap=128, n=128, k=128, num_groups=1, recipe="bf16", arch=90, alignment=128,
+                  lhs_dtype=jnp.bfloat16, rhs_dtype=jnp.bfloat16)
+    assert cc.resolve("m_grouped_gemm_contig", "auto", **static).backend == "reference"
 
 
 def test_layer_stage_backends():
-    from moe_jax.layer import _stage_backends
+    from moe_jax.layer import stage_backends as _stage_backends
 
     stages = ("route", "dispatch", "permute", "gemm", "activation", "unpermute")
     assert _stage_backends("auto") == dict.fromkeys(stages, "auto")
@@ -176,6 +184,13 @@ def test_layer_stage_backends():
     assert got["gemm"] == "deep_gemm" and got["permute"] == "reference"
     with pytest.raises(ValueError, match="unknown stage\\(s\\) \\['gemmm'\\]"):
         _stage_backends({"gemmm": "x"})
+    with pytest.raises(ValueError, match=r"backend: expected one of \('reference', 'auto', .*'triton'.*got 'nonsense'"):
+        _stage_backends("nonsense")
+    with pytest.raises(ValueError, match=r"backend\['gemm'\]: expected one of .* got 'nonsense'"):
+        _stage_backends({"gemm": "nonsense"})
+    # stage coverage comes from the registry: what each backend registered
+    assert cc.backend_stages("deep_gemm") == {"gemm"}
+    assert cc.backend_stages("triton") == {"route", "dispatch", "permute", "activation", "unpermute"}
 
 
 @pytest.mark.parametrize("backend", ["deep_gemm", "triton"])
@@ -187,5 +202,5 @@ def test_layer_with_gpu_backend_off_gpu_is_an_error(backend):
     config = mj.MoEConfig.deepseek_v3().scaled(num_experts=8, hidden_size=128, intermediate_size=128)
     params = mj.init_params(jax.random.key(0), config)
     x = jax.random.normal(jax.random.key(1), (4, 128)).astype(jnp.bfloat16)
-    with pytest.raises(ValueError, match=f"backend '{backend}' for op '.*': runs on platform"):
+    with pytest.raises(ValueError, match=f"backend '{backend}' .*op '.*'.*platform"):
         mj.moe_forward(x, params, config, backend=backend)

@@ -54,17 +54,16 @@ def test_dispatch_with_triton_ranking_on_cpu_is_an_error_naming_the_platform():
         dispatch_contig(jnp.zeros((4, 2), jnp.int32), num_local_experts=2, alignment=8, backend="triton")
     from custom_calls.triton import supports_rank_within_expert
 
-    ok, reason = supports_rank_within_expert(platform="gpu", num_routes=8, num_experts=1024)
+    ok, reason = supports_rank_within_expert(num_routes=8, num_experts=1024)
     assert not ok and "num_experts: at most 1023 local experts, got 1024" in reason
-    ok, reason = supports_rank_within_expert(platform="gpu", num_routes=16384 * 128 + 1, num_experts=32)
+    ok, reason = supports_rank_within_expert(num_routes=16384 * 128 + 1, num_experts=32)
     assert not ok and "num_routes: at most 2097152 routes (M * top_k) for 32 local experts, got 2097153" in reason
 
 
-def test_supports_names_the_missing_gpu():
-    from custom_calls.triton import supports_unpermute
+def test_environment_names_the_missing_gpu():
+    from custom_calls.triton import environment
 
-    ok, reason = supports_unpermute(platform="cpu")
-    assert not ok and "cpu" in reason
+    assert "cpu" in environment("cpu")
 
 
 def _masked_static(num_groups, m_pad, two_i, act, recipe="fp8_block"):

@@ -5,11 +5,12 @@ encodes TMA descriptors for the current buffers and launches on XLA's stream.
 Run on SM90: grouped contig/masked FP8 1D2D and BF16, dense FP8/BF16 ``gemm_nt``, TF32 prenorm.
 SM100 (fp8_block, mxfp8, mxfp4 1D1D): generated and compiled for sm_100a, not run on SM100 hardware.
 Grouped SM90 configs can be autotuned on the device and cached (opt-in: ``TuningPolicy``,
-$MOE_JAX_GEMM_TUNING; autotune.py). Importing this package probes no device and imports no CUDA Python binding; it registers the grouped
-GEMMs as backend 'deep_gemm' of the registry.
+$MOE_JAX_GEMM_TUNING; autotune.py). Importing this package probes no device and imports no CUDA
+Python binding; it registers the grouped GEMMs as backend 'deep_gemm' of the registry (shape rules,
+environment check, implementations).
 """
 
-from custom_calls.backends import register as _register
+from custom_calls.backends import register as _register, set_environment as _set_environment
 from custom_calls.grouped_gemm import OP_CONTIG as _OP_CONTIG, OP_MASKED as _OP_MASKED
 
 from .autotune import TuningPolicy
@@ -17,13 +18,16 @@ from .compiler import Cubin, compile_cubin
 from .heuristics import (Sm90GemmConfig, Sm90PrenormConfig, Sm100GemmConfig, sm90_gemm_config,
                          sm90_prenorm_config, sm100_mgrouped_config)
 from .launch_plan import LaunchPlan, TensorMap
+from . import ops as _ops
 from .ops import (BACKEND, detected_device, gemm_nt_bf16, gemm_nt_fp8, m_grouped_gemm_contig,
                   m_grouped_gemm_masked, supports_gemm_nt, supports_m_grouped_gemm_contig,
                   supports_m_grouped_gemm_masked, supports_tf32_prenorm_gemm, tf32_prenorm_gemm)
 from .warmup import GemmShape, warmup
 
-_register(_OP_CONTIG, BACKEND, m_grouped_gemm_contig, supports_m_grouped_gemm_contig)
-_register(_OP_MASKED, BACKEND, m_grouped_gemm_masked, supports_m_grouped_gemm_masked)
+_register(_OP_CONTIG, BACKEND, _ops.contig_impl, _ops.static_supports_contig)
+_register(_OP_MASKED, BACKEND, _ops.masked_impl, _ops.static_supports_masked)
+# looked up at call time, so the environment can be replaced (tests, other devices)
+_set_environment(BACKEND, lambda platform, **static: _ops.environment(platform, **static))
 
 __all__ = [
     "BACKEND", "Cubin", "GemmShape", "LaunchPlan", "Sm90GemmConfig", "Sm90PrenormConfig", "Sm100GemmConfig",

@@ -144,16 +144,14 @@ class Sm90Problem:
                 f"N={self.n} K={self.k}")
 
 
-def grouped_problem(kind: str, rows: int, n: int, k: int, num_groups: int, recipe: str,
+def grouped_problem(kind: str, rows: int, n: int, k: int, num_groups: int, kernel: str,
                     expected_m: int | None = None) -> Sm90Problem:
-    """The problem of an SM90 grouped GEMM op call (recipe 'bf16' or 'fp8_block'); expected_m
+    """The problem of an SM90 grouped GEMM op call on ``kernel`` ('fp8_1d2d' or 'bf16'); expected_m
     (masked; None = rows) is clamped to [1, rows] as the op clamps it."""
-    if recipe not in ("bf16", "fp8_block"):
-        raise ValueError(f"recipe: SM90 grouped GEMMs take 'bf16' or 'fp8_block', got {recipe!r}")
     em = None
     if kind == "masked":
         em = rows if expected_m is None else max(1, min(expected_m, rows))
-    return Sm90Problem("bf16" if recipe == "bf16" else "fp8_1d2d", kind, rows, n, k, num_groups, em)
+    return Sm90Problem(kernel, kind, rows, n, k, num_groups, em)
 
 
 def config_label(cfg: Sm90GemmConfig) -> str:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from layouts._checks import align, ceil_div  # noqa: F401  (re-exported to the host modules)
+from layouts import gemm_format
+from layouts.checks import align, ceil_div  # noqa: F401  (re-exported to the host modules)
 
 GemmKind = Literal["normal", "contig", "masked"]
 
@@ -353,11 +354,13 @@ def sm90_prenorm_config(n: int, k: int, num_splits: int = 1) -> Sm90PrenormConfi
 
 Sm100Recipe = Literal["fp8_block", "mxfp8", "mxfp4"]
 # (gran_k of A's scales, gran_k of B's scales, B element type)
-SM100_RECIPES: dict[str, tuple[int, int, str]] = {
-    "fp8_block": (128, 128, "e4m3"),
-    "mxfp8": (32, 32, "e4m3"),
-    "mxfp4": (128, 32, "e2m1_unpacked"),  # FP8 activations × FP4 weights, unpacked to 8 bit in smem
-}
+def sm100_operands(recipe: str) -> tuple[int, int, str]:
+    """(gran_k of A, gran_k of B, B's element type) of the SM100 1D1D kernel for `recipe`, from its
+    GEMM format on arch 100; FP4 weights are unpacked to 8 bit in shared memory."""
+    fmt = gemm_format(recipe, 100)
+    if not fmt.is_quantized:
+        raise ValueError(f"recipe: the SM100 1D1D kernel serves quantized recipes, got {recipe!r}")
+    return fmt.act_group, fmt.weight_block[1], "e2m1_unpacked" if fmt.rhs_k_pack == 2 else "e4m3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,13 +410,11 @@ class Sm100GemmConfig:
 
 def sm100_mgrouped_config(recipe: str, gemm_kind: GemmKind, n: int, k: int, num_groups: int,
                           num_sms: int) -> Sm100GemmConfig:
-    if recipe not in SM100_RECIPES:
-        raise ValueError(f"SM100 recipe must be one of {sorted(SM100_RECIPES)}, got {recipe!r}")
+    gka, gkb, b_dtype = sm100_operands(recipe)
     if gemm_kind not in ("contig", "masked"):
         raise ValueError(f"SM100 config covers m-grouped GEMMs only, got {gemm_kind!r}")
     if num_sms <= 0 or num_sms % 2:
         raise ValueError(f"num_sms must be a positive even number, got {num_sms}")
-    gka, gkb, b_dtype = SM100_RECIPES[recipe]
     bm, bn, bk = CONTIG_ALIGNMENT, 128, 128  # 128·8/element_bits for FP8 and FP8×FP4
     cluster_n = 2 if ceil_div(n, 128) % 2 == 0 else 1
     load_bm, load_bn = bm // cluster_n, 128

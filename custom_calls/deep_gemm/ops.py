@@ -3,8 +3,11 @@
 
 At trace time an op checks its operands, picks a tile (heuristics.py), compiles the instantiation
 once (compiler.py, disk-cached) and emits one XLA custom call (launch.py). Each op has a
-``supports_*`` twin returning ``(ok, reason)`` for the backend registry; an op that cannot run raises
-ValueError with that reason.
+``supports_*`` twin returning ``(ok, reason)``; an op that cannot run raises ValueError with that
+reason. The registry gets the grouped GEMMs' shape rules (``static_supports_*``), this machine's
+``environment`` check, and the unchecked implementations (``contig_impl``, ``masked_impl``) that
+trust what ``resolve`` accepted; ``m_grouped_gemm_*`` here are the checked forms for direct callers.
+Operand formats: ``layouts.gemm_format(recipe, arch)``.
 
 Output contracts:
 * contig: rows whose ``m_indices`` is -1 are computed from lhs's rows there (or stored as zeros by
@@ -29,16 +32,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from custom_calls._checks import check_dtype, check_rank, check_shape
+from custom_calls.grouped_gemm import check_contig, check_masked
+from layouts import GemmFormat, SUPPORTED_ARCHS, gemm_format
+from layouts.checks import align, ceil_div, check_dtype, check_rank, check_shape, check_static_int
 
 from . import autotune, compiler, launch_plan, toolchain
-from .heuristics import (CONTIG_ALIGNMENT, ceil_div, align, sm90_gemm_config, sm90_prenorm_config,
-                         sm100_mgrouped_config)
+from .heuristics import CONTIG_ALIGNMENT, sm90_gemm_config, sm90_prenorm_config, sm100_mgrouped_config
 from .codegen import sm90_gemm_source, sm90_prenorm_source, sm100_gemm_source
 from .launch import launch
 
 BACKEND = "deep_gemm"
-_ARCH_RECIPES = {90: ("bf16", "fp8_block"), 100: ("bf16", "fp8_block", "mxfp8", "mxfp4")}
 SM100_NOTE = "arch 100 kernels are compiled for sm_100a but have not been run on SM100 hardware by this project"
 
 
@@ -63,8 +66,8 @@ def detected_device() -> tuple[str, int | None, int | None]:
 
 def _environment_reason(arch: int) -> str | None:
     """Why the DeepGEMM kernels cannot run here for ``arch``; None when they can."""
-    if arch not in _ARCH_RECIPES:
-        return f"arch must be 90 or 100, got {arch!r}"
+    if arch not in SUPPORTED_ARCHS:
+        return f"arch: expected one of {SUPPORTED_ARCHS}, got {arch!r}"
     try:
         toolchain.deep_gemm_include_dir()
         toolchain.find_nvcc()
@@ -82,6 +85,12 @@ def _environment_reason(arch: int) -> str | None:
     if arch // 10 == 10 and os.environ.get("MOE_JAX_DEEP_GEMM_SM100") != "1":
         return f"{SM100_NOTE}; set MOE_JAX_DEEP_GEMM_SM100=1 to run them anyway"
     return None
+
+
+def environment(platform: str, *, arch: int, **_static: Any) -> str:
+    """The registry's environment check of backend 'deep_gemm': "" when its kernels can run here
+    for ``arch`` (compiler, kernel sources, a device of that family), else why not."""
+    return _environment_reason(arch) or ""
 
 
 def _num_sms() -> int:
@@ -102,14 +111,29 @@ def _raise_unless(ok_reason: tuple[bool, str]) -> None:
 
 # --- static shape rules (shared by supports_* and the ops) -----------------------------------
 
+DENSE_KERNELS = ("fp8_1d2d", "bf16")
+
+
+def kernel_family(fmt: GemmFormat) -> str | None:
+    """The DeepGEMM template serving a GEMM format: the SM90 FP8 1D2D or BF16 kernel, the SM100 1D1D
+    FP8/FP4 kernel, or None (no kernel wired for it: BF16 on SM100 uses another template)."""
+    if fmt.arch == 90:
+        return "fp8_1d2d" if fmt.is_quantized else "bf16"
+    return "sm100_1d1d" if fmt.is_quantized else None
+
+
 def _grouped_reason(kind: str, rows: int, n: int, k: int, num_groups: int, recipe: str, arch: int,
-                    alignment: int = CONTIG_ALIGNMENT) -> str | None:
-    if arch not in _ARCH_RECIPES:
-        return f"arch must be 90 or 100, got {arch!r}"
-    if recipe not in _ARCH_RECIPES[arch]:
-        return f"recipe {recipe!r} has no DeepGEMM kernel on arch {arch} (supported: {_ARCH_RECIPES[arch]})"
-    if arch == 100 and recipe == "bf16":
-        return "recipe 'bf16' on arch 100 is not wired to a kernel here (SM100 BF16 uses another template)"
+                    alignment: int = CONTIG_ALIGNMENT, lhs_dtype: Any = None, rhs_dtype: Any = None) -> str | None:
+    try:
+        fmt = gemm_format(recipe, arch)
+    except ValueError as e:
+        return str(e)
+    if kernel_family(fmt) is None:
+        return f"{fmt.describe()} has no DeepGEMM kernel wired here (SM100 BF16 uses another template)"
+    if not fmt.is_quantized:  # the BF16 kernel reads bfloat16 operands only
+        for name, dt in (("lhs", lhs_dtype), ("rhs", rhs_dtype)):
+            if dt is not None and jnp.dtype(dt) != jnp.bfloat16:
+                return f"{name}: the BF16 kernel needs dtype bfloat16, got {jnp.dtype(dt).name}"
     if kind == "contig" and alignment != CONTIG_ALIGNMENT:
         return f"alignment must be {CONTIG_ALIGNMENT} (the kernels' BLOCK_M), got {alignment}"
     if kind == "contig" and rows % CONTIG_ALIGNMENT:
@@ -120,49 +144,70 @@ def _grouped_reason(kind: str, rows: int, n: int, k: int, num_groups: int, recip
         return f"num_groups must be >= 1, got {num_groups}"
     if n <= 0 or n % 64:
         return f"N must be a positive multiple of 64, got {n}"
-    kb = 64 if recipe == "bf16" else 128
+    kb = 128 if fmt.is_quantized else 64  # the kernels' BLOCK_K
     if k <= 0 or k % kb:
         return f"K must be a positive multiple of {kb} for recipe {recipe!r}, got {k}"
     return None
 
 
-def supports_m_grouped_gemm_contig(*, m_cap: int, n: int, k: int, num_groups: int, recipe: str, arch: int,
-                                   alignment: int = CONTIG_ALIGNMENT, platform: str | None = None,
-                                   **_unused: Any) -> tuple[bool, str]:
-    """(ok, reason) for ``m_grouped_gemm_contig`` with these static arguments on this machine."""
-    reason = _grouped_reason("contig", m_cap, n, k, num_groups, recipe, arch, alignment) or _environment_reason(arch)
+def _answer(reason: str | None) -> tuple[bool, str]:
     return (reason is None, reason or "")
+
+
+def static_supports_contig(*, m_cap: int, n: int, k: int, num_groups: int, recipe: str, arch: int,
+                           alignment: int = CONTIG_ALIGNMENT, lhs_dtype: Any = None, rhs_dtype: Any = None
+                           ) -> tuple[bool, str]:
+    """The contig GEMM's shape rules alone (the registry asks `environment` separately)."""
+    return _answer(_grouped_reason("contig", m_cap, n, k, num_groups, recipe, arch, alignment, lhs_dtype, rhs_dtype))
+
+
+def static_supports_masked(*, num_groups: int, m_pad: int, n: int, k: int, expected_m: int, recipe: str,
+                           arch: int, lhs_dtype: Any = None, rhs_dtype: Any = None) -> tuple[bool, str]:
+    """The masked GEMM's shape rules alone (the registry asks `environment` separately)."""
+    return _answer(_grouped_reason("masked", m_pad, n, k, num_groups, recipe, arch, lhs_dtype=lhs_dtype,
+                                   rhs_dtype=rhs_dtype))
+
+
+def supports_m_grouped_gemm_contig(*, m_cap: int, n: int, k: int, num_groups: int, recipe: str, arch: int,
+                                   alignment: int = CONTIG_ALIGNMENT, lhs_dtype: Any = None,
+                                   rhs_dtype: Any = None) -> tuple[bool, str]:
+    """(ok, reason) for ``m_grouped_gemm_contig`` with these static arguments on this machine."""
+    ok, reason = static_supports_contig(m_cap=m_cap, n=n, k=k, num_groups=num_groups, recipe=recipe, arch=arch,
+                                        alignment=alignment, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype)
+    return (ok, reason) if not ok else _answer(_environment_reason(arch))
 
 
 def supports_m_grouped_gemm_masked(*, m_pad: int, n: int, k: int, num_groups: int, recipe: str, arch: int,
-                                   expected_m: int = 1, platform: str | None = None,
-                                   **_unused: Any) -> tuple[bool, str]:
+                                   expected_m: int = 1, lhs_dtype: Any = None,
+                                   rhs_dtype: Any = None) -> tuple[bool, str]:
     """(ok, reason) for ``m_grouped_gemm_masked`` with these static arguments on this machine."""
-    reason = _grouped_reason("masked", m_pad, n, k, num_groups, recipe, arch)
-    if reason is None and (not isinstance(expected_m, int) or expected_m < 0):
-        reason = f"expected_m must be a static int >= 0, got {expected_m!r}"
-    reason = reason or _environment_reason(arch)
-    return (reason is None, reason or "")
+    ok, reason = static_supports_masked(num_groups=num_groups, m_pad=m_pad, n=n, k=k, expected_m=expected_m,
+                                        recipe=recipe, arch=arch, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype)
+    return (ok, reason) if not ok else _answer(_environment_reason(arch))
 
 
 def supports_gemm_nt(*, n: int, k: int, recipe: str, arch: int = 90, out_dtype: Any = jnp.bfloat16,
                      **_unused: Any) -> tuple[bool, str]:
     """(ok, reason) for the dense ``gemm_nt_fp8`` (recipe 'fp8_block') / ``gemm_nt_bf16`` ('bf16')."""
     reason = None
-    if arch != 90:
-        reason = f"dense GEMMs are wired for arch 90 only, got {arch}"
-    elif recipe not in ("bf16", "fp8_block"):
-        reason = f"recipe must be 'bf16' or 'fp8_block', got {recipe!r}"
+    try:
+        fmt = gemm_format(recipe, arch)
+    except ValueError as e:
+        return False, str(e)
+    kb = 128 if fmt.is_quantized else 64  # the kernels' BLOCK_K
+    if kernel_family(fmt) not in DENSE_KERNELS:
+        reason = f"dense GEMMs are wired for the SM90 FP8 1D2D and BF16 kernels only, got {fmt.describe()}"
+    elif fmt.is_quantized and fmt.weight_block != (128, 128):
+        reason = f"the dense FP8 kernel reads 128x128 weight blocks, got {fmt.describe()}"
     elif n <= 0 or n % 64:
         reason = f"N must be a positive multiple of 64, got {n}"
-    elif k <= 0 or k % (64 if recipe == "bf16" else 128):
-        reason = f"K must be a positive multiple of {64 if recipe == 'bf16' else 128}, got {k}"
-    elif recipe == "fp8_block" and jnp.dtype(out_dtype) != jnp.bfloat16:
+    elif k <= 0 or k % kb:
+        reason = f"K must be a positive multiple of {kb}, got {k}"
+    elif fmt.is_quantized and jnp.dtype(out_dtype) != jnp.bfloat16:
         reason = f"the FP8 kernel writes bf16 only, got out_dtype={jnp.dtype(out_dtype).name}"
     elif jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         reason = f"out_dtype must be bf16 or f32, got {jnp.dtype(out_dtype).name}"
-    reason = reason or _environment_reason(arch)
-    return (reason is None, reason or "")
+    return _answer(reason or _environment_reason(arch))
 
 
 def supports_tf32_prenorm_gemm(*, n: int, k: int, num_splits: int = 1, arch: int = 90,
@@ -192,9 +237,10 @@ def grouped_kernel(kind: str, rows: int, n: int, k: int, num_groups: int, recipe
     """
     if kind == "masked":
         expected_m = rows if expected_m is None else max(1, min(expected_m, rows))
-    if arch == 90:
-        problem = autotune.grouped_problem(kind, rows, n, k, num_groups, recipe, expected_m)
-        kernel, cfg = problem.kernel, autotune.sm90_config(problem, num_sms, tuning)
+    kernel = kernel_family(gemm_format(recipe, arch))
+    if kernel in DENSE_KERNELS:
+        problem = autotune.grouped_problem(kind, rows, n, k, num_groups, kernel, expected_m)
+        cfg = autotune.sm90_config(problem, num_sms, tuning)
         src = sm90_gemm_source(cfg, n, k)
         builder = launch_plan.sm90_bf16_plan if kernel == "bf16" else launch_plan.sm90_fp8_plan
         plan_fn = functools.partial(_plan, builder, cfg, m=rows, n=n, k=k, num_groups=num_groups)
@@ -208,7 +254,7 @@ def grouped_kernel(kind: str, rows: int, n: int, k: int, num_groups: int, recipe
 
 def dense_kernel(m: int, n: int, k: int, recipe: str, out_dtype: Any, num_sms: int):
     """(name, source, plan_fn) for a dense SM90 GEMM (a: (m, k), b: (n, k) -> (m, n) out_dtype)."""
-    kernel = "bf16" if recipe == "bf16" else "fp8_1d2d"
+    kernel = kernel_family(gemm_format(recipe, 90))
     cd = "bf16" if jnp.dtype(out_dtype) == jnp.bfloat16 else "f32"
     cfg = sm90_gemm_config(kernel, "normal", m, n, k, 1, num_sms, cd_dtype=cd)
     src = sm90_gemm_source(cfg, n, k)
@@ -234,111 +280,80 @@ def _run(kernel, arch: int, inputs, outputs):
     return launch(plan_fn(str(cubin.path)), inputs, outputs)
 
 
-# --- operand checks ---------------------------------------------------------------------------
+# --- the grouped GEMMs ----------------------------------------------------------------------
 
-def _check_grouped_operands(lhs, rhs, lhs_scale, rhs_scale, recipe: str, arch: int, rows: int, k: int,
-                            batch: tuple[int, ...]) -> tuple[int, int]:
-    """Checks rhs and the scales against the (recipe, arch) formats; returns (G, N)."""
-    check_rank("rhs", rhs, 3, "(G, N, K)")
-    g, n, kb = rhs.shape
-    packed = recipe == "mxfp4"
-    if kb != (k // 2 if packed else k):
-        raise ValueError(f"rhs: expected shape (G, N, {k // 2 if packed else k}) for lhs K={k}, got {tuple(rhs.shape)}")
-    if recipe == "bf16":
-        check_dtype("lhs", lhs, (jnp.bfloat16,))
-        check_dtype("rhs", rhs, (jnp.bfloat16,))
-        if lhs_scale is not None or rhs_scale is not None:
-            raise ValueError("lhs_scale/rhs_scale: recipe 'bf16' takes no scales, got an array")
-        return g, n
-    check_dtype("lhs", lhs, (jnp.float8_e4m3fn,))
-    check_dtype("rhs", rhs, (jnp.int8,) if packed else (jnp.float8_e4m3fn,))
-    if arch == 90:
-        check_shape("lhs_scale", lhs_scale, (*batch, ceil_div(k, 128), align(rows, 4)))
-        check_dtype("lhs_scale", lhs_scale, (jnp.float32,))
-        check_shape("rhs_scale", rhs_scale, (g, ceil_div(n, 128), ceil_div(k, 128)))
-        check_dtype("rhs_scale", rhs_scale, (jnp.float32,))
-    else:
-        gka, gkb = {"fp8_block": (128, 128), "mxfp8": (32, 32), "mxfp4": (128, 32)}[recipe]
-        check_shape("lhs_scale", lhs_scale, (*batch, ceil_div(ceil_div(k, gka), 4), align(rows, 4)))
-        check_dtype("lhs_scale", lhs_scale, (jnp.int32,))
-        check_shape("rhs_scale", rhs_scale, (g, ceil_div(ceil_div(k, gkb), 4), align(n, 4)))
-        check_dtype("rhs_scale", rhs_scale, (jnp.int32,))
-    return g, n
-
-
-def _check_recipe_arch(recipe: str, arch: int) -> None:
-    if arch not in _ARCH_RECIPES:
-        raise ValueError(f"arch must be 90 or 100, got {arch!r}")
-    if recipe not in _ARCH_RECIPES[arch]:
-        raise ValueError(f"recipe {recipe!r} has no DeepGEMM kernel on arch {arch} "
-                         f"(supported: {_ARCH_RECIPES[arch]})")
-
-
-def _operands(lhs, rhs, lhs_scale, rhs_scale, layout_arr, recipe):
-    if recipe == "bf16":
+def _operands(lhs, rhs, lhs_scale, rhs_scale, layout_arr):
+    if lhs_scale is None:
         return [lhs, rhs, layout_arr]
     return [lhs, rhs, lhs_scale, rhs_scale, layout_arr]
 
 
-# --- public ops -------------------------------------------------------------------------------
+def contig_impl(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, *, lhs_scale: jax.Array | None,
+                rhs_scale: jax.Array | None, recipe: str, arch: int, alignment: int) -> jax.Array:
+    """The registered contig GEMM: operands already checked and accepted by ``resolve``."""
+    m_cap, k = lhs.shape
+    g, n = rhs.shape[:2]
+    if m_cap == 0:
+        return jnp.zeros((0, n), jnp.bfloat16)
+    kern = grouped_kernel("contig", m_cap, n, k, g, recipe, arch, _num_sms())
+    groups = jnp.clip(m_indices, -1, g - 1)
+    (out,) = _run(kern, arch, _operands(lhs, rhs, lhs_scale, rhs_scale, groups),
+                  [jax.ShapeDtypeStruct((m_cap, n), jnp.bfloat16)])
+    return out
+
+
+def masked_impl(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *, expected_m: int,
+                lhs_scale: jax.Array | None, rhs_scale: jax.Array | None, recipe: str, arch: int) -> jax.Array:
+    """The registered masked GEMM: operands already checked and accepted by ``resolve``."""
+    g, m_pad, k = lhs.shape
+    n = rhs.shape[1]
+    if m_pad == 0:
+        return jnp.zeros((g, 0, n), jnp.bfloat16)
+    kern = grouped_kernel("masked", m_pad, n, k, g, recipe, arch, _num_sms(), expected_m=expected_m)
+    counts = jnp.clip(masked_m, 0, m_pad)
+    (out,) = _run(kern, arch, _operands(lhs, rhs, lhs_scale, rhs_scale, counts),
+                  [jax.ShapeDtypeStruct((g, m_pad, n), jnp.bfloat16)])
+    return out
+
 
 def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, *,
                           lhs_scale: jax.Array | None = None, rhs_scale: jax.Array | None = None,
                           recipe: str, arch: int, alignment: int = CONTIG_ALIGNMENT,
                           backend: str | None = None) -> jax.Array:
-    """Contiguous grouped GEMM D[r] = lhs[r] · rhs[m_indices[r]]ᵀ on DeepGEMM's kernels.
+    """Contiguous grouped GEMM D[r] = lhs[r] · rhs[m_indices[r]]ᵀ on DeepGEMM's kernels (checked form).
 
     lhs: (M_cap, K) e4m3 | bf16, M_cap % 128 == 0, every expert segment starting at a multiple of 128;
     rhs: (G, N, K) e4m3 | bf16 [(G, N, K//2) int8 e2m1 pairs for mxfp4]; m_indices: (M_cap,) int32,
-    -1 = padding; scales per the (recipe, arch) formats of custom_calls.grouped_gemm -> (M_cap, N) bf16.
+    -1 = padding; scales as ``layouts.gemm_format(recipe, arch)`` states -> (M_cap, N) bf16.
     """
     _check_backend(backend)
-    _check_recipe_arch(recipe, arch)
-    check_rank("lhs", lhs, 2, "(M_cap, K)")
-    m_cap, k = lhs.shape
-    g, n = _check_grouped_operands(lhs, rhs, lhs_scale, rhs_scale, recipe, arch, m_cap, k, ())
-    check_shape("m_indices", m_indices, (m_cap,))
-    check_dtype("m_indices", m_indices, (jnp.int32,))
+    fmt = gemm_format(recipe, arch)
+    m_cap, k, g, n = check_contig(lhs, rhs, m_indices, lhs_scale, rhs_scale, fmt, alignment)
     _raise_unless(supports_m_grouped_gemm_contig(m_cap=m_cap, n=n, k=k, num_groups=g, recipe=recipe,
-                                                 arch=arch, alignment=alignment))
-    if m_cap == 0:
-        return jnp.zeros((0, n), jnp.bfloat16)
-    kern = grouped_kernel("contig", m_cap, n, k, g, recipe, arch, _num_sms())
-    groups = jnp.clip(m_indices, -1, g - 1)
-    (out,) = _run(kern, arch, _operands(lhs, rhs, lhs_scale, rhs_scale, groups, recipe),
-                  [jax.ShapeDtypeStruct((m_cap, n), jnp.bfloat16)])
-    return out
+                                                 arch=arch, alignment=alignment, lhs_dtype=lhs.dtype,
+                                                 rhs_dtype=rhs.dtype))
+    return contig_impl(lhs, rhs, m_indices, lhs_scale=lhs_scale, rhs_scale=rhs_scale, recipe=recipe,
+                       arch=arch, alignment=alignment)
 
 
 def m_grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *, expected_m: int,
                           lhs_scale: jax.Array | None = None, rhs_scale: jax.Array | None = None,
                           recipe: str, arch: int, backend: str | None = None) -> jax.Array:
-    """Masked grouped GEMM D[g, r] = lhs[g, r] · rhs[g]ᵀ for r < masked_m[g] on DeepGEMM's kernels.
+    """Masked grouped GEMM D[g, r] = lhs[g, r] · rhs[g]ᵀ for r < masked_m[g] on DeepGEMM's kernels
+    (checked form).
 
     lhs: (G, m_pad, K) e4m3 | bf16, m_pad % 128 == 0; rhs: (G, N, K); masked_m: (G,) int32 (clamped to
     [0, m_pad]); expected_m: static hint for the tile choice -> (G, m_pad, N) bf16, rows >= masked_m[g]
     unspecified.
     """
     _check_backend(backend)
-    _check_recipe_arch(recipe, arch)
-    check_rank("lhs", lhs, 3, "(G, m_pad, K)")
-    g_l, m_pad, k = lhs.shape
-    g, n = _check_grouped_operands(lhs, rhs, lhs_scale, rhs_scale, recipe, arch, m_pad, k, (g_l,))
-    if g != g_l:
-        raise ValueError(f"rhs: expected {g_l} groups (lhs axis 0), got shape {tuple(rhs.shape)}")
-    check_shape("masked_m", masked_m, (g,))
-    check_dtype("masked_m", masked_m, (jnp.int32,))
-    if not isinstance(expected_m, int) or isinstance(expected_m, bool) or expected_m < 0:
-        raise ValueError(f"expected_m: expected a static int >= 0, got {expected_m!r}")
+    fmt = gemm_format(recipe, arch)
+    g, m_pad, k, n = check_masked(lhs, rhs, masked_m, expected_m, lhs_scale, rhs_scale, fmt)
     _raise_unless(supports_m_grouped_gemm_masked(m_pad=m_pad, n=n, k=k, num_groups=g, recipe=recipe,
-                                                 arch=arch, expected_m=expected_m))
-    if m_pad == 0:
-        return jnp.zeros((g, 0, n), jnp.bfloat16)
-    kern = grouped_kernel("masked", m_pad, n, k, g, recipe, arch, _num_sms(), expected_m=expected_m)
-    counts = jnp.clip(masked_m, 0, m_pad)
-    (out,) = _run(kern, arch, _operands(lhs, rhs, lhs_scale, rhs_scale, counts, recipe),
-                  [jax.ShapeDtypeStruct((g, m_pad, n), jnp.bfloat16)])
-    return out
+                                                 arch=arch, expected_m=expected_m, lhs_dtype=lhs.dtype,
+                                                 rhs_dtype=rhs.dtype))
+    return masked_impl(lhs, rhs, masked_m, expected_m=expected_m, lhs_scale=lhs_scale,
+                       rhs_scale=rhs_scale, recipe=recipe, arch=arch)
 
 
 def _nt_operands(a: jax.Array, b: jax.Array, a_dtype, b_dtype, names: tuple[str, str] = ("a", "b")
@@ -364,10 +379,11 @@ def gemm_nt_fp8(a: jax.Array, b: jax.Array, *, a_scale: jax.Array, b_scale: jax.
     scales; b: (N, K) e4m3; b_scale: (ceil(N/128), ceil(K/128)) f32 128x128 block scales -> (M, N) bf16.
     """
     m, n, k = _nt_operands(a, b, jnp.float8_e4m3fn, jnp.float8_e4m3fn)
-    check_shape("a_scale", a_scale, (ceil_div(k, 128), align(m, 4)))
-    check_dtype("a_scale", a_scale, (jnp.float32,))
-    check_shape("b_scale", b_scale, (ceil_div(n, 128), ceil_div(k, 128)))
-    check_dtype("b_scale", b_scale, (jnp.float32,))
+    fmt = gemm_format("fp8_block", arch)
+    check_shape("a_scale", a_scale, fmt.lhs_scale_shape(m, k))
+    check_dtype("a_scale", a_scale, (fmt.scale_dtype,))
+    check_shape("b_scale", b_scale, fmt.rhs_scale_shape(1, n, k)[1:])
+    check_dtype("b_scale", b_scale, (fmt.scale_dtype,))
     _raise_unless(supports_gemm_nt(n=n, k=k, recipe="fp8_block", arch=arch))
     if m == 0:
         return jnp.zeros((0, n), jnp.bfloat16)
@@ -395,8 +411,7 @@ def tf32_prenorm_gemm(x: jax.Array, fn: jax.Array, *, num_splits: int = 1,
     num_splits > 1 splits K across CTAs (for small M); the partial results are summed here.
     """
     m, n, k = _nt_operands(x, fn, jnp.bfloat16, jnp.float32, names=("x", "fn"))
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits: expected a static int >= 1, got {num_splits!r}")
+    check_static_int("num_splits", num_splits, 1)
     _raise_unless(supports_tf32_prenorm_gemm(n=n, k=k, num_splits=num_splits, arch=arch))
     if m == 0:
         return jnp.zeros((0, n), jnp.float32), jnp.zeros((0,), jnp.float32)

@@ -17,7 +17,9 @@ import os
 from typing import Iterable, Literal
 
 from . import autotune, compiler
-from .ops import dense_kernel, detected_device, grouped_kernel, prenorm_kernel
+from layouts import gemm_format
+
+from .ops import DENSE_KERNELS, dense_kernel, detected_device, grouped_kernel, kernel_family, prenorm_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +56,10 @@ def kernel_for(shape: GemmShape, arch: int, num_sms: int,
 
 def tuning_problem(shape: GemmShape) -> autotune.Sm90Problem | None:
     """The SM90 tuning problem of a grouped shape (None for shapes the tuner does not cover)."""
-    if shape.kind not in ("contig", "masked") or shape.recipe not in ("bf16", "fp8_block"):
+    kernel = kernel_family(gemm_format(shape.recipe, 90)) if shape.kind in ("contig", "masked") else None
+    if kernel not in DENSE_KERNELS:
         return None
-    return autotune.grouped_problem(shape.kind, shape.rows, shape.n, shape.k, shape.num_groups, shape.recipe,
+    return autotune.grouped_problem(shape.kind, shape.rows, shape.n, shape.k, shape.num_groups, kernel,
                                     shape.expected_m)
 
 

@@ -22,9 +22,10 @@ import importlib
 
 import jax
 
-from custom_calls.backends import register
+from custom_calls.backends import register, set_environment
 from custom_calls.triton.support import (
     activation_masked_constraints,
+    environment,
     route_topk_reason,
     supports_activation_contig,
     supports_activation_masked,
@@ -121,6 +122,7 @@ def _register() -> None:
     register(_unpermute_ref.OP, BACKEND, unpermute, supports_unpermute)
     register(_rank_ref.OP, BACKEND, rank_within_expert, supports_rank_within_expert)
     register(_route_ref.OP, BACKEND, route_topk, supports_route_topk)
+    set_environment(BACKEND, environment)
 
 
 _register()
@@ -130,6 +132,7 @@ __all__ = [
     "activation_masked_constraints",
     "activation_quant_contig",
     "activation_quant_masked",
+    "environment",
     "permute_contig",
     "permute_masked",
     "quantize_activation",

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from custom_calls._checks import ACT_GROUP, act_scale_image_shape, ceil_div, round_up
+from layouts import align, ceil_div, gemm_format, get_recipe
 from custom_calls.triton.launch import triton_call
 from custom_calls.triton.tile_quant import quantize_tile, store_scale_image, tile_ids
 
@@ -109,8 +109,9 @@ def act_quant_kernel(
 
 
 def kernel_config(inter: int, recipe: str, act) -> dict:
-    quant = recipe != "bf16"
-    group = ACT_GROUP[recipe] if quant else _BF16_CHUNK
+    rec = get_recipe(recipe)
+    quant = rec.is_quantized
+    group = rec.act_group_size if quant else _BF16_CHUNK
     # a multiple of 4 groups per program, so packed UE8M0 words never straddle two programs
     groups = max(4, min(triton.next_power_of_2(ceil_div(inter, group)), _ROW_TILE // group))
     block_m = max(1, _TILE_ELEMS // (groups * group))
@@ -127,12 +128,13 @@ def _act_quant(gateup: jax.Array, masked_m: jax.Array | None, *, act, recipe: st
     slabs, mn, two_i = gateup.shape if masked else (1, *gateup.shape)
     inter = two_i // 2
     cfg = kernel_config(inter, recipe, act)
+    fmt = gemm_format(recipe, arch)
     if cfg["QUANT"]:
-        (gi, img_ld), img_dtype = act_scale_image_shape(recipe, arch, mn, inter)
+        (gi, img_ld), img_dtype = fmt.lhs_scale_shape(mn, inter), fmt.scale_dtype
         img_shape = (slabs, gi, img_ld) if masked else (gi, img_ld)
         a_dtype = jnp.float8_e4m3fn
     else:
-        gi, img_ld, img_dtype, img_shape, a_dtype = 1, round_up(mn, 4), jnp.int32, (1,), jnp.bfloat16
+        gi, img_ld, img_dtype, img_shape, a_dtype = 1, align(mn, 4), jnp.int32, (1,), jnp.bfloat16
     g = ceil_div(inter, cfg["GROUP"])
     covered = mn if masked else img_ld
     row_blocks = slabs * ceil_div(covered, cfg["BLOCK_M"])
@@ -145,7 +147,7 @@ def _act_quant(gateup: jax.Array, masked_m: jax.Array | None, *, act, recipe: st
         gateup, masked_m, kernel=act_quant_kernel,
         out_shape=[jax.ShapeDtypeStruct(a_shape, a_dtype), jax.ShapeDtypeStruct(img_shape, img_dtype)],
         grid=(row_blocks * ceil_div(g, cfg["GROUPS"]),), num_warps=_NUM_WARPS, name="moe_act_quant",
-        MN=mn, I=inter, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, UE8M0=arch == 100,
+        MN=mn, I=inter, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, UE8M0=fmt.ue8m0,
         MASKED=masked, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=_CHUNKS_FASTEST, **cfg)
     return a, (img if cfg["QUANT"] else None)
 

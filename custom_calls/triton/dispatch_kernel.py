@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from custom_calls._checks import ceil_div
+from layouts import ceil_div
 from custom_calls.triton.launch import triton_call
 from custom_calls.triton.support import rank_chunk_size
 

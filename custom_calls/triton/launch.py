@@ -1,6 +1,8 @@
 """Calling a Triton kernel from JAX: `jax_triton.triton_call`, imported only here, at call time.
 
 `import jax_triton` raises ImportError on a CPU-only jax, so nothing imports it at module load.
+Under Triton's interpreter (TRITON_INTERPRET=1) the kernels run on the host instead
+(`custom_calls.triton.interpret`), without jax_triton.
 Every kernel of this package takes its sizes as `tl.constexpr` (shapes are static under jit),
 so each distinct shape compiles once and is cached by jax_triton.
 """
@@ -24,13 +26,18 @@ def triton_call(*args: jax.Array, kernel: Any, out_shape: Sequence[jax.ShapeDtyp
     """Launch `kernel` on `grid` with array inputs `args` then outputs `out_shape` as pointers,
     followed by `constexprs` (all compile-time constants). The outputs listed in `zeroed_outputs`
     (indices into `out_shape`) are zero-filled before the launch. Returns the outputs as a list."""
+    if any(g == 0 for g in grid):
+        raise ValueError(f"grid: expected every dimension > 0, got {grid}")
+    from custom_calls.triton.interpret import interpreting, triton_call_interpreted
+
+    if interpreting():
+        return triton_call_interpreted(*args, kernel=kernel, out_shape=out_shape, grid=grid,
+                                       zeroed_outputs=zeroed_outputs, **constexprs)
     try:
         import jax_triton
     except ImportError as exc:
         raise ValueError(f"backend 'triton': jax_triton cannot be imported here ({exc}); it needs a "
                          f"CUDA build of jax and `pip install jax-triton==0.3.1`") from exc
-    if any(g == 0 for g in grid):
-        raise ValueError(f"grid: expected every dimension > 0, got {grid}")
     outs = jax_triton.triton_call(*args, kernel=kernel, out_shape=list(out_shape), grid=grid,
                                   num_warps=num_warps, num_stages=1, name=name,
                                   zeroed_outputs=tuple(zeroed_outputs), **constexprs)

@@ -32,8 +32,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from custom_calls._checks import ACT_GROUP, act_scale_image_shape, ceil_div
-from custom_calls.act_quant import quantize_activation
+from layouts import ceil_div, gemm_format, get_recipe
 from custom_calls.triton.launch import triton_call
 from custom_calls.triton.tile_quant import (quantize_tile, store_scale_image, tile_ids, ue8m0_bits_exponent,
                                             zero_row_scale)
@@ -158,8 +157,9 @@ def row_sources(src2dst: jax.Array, num_rows: int) -> jax.Array:
 def kernel_config(hidden: int, recipe: str) -> dict:
     """Static tiling: group size along H and groups per program (a multiple of 4, so packed UE8M0
     words never straddle two programs)."""
-    quant = recipe != "bf16"
-    group = ACT_GROUP[recipe] if quant else _BF16_CHUNK
+    rec = get_recipe(recipe)
+    quant = rec.is_quantized
+    group = rec.act_group_size if quant else _BF16_CHUNK
     return dict(GROUP=group, GROUPS=max(4, _TILE // group), QUANT=quant)
 
 
@@ -169,6 +169,7 @@ def _permute(x: jax.Array, src2dst: jax.Array, *, slabs: int, mn: int, recipe: s
     top_k = src2dst.shape[1]
     rows = slabs * mn
     cfg = kernel_config(h, recipe)
+    fmt = gemm_format(recipe, arch)
     quant = cfg["QUANT"]
     g = ceil_div(h, cfg["GROUP"])
     zero_programs = ceil_div(rows, _ZERO_ROWS) if zero_fill else 0
@@ -179,17 +180,17 @@ def _permute(x: jax.Array, src2dst: jax.Array, *, slabs: int, mn: int, recipe: s
                    jax.ShapeDtypeStruct((m, g) if quant else (1,), jnp.float32)],
         grid=((zero_programs + ceil_div(m, _TOKENS)) * ceil_div(g, cfg["GROUPS"]),),
         num_warps=_NUM_WARPS, name="moe_permute_quant",
-        M=m, H=h, TOPK=top_k, TOPK_P2=triton.next_power_of_2(top_k), R=rows, G=g, UE8M0=arch == 100,
+        M=m, H=h, TOPK=top_k, TOPK_P2=triton.next_power_of_2(top_k), R=rows, G=g, UE8M0=fmt.ue8m0,
         TOKENS=_TOKENS, ZERO_FILL=zero_fill, ZERO_ROWS=_ZERO_ROWS, ZERO_SUB=_ZERO_SUB, CHUNKS_FASTEST=_CHUNKS_FASTEST, **cfg)
     if not quant:
         return lhs, None
-    (gi, img_ld), img_dtype = act_scale_image_shape(recipe, arch, mn, h)
+    (gi, img_ld), img_dtype = fmt.lhs_scale_shape(mn, h), fmt.scale_dtype
     row_blocks = slabs * ceil_div(img_ld, _IMAGE_ROWS)
     (img,) = triton_call(
         src1, sf, kernel=scale_image_kernel,
         out_shape=[jax.ShapeDtypeStruct((gi, img_ld) if slabs == 1 else (slabs, gi, img_ld), img_dtype)],
         grid=(row_blocks * ceil_div(g, _IMAGE_GROUPS),), num_warps=4, name="moe_permute_scale_image",
-        MN=mn, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, UE8M0=arch == 100, ROWS=_IMAGE_ROWS,
+        MN=mn, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, UE8M0=fmt.ue8m0, ROWS=_IMAGE_ROWS,
         GROUPS=_IMAGE_GROUPS, ROW_BLOCKS=row_blocks)
     return lhs, img
 
@@ -198,7 +199,7 @@ def permute_contig(x: jax.Array, src2dst: jax.Array, *, num_rows: int, recipe: s
     """x: (M, H) float, src2dst: (M, k) int32 in [0, num_rows) or -1
     -> (lhs (num_rows, H) e4m3 | bf16, lhs_scale image (see custom_calls.act_quant) | None)."""
     if x.shape[0] == 0:  # no token: every row is a zero row
-        return quantize_activation(jnp.zeros((num_rows, x.shape[1]), x.dtype), recipe, arch)
+        return gemm_format(recipe, arch).quantize_lhs(jnp.zeros((num_rows, x.shape[1]), x.dtype))
     return _permute(x, src2dst, slabs=1, mn=num_rows, recipe=recipe, arch=arch, zero_fill=True)
 
 
@@ -208,6 +209,6 @@ def permute_masked(x: jax.Array, src2dst: jax.Array, *, num_groups: int, m_pad: 
     -> (lhs (G, m_pad, H) e4m3 | bf16, lhs_scale (G, ...) image | None); lhs rows no route lands on
     are left unwritten."""
     if x.shape[0] == 0:  # no token: every row is a zero row
-        return quantize_activation(jnp.zeros((num_groups, m_pad, x.shape[1]), x.dtype), recipe, arch)
+        return gemm_format(recipe, arch).quantize_lhs(jnp.zeros((num_groups, m_pad, x.shape[1]), x.dtype))
     lhs, img = _permute(x, src2dst, slabs=num_groups, mn=m_pad, recipe=recipe, arch=arch, zero_fill=False)
     return lhs.reshape(num_groups, m_pad, x.shape[1]), img

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from custom_calls._checks import ACT_GROUP, act_scale_image_shape, ceil_div, check_recipe_arch
+from layouts import ceil_div, gemm_format
 from custom_calls.triton.launch import triton_call
 from custom_calls.triton.tile_quant import quantize_tile, store_scale_image, tile_ids
 
@@ -59,18 +59,18 @@ def quantize_activation(x: jax.Array, recipe: str, arch: int) -> tuple[jax.Array
     """Same signature and results as `custom_calls.act_quant.quantize_activation`:
     x (..., rows, K) float -> (q (..., rows, K) e4m3, scale image (..., G', align(rows, 4)))
     with the image fp32 (arch 90) or packed UE8M0 int32 (arch 100); bf16 recipe: (x as bf16, None)."""
-    check_recipe_arch(recipe, arch)
-    if recipe == "bf16":
+    fmt = gemm_format(recipe, arch)
+    if not fmt.is_quantized:
         return x.astype(jnp.bfloat16), None
     if x.ndim < 2:
         raise ValueError(f"x: expected rank >= 2 (..., rows, K), got shape {tuple(x.shape)}")
     *lead, mn, k = x.shape
     slabs = math.prod(lead)
-    group = ACT_GROUP[recipe]
-    (gi, img_ld), img_dtype = act_scale_image_shape(recipe, arch, mn, k)
+    group = fmt.act_group
+    (gi, img_ld), img_dtype = fmt.lhs_scale_shape(mn, k), fmt.scale_dtype
     g = ceil_div(k, group)
     groups = _TILE // group
-    if arch == 100:
+    if fmt.ue8m0:  # packed words of 4 groups never straddle two programs
         groups = max(groups, 4)
     row_blocks = slabs * ceil_div(img_ld, _BLOCK_M)
     if row_blocks == 0:  # no rows
@@ -80,6 +80,6 @@ def quantize_activation(x: jax.Array, recipe: str, arch: int) -> tuple[jax.Array
         out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn),
                    jax.ShapeDtypeStruct((*lead, gi, img_ld), img_dtype)],
         grid=(row_blocks * ceil_div(g, groups),), num_warps=_NUM_WARPS, name="moe_group_quant",
-        MN=mn, K=k, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, GROUP=group, UE8M0=arch == 100,
+        MN=mn, K=k, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, GROUP=group, UE8M0=fmt.ue8m0,
         BLOCK_M=_BLOCK_M, GROUPS=groups, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=_CHUNKS_FASTEST)
     return q, img

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from custom_calls._checks import ceil_div
+from layouts import ceil_div
 from custom_calls.route_topk import NORM_EPS
 from custom_calls.triton.launch import triton_call
 from custom_calls.triton.support import SCORINGS, route_topk_reason

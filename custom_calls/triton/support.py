@@ -1,28 +1,41 @@
 """What the Triton backend can run, answered at trace time without importing triton or jax_triton.
 
-Every `supports_*` takes the op's static arguments (as `custom_calls.backends.resolve` passes
-them, `platform` included) and returns (ok, reason). The reason names the argument or the
+`environment(platform)` says whether the backend can run on this machine at all (a CUDA GPU with
+FP8 conversions, the triton and jax_triton packages); the registry asks it once per resolution.
+Every `supports_*` takes the op's declared static arguments (as `custom_calls.backends.resolve`
+passes them) and returns (ok, reason) from them alone. The reason names the argument or the
 missing piece, so an explicit `backend="triton"` that cannot run fails with it.
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import jax.numpy as jnp
 
-from custom_calls._checks import ACT_GROUP, ceil_div
+from custom_calls.route_topk import SCORINGS as _SCORING_NAMES
 from custom_calls.triton.launch import missing_dependencies
+from layouts import FLOAT_DTYPES, ceil_div, get_recipe
 
-SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}  # routing epilogue: code per scoring
+SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}  # routing epilogue: the kernel's code per scoring
+assert set(SCORINGS) == set(_SCORING_NAMES), "a scoring of route_topk has no kernel code"
 MAX_EXPERTS = 1024  # routing epilogue: one program holds whole expert rows
 MAX_RANK_EXPERTS = 1023  # dispatch ranking: a chunk's one-hot matrix has next_pow2(E + 1) columns
 MAX_RANK_CHUNKS = 16384  # dispatch ranking: one program scans the counts of every chunk
 MIN_CAPABILITY = (8, 9)  # e4m3 conversions in hardware (Ada / Hopper and newer)
-_FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
-def _device_reason(platform: str) -> str:
+def environment(platform: str, **_static) -> str:
+    """The registry's environment check of backend 'triton': "" when it can run here, else why not.
+    Under Triton's interpreter (TRITON_INTERPRET=1, `custom_calls.triton.interpret`) the CPU runs
+    the kernels too (slowly; for tests and debugging)."""
+    from custom_calls.triton.interpret import interpreting
+
+    if platform == "cpu" and interpreting():
+        return "" if importlib.util.find_spec("triton") is not None else "missing Python package triton"
     if platform != "gpu":
-        return f"needs a CUDA GPU, current platform is {platform!r}"
+        return (f"needs a CUDA GPU, current platform is {platform!r} (TRITON_INTERPRET=1 runs the kernels "
+                f"on the CPU in Triton's interpreter, for tests)")
     missing = missing_dependencies()
     if missing:
         return f"missing Python package(s) {missing} (pip install 'moe-jax[gpu]')"
@@ -43,7 +56,7 @@ def _device_reason(platform: str) -> str:
 
 
 def _dtype_reason(name: str, dtype) -> str:
-    if dtype is not None and not any(jnp.dtype(dtype) == jnp.dtype(d) for d in _FLOATS):
+    if dtype is not None and jnp.dtype(dtype) not in FLOAT_DTYPES:
         return f"{name}: expected dtype in (bfloat16, float16, float32), got {jnp.dtype(dtype).name}"
     return ""
 
@@ -62,42 +75,43 @@ def activation_masked_constraints(*, num_groups: int, m_pad: int, two_i: int, ac
     Returns "" when they hold or do not apply (bf16 recipe; plain silu or swiglu_oai), else the
     violated constraint with its values."""
     constrained = act.kind == "situ" or act.keep_fp32 or (act.kind == "silu" and act.swiglu_limit is not None)
-    if recipe == "bf16" or not constrained:
+    group = get_recipe(recipe).act_group_size
+    if group is None or not constrained:
         return ""
     inter = two_i // 2
-    g = ceil_div(inter, ACT_GROUP[recipe])
+    g = ceil_div(inter, group)
     what = f"masked {act.kind} act+quant kernel (swiglu_limit={act.swiglu_limit}, keep_fp32={act.keep_fp32})"
     if m_pad % 4:
         return f"{what}: constraint N % 4 == 0 violated: N = m_pad = {m_pad}"
-    if inter % ACT_GROUP[recipe] or g % 4:
+    if inter % group or g % 4:
         return (f"{what}: constraint G % 4 == 0 violated: G = I / group = {inter} / "
-                f"{ACT_GROUP[recipe]} = {inter / ACT_GROUP[recipe]:g}")
+                f"{group} = {inter / group:g}")
     if inter // 8 < num_groups:
         return f"{what}: constraint D // 8 >= E violated: D = I = {inter}, D // 8 = {inter // 8} < E = {num_groups}"
     return ""
 
 
-def supports_permute_contig(*, platform: str, dtype=None, **_static) -> tuple[bool, str]:
-    return _answer(_device_reason(platform), _dtype_reason("x", dtype))
+def supports_permute_contig(*, dtype, **_static) -> tuple[bool, str]:
+    return _answer(_dtype_reason("x", dtype))
 
 
-def supports_permute_masked(*, platform: str, dtype=None, **_static) -> tuple[bool, str]:
-    return _answer(_device_reason(platform), _dtype_reason("x", dtype))
+def supports_permute_masked(*, dtype, **_static) -> tuple[bool, str]:
+    return _answer(_dtype_reason("x", dtype))
 
 
-def supports_activation_contig(*, platform: str, dtype=None, **_static) -> tuple[bool, str]:
-    return _answer(_device_reason(platform), _dtype_reason("gateup", dtype))
+def supports_activation_contig(*, dtype, **_static) -> tuple[bool, str]:
+    return _answer(_dtype_reason("gateup", dtype))
 
 
-def supports_activation_masked(*, platform: str, num_groups: int, m_pad: int, two_i: int, act,
-                               recipe: str, dtype=None, **_static) -> tuple[bool, str]:
+def supports_activation_masked(*, num_groups: int, m_pad: int, two_i: int, act, recipe: str, dtype,
+                               **_static) -> tuple[bool, str]:
     return _answer(activation_masked_constraints(num_groups=num_groups, m_pad=m_pad, two_i=two_i,
                                                  act=act, recipe=recipe),
-                   _device_reason(platform), _dtype_reason("gateup", dtype))
+                   _dtype_reason("gateup", dtype))
 
 
-def supports_unpermute(*, platform: str, **_static) -> tuple[bool, str]:
-    return _answer(_device_reason(platform))
+def supports_unpermute(**_static) -> tuple[bool, str]:
+    return True, ""
 
 
 def rank_chunk_size(num_experts: int) -> int:
@@ -107,19 +121,19 @@ def rank_chunk_size(num_experts: int) -> int:
     return max(16, min(1024, 1 << max(0, (8192 // e_pad).bit_length() - 1)))
 
 
-def supports_rank_within_expert(*, platform: str, num_routes: int, num_experts: int, **_static) -> tuple[bool, str]:
+def supports_rank_within_expert(*, num_routes: int, num_experts: int) -> tuple[bool, str]:
     reason = ""
     if num_experts > MAX_RANK_EXPERTS:
         reason = f"num_experts: at most {MAX_RANK_EXPERTS} local experts, got {num_experts}"
     elif num_routes > MAX_RANK_CHUNKS * rank_chunk_size(num_experts):
         reason = (f"num_routes: at most {MAX_RANK_CHUNKS * rank_chunk_size(num_experts)} routes (M * top_k) "
                   f"for {num_experts} local experts, got {num_routes}")
-    return _answer(reason, _device_reason(platform))
+    return _answer(reason)
 
 
-def supports_route_topk(*, platform: str, num_experts: int, top_k: int, scoring: str, n_group: int,
-                        topk_group: int, **_static) -> tuple[bool, str]:
-    return _answer(route_topk_reason(num_experts, top_k, scoring, n_group, topk_group), _device_reason(platform))
+def supports_route_topk(*, num_experts: int, top_k: int, scoring: str, n_group: int,
+                        topk_group: int) -> tuple[bool, str]:
+    return _answer(route_topk_reason(num_experts, top_k, scoring, n_group, topk_group))
 
 
 def route_topk_reason(num_experts: int, top_k: int, scoring: str, n_group: int, topk_group: int) -> str:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from custom_calls._checks import ceil_div
+from layouts import ceil_div
 from custom_calls.triton.launch import triton_call
 
 _BLOCK_H = 1024

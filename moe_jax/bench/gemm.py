@@ -423,12 +423,12 @@ def tuning_problems(plan: list[tuple[str, tuple]]) -> list:
     for what, shp in plan:
         if what == "contig":
             g, rows, n, k = shp
-            out.append(autotune.grouped_problem("contig", g * rows, n, k, g, "fp8_block"))
+            out.append(autotune.grouped_problem("contig", g * rows, n, k, g, "fp8_1d2d"))
             if shp == CONTIG[0]:
                 out.append(autotune.grouped_problem("contig", g * rows, n, k, g, "bf16"))
         else:
             g, m_pad, em, n, k = shp
-            out.append(autotune.grouped_problem("masked", m_pad, n, k, g, "fp8_block", em))
+            out.append(autotune.grouped_problem("masked", m_pad, n, k, g, "fp8_1d2d", em))
     return out
 
 

@@ -61,14 +61,13 @@ def _fp32_model(x, topk_ids, topk_weights, params, config, *, block: int = 128, 
 
     from custom_calls.activation import gated_activation
     from custom_calls.grouped_gemm import dequantize_rhs
-    from moe_jax.core import activation_spec
     from moe_jax.dispatch import dispatch_contig
 
     hi = jax.lax.Precision.HIGHEST
     m, k = topk_ids.shape
     h = x.shape[1]
     e = params.w13.shape[0]
-    recipe, arch, act = params.gemm_recipe, params.gemm_arch, activation_spec(config)
+    recipe, arch, act = params.gemm_recipe, params.gemm_arch, config.activation
     disp = dispatch_contig(topk_ids, num_local_experts=e, alignment=block)
     cap = disp.num_rows_cap
     src2dst = disp.src2dst.reshape(-1)
@@ -145,7 +144,6 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
     from custom_calls.permute import permute_contig, permute_masked
     from custom_calls.unpermute import unpermute
     from moe_jax.bench._cli import Progress, run_untuned
-    from moe_jax.core import activation_spec
     from moe_jax.dispatch import default_masked_m_pad, dispatch_contig, dispatch_masked
     from moe_jax.layer import moe_forward, routed_experts, stage_backend
     from moe_jax.params import init_params, prepare_params
@@ -159,7 +157,7 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
     params = prepare_params(init_params(jax.random.PRNGKey(0), cfg), cfg)
     jax.block_until_ready(params.w13)
     e, h = cfg.num_experts, cfg.hidden_size
-    recipe, arch, act = params.gemm_recipe, params.gemm_arch, activation_spec(cfg)
+    recipe, arch, act = params.gemm_recipe, params.gemm_arch, cfg.activation
     w13, w2 = (params.w13, params.w13_scale), (params.w2, params.w2_scale)
     keys = jax.random.split(jax.random.PRNGKey(1), reps)
     xs = [jax.random.normal(kk, (m, h), jnp.bfloat16) for kk in keys]

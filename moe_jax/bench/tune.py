@@ -41,8 +41,8 @@ def layer_problems(tokens: tuple[int, ...] = (32, 128, 512)) -> list:
     out = []
     for m in tokens:
         m_pad, em = default_masked_m_pad(m), expected_m(m, cfg.top_k, e)
-        out += [autotune.grouped_problem("masked", m_pad, 2 * i, h, e, "fp8_block", em),
-                autotune.grouped_problem("masked", m_pad, h, i, e, "fp8_block", em)]
+        out += [autotune.grouped_problem("masked", m_pad, 2 * i, h, e, "fp8_1d2d", em),
+                autotune.grouped_problem("masked", m_pad, h, i, e, "fp8_1d2d", em)]
     return out
 
 

@@ -22,6 +22,7 @@ import argparse
 from dataclasses import dataclass
 from math import comb
 
+from layouts import get_recipe
 from moe_jax.config import MoEConfig
 
 F32, BF16 = 4, 2
@@ -54,8 +55,9 @@ class Traffic:
 def layer_traffic(config: MoEConfig, n: int, tokens: int, *, capacity: int = 128) -> list[Traffic]:
     """Every (pattern, EP mode, wire) for `tokens` per GPU over n ranks."""
     h, k, e = config.hidden_size, config.top_k, config.num_experts
-    fp8 = config.recipe != "bf16"
-    group = 32 if config.recipe == "mxfp8" else 128  # the activation group (ep_common.send_quant_for)
+    rec = get_recipe(config.recipe)
+    fp8 = rec.is_quantized
+    group = rec.act_group_size  # the activation group (ep_common.send_quant_for)
     frac = (n - 1) / n
     r = remote_ranks_per_token(e, k, n)
     out = []

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from layouts import gemm_format
 from moe_jax.parallel.a2a import Axes, axis_index
 from moe_jax.parallel.packing import RowFormat, pack_rows, row_format, unpack_rows
 
@@ -46,9 +47,10 @@ def send_quant_for(recipe: str, arch: int) -> SendQuant | None:
     """What the routed experts would quantize activations to anyway, so sending it loses nothing
     the GEMM keeps: fp8_block / mxfp4 -> 128-groups, mxfp8 -> 32-groups, UE8M0 scales on arch 100.
     bf16 -> None (rows travel in bf16)."""
-    if recipe == "bf16":
+    fmt = gemm_format(recipe, arch)
+    if not fmt.is_quantized:
         return None
-    return SendQuant(group_size=32 if recipe == "mxfp8" else 128, ue8m0=arch == 100)
+    return SendQuant(group_size=fmt.act_group, ue8m0=fmt.ue8m0)
 
 
 def encode_rows(x: jax.Array, quant: SendQuant | None, **extra: jax.Array) -> tuple[jax.Array, RowFormat]:

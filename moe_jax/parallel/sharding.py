@@ -17,7 +17,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from moe_jax.config import MoEConfig
+from layouts import get_recipe
+from moe_jax.config import QUANT_SIZE_MULTIPLE, MoEConfig
 from moe_jax.params import MoEParams
 from moe_jax.parallel.a2a import axis_name
 from moe_jax.parallel.config import ParallelConfig
@@ -50,7 +51,7 @@ def check_divisibility(params: MoEParams, config: MoEConfig, mesh: Mesh, pc: Par
             raise ValueError(f"moe_axes {pc.moe_axes} (size {n}) must divide num_experts={e} for "
                              f"pattern {pc.pattern!r}")
         return
-    if params.is_prepared and params.gemm_arch == 100 and params.gemm_recipe != "bf16":
+    if params.scales_packed:
         raise ValueError(f"params: arch-100 GEMM-form scales are packed along K and cannot be sharded "
                          f"on I for pattern {pc.pattern!r}; pass checkpoint-form params "
                          f"(routed_experts prepares each shard)")
@@ -58,8 +59,8 @@ def check_divisibility(params: MoEParams, config: MoEConfig, mesh: Mesh, pc: Par
     if i % n:
         raise ValueError(f"moe_axes {pc.moe_axes} (size {n}) must divide intermediate_size={i} for "
                          f"pattern {pc.pattern!r}")
-    if config.recipe != "bf16" and (i // n) % 128:
-        raise ValueError(f"intermediate_size/tp = {i}/{n} = {i // n} must be a multiple of 128 for "
+    if get_recipe(config.recipe).is_quantized and (i // n) % QUANT_SIZE_MULTIPLE:
+        raise ValueError(f"intermediate_size/tp = {i}/{n} = {i // n} must be a multiple of {QUANT_SIZE_MULTIPLE} for "
                          f"recipe {config.recipe!r} (weight blocks and activation groups)")
     for name in _EXPERT_FIELDS:
         a = getattr(params, name)

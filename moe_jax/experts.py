@@ -1,5 +1,5 @@
-"""The expert core (SPEC §4): GEMM1 (w13) -> gated activation + quantization -> GEMM2 (w2), on the
-contig or masked layout, for weights in GEMM form (`prepare_params`)."""
+"""The expert MLP of the routed experts: GEMM1 (w13) -> gated activation + quantization -> GEMM2
+(w2), on the contig or masked layout, for weights in GEMM form (`prepare_params`)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,8 @@ import jax
 
 from custom_calls import (ActivationSpec, activation_quant_contig, activation_quant_masked,
                           m_grouped_gemm_contig, m_grouped_gemm_masked)
-from moe_jax.config import MoEConfig
 from moe_jax.dispatch import ContigDispatch, MaskedDispatch
 from moe_jax.params import MoEParams
-
-
-def activation_spec(config: MoEConfig) -> ActivationSpec:
-    """The gated activation of `config` (routed and shared experts) as the ops' static spec."""
-    return ActivationSpec(kind=config.activation, swiglu_limit=config.swiglu_limit,
-                          gemm1_alpha=config.gemm1_alpha, situ_beta=config.situ_beta,
-                          situ_linear_beta=config.situ_linear_beta,
-                          keep_fp32=config.silu_mul_keep_fp32)
 
 
 def expert_core_contig(lhs: jax.Array, lhs_scale: jax.Array | None, disp: ContigDispatch,

@@ -1,7 +1,7 @@
-"""Argument checks shared by the ``layouts`` modules.
+"""Argument checks shared by every package (``layouts``, ``custom_calls``, ``moe_jax``).
 
 Every check runs at trace time on static information (shapes, dtypes, Python ints) and raises
-ValueError/TypeError naming the argument, what was expected and what was given.
+ValueError/TypeError in one format: ``"<argument>: expected <what>, got <actual>"``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_ARCHS = (90, 100)
-
+# Activations and bf16-recipe operands may be any of these.
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -47,9 +46,21 @@ def check_min_ndim(name: str, x, ndim: int, what: str) -> None:
         raise ValueError(f"{name}: expected at least {ndim} dims {what}, got shape {tuple(x.shape)}")
 
 
+def check_rank(name: str, x, rank: int, what: str) -> None:
+    if x.ndim != rank:
+        raise ValueError(f"{name}: expected rank {rank} {what}, got shape {tuple(x.shape)}")
+
+
 def check_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+def check_static_int(name: str, value, minimum: int = 0) -> int:
+    """A static (Python) int >= minimum; bools are refused (True is not a size)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name}: expected a static int >= {minimum}, got {value!r}")
+    return int(value)
 
 
 def check_multiple(name: str, value: int, of: int, what: str) -> None:
@@ -57,16 +68,17 @@ def check_multiple(name: str, value: int, of: int, what: str) -> None:
         raise ValueError(f"{name}: expected {what} to be a multiple of {of}, got {value}")
 
 
-def check_arch(arch) -> int:
-    if isinstance(arch, bool) or arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"arch: expected one of {SUPPORTED_ARCHS}, got {arch!r}")
-    return int(arch)
-
-
 def check_shape(name: str, x, expected: tuple, what: str = "") -> None:
+    suffix = f" ({what})" if what else ""
+    if x is None:
+        raise ValueError(f"{name}: expected an array of shape {tuple(expected)}{suffix}, got None")
     if tuple(x.shape) != tuple(expected):
-        suffix = f" ({what})" if what else ""
         raise ValueError(f"{name}: expected shape {tuple(expected)}{suffix}, got {tuple(x.shape)}")
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
 
 
 def host_value(x) -> np.ndarray | None:
