@@ -523,6 +523,15 @@ def test_bench_shapes_map_to_tuning_problems():
     assert len(tune.problems(quick=True)) == 3
 
 
+def test_decode_layer_measurement_runs_at_smoke_size(capsys):
+    from moe_jax.bench import tune
+
+    res = tune.decode_layer(tokens=8, reps=2, iters=2, small=True)
+    assert len(res["variants"]) == 4 and all(v["us_per_call"] > 0 for v in res["variants"].values())
+    assert res["command_buffer_outputs_identical"] and res["tuned_vs_heuristic_rel_diff"] == 0.0
+    assert "decode layer, 8 tokens" in capsys.readouterr().out
+
+
 # --- the command-buffer launcher ------------------------------------------------------------------
 
 def test_command_buffer_option_selects_the_target(monkeypatch):

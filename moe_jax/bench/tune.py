@@ -141,8 +141,9 @@ def _stream_us(f, arg_sets: list[tuple], iters: int, rounds: int = 3) -> float:
     return statistics.median(res)
 
 
-def decode_layer(tokens: int = 128, reps: int = 4, iters: int = 200) -> dict:
-    """The decode-layer measurements of the module docstring, as a dict (also printed)."""
+def decode_layer(tokens: int = 128, reps: int = 4, iters: int = 200, *, small: bool = False) -> dict:
+    """The decode-layer measurements of the module docstring, as a dict (also printed). small: the
+    layer bench's smoke-test size (runs anywhere; without DeepGEMM the variants differ in name only)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -154,7 +155,7 @@ def decode_layer(tokens: int = 128, reps: int = 4, iters: int = 200) -> dict:
     from moe_jax.layer import moe_forward
     from moe_jax.params import init_params, prepare_params
 
-    cfg = _config()
+    cfg = _config(small)
     params = prepare_params(init_params(jax.random.PRNGKey(0), cfg), cfg)
     xs = [jax.random.normal(k, (tokens, cfg.hidden_size), jnp.bfloat16)
           for k in jax.random.split(jax.random.PRNGKey(1), reps)]
