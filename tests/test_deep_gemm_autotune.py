@@ -472,6 +472,11 @@ def test_search_picks_the_fastest_verified_config_and_confirms_it(cache, monkeyp
     assert rep.confirm_us == [(2 * (100 + heur.block_n / 100), 160.0)] * 2  # masked: two patterns summed
     A.clear_memory_cache()
     assert A.load_entry(rep.key) == rep.entry
+    from moe_jax.bench import tune
+
+    (row,) = tune.tuning_table([rep])
+    assert row["gain_pct"] == pytest.approx(100 * (2 * (100 + heur.block_n / 100) / 160.0 - 1))
+    assert row["best_other"] == A.config_label(fastest) and row["tuned"]
 
 
 @needs_nvcc
@@ -488,6 +493,10 @@ def test_search_keeps_the_heuristic_unless_it_loses_by_more_than_min_gain(cache,
     rep, traces = _fake_search(monkeypatch, p, speed)
     assert not rep.entry.tuned and rep.entry.config == heur
     assert len(traces) == (2 if gain == 0 else 4)  # a challenger within 1 % is confirmed, then rejected
+    from moe_jax.bench import tune
+
+    (row,) = tune.tuning_table([rep])
+    assert row["gain_pct"] == pytest.approx(100 * gain, abs=1e-6) and not row["tuned"]
 
 
 @needs_nvcc
