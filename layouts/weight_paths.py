@@ -24,7 +24,7 @@ from layouts.checks import (
     check_positive_int,
 )
 from layouts.fp4 import decode_e2m1, unpack_e2m1
-from layouts.fp8 import FP8_DTYPE, cast_to_e4m3, dequantize_fp8_per_block, quantize_fp8_per_block, quantize_mxfp8
+from layouts.fp8 import cast_to_e4m3, dequantize_fp8_per_block, quantize_fp8_per_block, quantize_mxfp8
 from layouts.recipes import get_recipe
 from layouts.scale_layout import transform_sf_into_required_layout
 from layouts.ue8m0 import ue8m0_bytes_to_fp32

@@ -4,13 +4,16 @@ encodes TMA descriptors for the current buffers and launches on XLA's stream.
 
 Run on SM90: grouped contig/masked FP8 1D2D and BF16, dense FP8/BF16 ``gemm_nt``, TF32 prenorm.
 SM100 (fp8_block, mxfp8, mxfp4 1D1D): generated and compiled for sm_100a, not run on SM100 hardware.
-Importing this package probes no device and imports no CUDA Python binding; it registers the grouped
-GEMMs as backend 'deep_gemm' of the registry (shape rules, environment check, implementations).
+Grouped SM90 configs can be autotuned on the device and cached (opt-in: ``TuningPolicy``,
+$MOE_JAX_GEMM_TUNING; autotune.py). Importing this package probes no device and imports no CUDA
+Python binding; it registers the grouped GEMMs as backend 'deep_gemm' of the registry (shape rules,
+environment check, implementations).
 """
 
 from custom_calls.backends import register as _register, set_environment as _set_environment
 from custom_calls.grouped_gemm import OP_CONTIG as _OP_CONTIG, OP_MASKED as _OP_MASKED
 
+from .autotune import TuningPolicy
 from .compiler import Cubin, compile_cubin
 from .heuristics import (Sm90GemmConfig, Sm90PrenormConfig, Sm100GemmConfig, sm90_gemm_config,
                          sm90_prenorm_config, sm100_mgrouped_config)
@@ -31,5 +34,5 @@ __all__ = [
     "TensorMap", "compile_cubin", "detected_device", "gemm_nt_bf16", "gemm_nt_fp8", "m_grouped_gemm_contig",
     "m_grouped_gemm_masked", "sm90_gemm_config", "sm90_prenorm_config", "sm100_mgrouped_config",
     "supports_gemm_nt", "supports_m_grouped_gemm_contig", "supports_m_grouped_gemm_masked",
-    "supports_tf32_prenorm_gemm", "tf32_prenorm_gemm", "warmup",
+    "supports_tf32_prenorm_gemm", "tf32_prenorm_gemm", "TuningPolicy", "warmup",
 ]

@@ -72,19 +72,167 @@ class Sm90GemmConfig:
         return self.num_sms
 
 
-def _sm90_pipeline(kernel: str, cd_esize: int, k: int, bm: int, bn: int, bk: int, ab_esize: int) -> tuple[int, int]:
-    """(num_stages, smem_bytes) filling the SM90 shared memory the way the kernels lay it out."""
-    smem_cd = align(bm * bn * cd_esize, 1024)
-    smem_barriers = _SM90_MAX_STAGES * 8 * 2
+# Legal SM90 tiles. The rules below restate the kernels' static asserts and assumptions
+# (sm90_fp8_gemm_1d2d.cuh, sm90_bf16_gemm.cuh, scheduler/gemm.cuh of the 0.2.5 templates):
+# * BLOCK_M a multiple of the 64-row WGMMA or smaller (16, 32); BLOCK_M <= 64 runs one math warp
+#   group, larger tiles two (each owns 64 rows of a 128-row wave), so math threads follow BLOCK_M;
+# * contig: a block must not straddle two experts' segments (they start at multiples of 128);
+#   masked: a block must not leave its group's m_pad slab (the TMA clips only at G·m_pad);
+# * FP8 1D2D: BLOCK_K = 128 and a BLOCK_N tile may straddle at most two 128-wide scale blocks
+#   (ceil(BN/128) == 1 or gcd(BN, 128) == BN - 128);
+# * registers: BLOCK_N <= 192 (FP8; its second accumulator bank spills beyond) or 256 (BF16), and
+#   no tile with both BLOCK_M > 128 and BLOCK_N > 128;
+# * cluster 1 or 2 (the scheduler pairs at most two CTAs), with the grid (num_sms) divisible by it;
+#   masked also needs an even number of N blocks per group when clustered: the two CTAs of a
+#   cluster release each other's pipeline stages, so both must always work on the same group;
+# * D store: TMA atoms of swizzle/2 columns, BLOCK_N a multiple of the atom, at most 32 atoms; the
+#   BF16 kernel's bf16 path requires a swizzle, the FP8 kernel also has an unswizzled path;
+# * shared memory: the kernels' own layout (below) within 232448 B, and the WGMMA reads of a
+#   64-row A tile must stay inside the stage buffers when BLOCK_M < 64.
+SM90_CLUSTERS = ((1, 1), (1, 2), (2, 1))  # (cluster_m: multicast of B, cluster_n: multicast of A)
+_SM90_BLOCK_MS = (16, 32, 64, 128, 256)
+_SM90_WGMMA_M = 64
+_SM90_MIN_STAGES = 2  # the candidates are at least double-buffered
+
+
+def _sm90_sizes(kernel: str, cd_dtype: str) -> tuple[int, int, int]:
+    """(A/B element bytes, C/D element bytes, BLOCK_K) of an SM90 kernel."""
+    ab_esize = 1 if kernel == "fp8_1d2d" else 2
+    return ab_esize, 2 if cd_dtype == "bf16" else 4, 128 // ab_esize
+
+
+def sm90_smem_bytes(kernel: str, cd_dtype: str, k: int, bm: int, bn: int, stages: int) -> int:
+    """Dynamic shared memory of an SM90 instantiation, laid out as the kernel does: D tile (1 KiB
+    aligned), ``stages`` × (A, B[, FP8 A scales]), FP8 B scales for every k block (two rows when a
+    BLOCK_N tile straddles two 128-wide scale blocks), barriers (reserved for the maximum of 16 stages)."""
+    ab_esize, cd_esize, bk = _sm90_sizes(kernel, cd_dtype)
     per_stage = bm * bk * ab_esize + bn * bk * ab_esize
-    extra_sfb = 0
+    extra = align(bm * bn * cd_esize, 1024) + _SM90_MAX_STAGES * 8 * 2
     if kernel == "fp8_1d2d":
-        per_stage += align(bm * 4, 128)  # SFA
-        # SFB for every k block, twice when a BLOCK_N tile straddles two 128-row scale blocks.
-        extra_sfb = align(ceil_div(k, bk) * 4 * (1 if bk % bn == 0 else 2), 8)
-    extra = smem_cd + smem_barriers + extra_sfb
-    stages = min((SM90_SMEM_CAPACITY - extra) // per_stage, _SM90_MAX_STAGES)
-    return stages, extra + stages * per_stage
+        per_stage += align(bm * 4, 128)
+        extra += align(ceil_div(k, bk) * 4 * (1 if bk % bn == 0 else 2), 8)
+    return extra + stages * per_stage
+
+
+def sm90_max_stages(kernel: str, cd_dtype: str, k: int, bm: int, bn: int) -> int:
+    """Most pipeline stages (<= 16) whose shared memory fits the SM90 capacity."""
+    one = sm90_smem_bytes(kernel, cd_dtype, k, bm, bn, 1)
+    zero = sm90_smem_bytes(kernel, cd_dtype, k, bm, bn, 0)
+    return min((SM90_SMEM_CAPACITY - zero) // (one - zero), _SM90_MAX_STAGES)
+
+
+def sm90_swizzle_cd_choices(kernel: str, cd_dtype: str, bn: int) -> tuple[int, ...]:
+    """D-store swizzles the kernel accepts for BLOCK_N ``bn``, largest first (the heuristic's is first)."""
+    if cd_dtype == "f32":
+        return (0,)
+    modes = [s for s in (128, 64, 32) if (bn * 2) % s == 0 and bn // (s // 2) <= 32]
+    return tuple(modes + ([0] if kernel == "fp8_1d2d" else []))
+
+
+def sm90_tile_reason(kernel: str, gemm_kind: GemmKind, m: int, n: int, bm: int, bn: int, cluster_m: int,
+                     cluster_n: int, num_sms: int) -> str | None:
+    """Why (bm, bn, cluster) is not a legal SM90 tile for this GEMM (see the rules above); None if legal.
+    m: M_cap (contig), m_pad (masked) or M (normal)."""
+    if bm not in _SM90_BLOCK_MS:
+        return f"BLOCK_M {bm} not in {_SM90_BLOCK_MS}"
+    if gemm_kind == "contig" and CONTIG_ALIGNMENT % bm:
+        return f"contig BLOCK_M {bm} would straddle the {CONTIG_ALIGNMENT}-row expert segments"
+    if gemm_kind == "masked" and m % bm:
+        return f"masked BLOCK_M {bm} does not divide m_pad {m}"
+    bn_max = 192 if kernel == "fp8_1d2d" else 256
+    if not (16 <= bn <= bn_max and bn % 16 == 0):
+        return f"BLOCK_N {bn} must be a multiple of 16 in [16, {bn_max}]"
+    if kernel == "fp8_1d2d" and bn > 128 and 128 % (bn - 128):
+        return f"BLOCK_N {bn} spans more than two 128-wide B scale blocks"
+    if bm > 128 and bn > 128:
+        return f"BLOCK_M {bm} with BLOCK_N {bn} exceeds the register budget"
+    if (cluster_m, cluster_n) not in SM90_CLUSTERS:
+        return f"cluster ({cluster_m}, {cluster_n}) not in {SM90_CLUSTERS}"
+    cluster = cluster_m * cluster_n
+    if num_sms % cluster:
+        return f"num_sms {num_sms} not divisible by the cluster size {cluster}"
+    if gemm_kind == "masked" and ceil_div(n, bn) % cluster:
+        return f"masked with cluster {cluster} needs the N blocks ({ceil_div(n, bn)}) divisible by it"
+    return None
+
+
+def sm90_build_config(kernel: Literal["fp8_1d2d", "bf16"], gemm_kind: GemmKind, cd_dtype: Literal["bf16", "f32"],
+                      num_groups: int, num_sms: int, k: int, bm: int, bn: int, cluster_m: int, cluster_n: int,
+                      num_stages: int | None = None, swizzle_cd: int | None = None) -> Sm90GemmConfig:
+    """The SM90 config of one tile; ``num_stages`` (default: as many as fit) and ``swizzle_cd``
+    (default: the largest legal) are the pipeline choices."""
+    ab_esize, _, bk = _sm90_sizes(kernel, cd_dtype)
+    stages = sm90_max_stages(kernel, cd_dtype, k, bm, bn) if num_stages is None else num_stages
+    swz = sm90_swizzle_cd_choices(kernel, cd_dtype, bn)[0] if swizzle_cd is None else swizzle_cd
+    return Sm90GemmConfig(
+        kernel=kernel, gemm_kind=gemm_kind, cd_dtype=cd_dtype,
+        num_groups=1 if gemm_kind == "normal" else num_groups,
+        block_m=bm, block_n=bn, block_k=bk, cluster_m=cluster_m, cluster_n=cluster_n, num_stages=stages,
+        swizzle_a=swizzle_mode(bk * ab_esize), swizzle_b=swizzle_mode(bk * ab_esize), swizzle_cd=swz,
+        smem_bytes=sm90_smem_bytes(kernel, cd_dtype, k, bm, bn, stages), num_tma_threads=128,
+        num_math_threads=128 if bm <= _SM90_WGMMA_M else 256, num_sms=num_sms)
+
+
+def sm90_config_reason(cfg: Sm90GemmConfig, m: int, n: int, k: int) -> str | None:
+    """Why ``cfg`` cannot run D = A·Bᵀ of this shape (m as in sm90_tile_reason); None if it can.
+    Checks every field against the tile rules and the kernel's shared-memory layout, so a config
+    read from disk is as safe as one built here."""
+    if cfg.kernel not in ("fp8_1d2d", "bf16") or cfg.gemm_kind not in ("normal", "contig", "masked"):
+        return f"unknown kernel {cfg.kernel!r} or GEMM kind {cfg.gemm_kind!r}"
+    if cfg.cd_dtype not in ("bf16", "f32") or (cfg.kernel == "fp8_1d2d" and cfg.cd_dtype != "bf16"):
+        return f"cd_dtype {cfg.cd_dtype!r} not supported by the {cfg.kernel} kernel"
+    reason = sm90_tile_reason(cfg.kernel, cfg.gemm_kind, m, n, cfg.block_m, cfg.block_n, cfg.cluster_m,
+                              cfg.cluster_n, cfg.num_sms)
+    if reason:
+        return reason
+    ab_esize, _, bk = _sm90_sizes(cfg.kernel, cfg.cd_dtype)
+    stages = cfg.num_stages
+    if not _SM90_MIN_STAGES <= stages <= sm90_max_stages(cfg.kernel, cfg.cd_dtype, k, cfg.block_m, cfg.block_n):
+        return f"num_stages {stages} outside [{_SM90_MIN_STAGES}, the most that fit in shared memory]"
+    if _SM90_WGMMA_M * bk > (cfg.block_m * bk + cfg.block_n * bk * stages) * ab_esize:
+        return "the 64-row WGMMA reads of A would run past the stage buffers"
+    expect = sm90_build_config(cfg.kernel, cfg.gemm_kind, cfg.cd_dtype, cfg.num_groups, cfg.num_sms, k,
+                               cfg.block_m, cfg.block_n, cfg.cluster_m, cfg.cluster_n, stages, cfg.swizzle_cd)
+    if cfg.swizzle_cd not in sm90_swizzle_cd_choices(cfg.kernel, cfg.cd_dtype, cfg.block_n):
+        return f"swizzle_cd {cfg.swizzle_cd} not legal for BLOCK_N {cfg.block_n}"
+    if cfg != expect:
+        diff = {f.name: (getattr(cfg, f.name), getattr(expect, f.name)) for f in dataclasses.fields(cfg)
+                if getattr(cfg, f.name) != getattr(expect, f.name)}
+        return f"fields inconsistent with the tile (got, expected): {diff}"
+    return None
+
+
+def sm90_tile_configs(kernel: Literal["fp8_1d2d", "bf16"], gemm_kind: GemmKind, m: int, n: int, k: int,
+                      num_groups: int, num_sms: int, *, cd_dtype: Literal["bf16", "f32"] = "bf16"
+                      ) -> list[Sm90GemmConfig]:
+    """One config per legal tile (BLOCK_M, BLOCK_N, cluster): the most stages that fit, the largest D swizzle."""
+    out = []
+    for cm, cn in SM90_CLUSTERS:
+        for bm in _SM90_BLOCK_MS:
+            for bn in range(16, 257, 16):
+                if sm90_tile_reason(kernel, gemm_kind, m, n, bm, bn, cm, cn, num_sms):
+                    continue
+                cfg = sm90_build_config(kernel, gemm_kind, cd_dtype, num_groups, num_sms, k, bm, bn, cm, cn)
+                if sm90_config_reason(cfg, m, n, k) is None:
+                    out.append(cfg)
+    return out
+
+
+def sm90_candidates(kernel: Literal["fp8_1d2d", "bf16"], gemm_kind: GemmKind, m: int, n: int, k: int,
+                    num_groups: int, num_sms: int, *, cd_dtype: Literal["bf16", "f32"] = "bf16"
+                    ) -> list[Sm90GemmConfig]:
+    """Every legal SM90 config for this GEMM: tiles × clusters × stages (2 .. the most that fit)
+    × D swizzles. Any of them computes the same products (same k order, other tiling)."""
+    out = []
+    for tile in sm90_tile_configs(kernel, gemm_kind, m, n, k, num_groups, num_sms, cd_dtype=cd_dtype):
+        for swz in sm90_swizzle_cd_choices(kernel, cd_dtype, tile.block_n):
+            for stages in range(_SM90_MIN_STAGES, tile.num_stages + 1):
+                cfg = dataclasses.replace(tile, num_stages=stages, swizzle_cd=swz,
+                                          smem_bytes=sm90_smem_bytes(kernel, cd_dtype, k, tile.block_m,
+                                                                     tile.block_n, stages))
+                if sm90_config_reason(cfg, m, n, k) is None:
+                    out.append(cfg)
+    return out
 
 
 def _sm90_cycles(kind: GemmKind, m: int, n: int, k: int, groups: int, bm: int, bn: int, cm: int, cn: int,
@@ -105,10 +253,20 @@ def _sm90_cycles(kind: GemmKind, m: int, n: int, k: int, groups: int, bm: int, b
     return int(max(l1 * blocks // l1_bw, l2 * blocks // l2_bw) / eff)
 
 
+def sm90_model_cost(cfg: Sm90GemmConfig, m: int, n: int, k: int, expected_m: int | None = None) -> int:
+    """The heuristic's traffic model for ``cfg`` (lower is faster); masked uses expected_m rows per group."""
+    ab_esize, cd_esize, _ = _sm90_sizes(cfg.kernel, cfg.cd_dtype)
+    masked = cfg.gemm_kind == "masked"
+    return _sm90_cycles(cfg.gemm_kind, expected_m if (masked and expected_m) else m, n, k,
+                        cfg.num_groups if masked else 1, cfg.block_m, cfg.block_n, cfg.cluster_m, cfg.cluster_n,
+                        ab_esize, cd_esize, cfg.num_sms)
+
+
 def sm90_gemm_config(kernel: Literal["fp8_1d2d", "bf16"], gemm_kind: GemmKind, m: int, n: int, k: int,
                      num_groups: int, num_sms: int, *, cd_dtype: Literal["bf16", "f32"] = "bf16",
                      expected_m: int | None = None) -> Sm90GemmConfig:
-    """Pick the SM90 tile for D = A·Bᵀ.
+    """Pick the SM90 tile for D = A·Bᵀ (DeepGEMM's heuristic: the legal tile of least modelled
+    traffic, with the most stages that fit and the largest D swizzle; one of ``sm90_candidates``).
 
     m: rows of A (dense, contiguous M_cap) or per-group slab rows (masked, m_pad). For masked,
     ``expected_m`` (rows per group expected at run time) replaces m in the cost model.
@@ -119,50 +277,34 @@ def sm90_gemm_config(kernel: Literal["fp8_1d2d", "bf16"], gemm_kind: GemmKind, m
         raise ValueError(f"num_sms must be a positive even number, got {num_sms}")
     if kernel == "fp8_1d2d" and cd_dtype != "bf16":
         raise ValueError(f"the FP8 1D2D kernel writes bf16 only, got cd_dtype={cd_dtype!r}")
-    ab_esize = 1 if kernel == "fp8_1d2d" else 2
-    cd_esize = 2 if cd_dtype == "bf16" else 4
-    bk = 128 // ab_esize
+    ab_esize, cd_esize, bk = _sm90_sizes(kernel, cd_dtype)
     if gemm_kind == "contig":
         bms = [CONTIG_ALIGNMENT]
     elif gemm_kind == "masked":
         bms = [64, 128]
     else:
         bms = [64, 128] + ([16] if m <= 16 else []) + ([32] if m <= 32 else []) + ([256] if cd_dtype == "bf16" else [])
-    bn_max = 192 if kernel == "fp8_1d2d" else 256  # larger 1D2D tiles spill registers
-    bns = list(range(16, bn_max + 1, 16))
+    bn_max = 192 if kernel == "fp8_1d2d" else 256
     cost_m = expected_m if (gemm_kind == "masked" and expected_m) else m
     cost_groups = num_groups if gemm_kind == "masked" else 1
 
     best = None
-    for cm, cn in ((1, 1), (1, 2), (2, 1)):
-        if num_sms % (cm * cn):
-            continue
+    for cm, cn in SM90_CLUSTERS:
         for bm in bms:
-            for bn in bns:
-                # The 1D2D math loop unrolls over the 128-column scale boundary inside a BLOCK_N tile.
-                if kernel == "fp8_1d2d" and bn > bk and bn % (bn - bk) and bk % (bn - bk):
+            for bn in range(16, bn_max + 1, 16):
+                if sm90_tile_reason(kernel, gemm_kind, m, n, bm, bn, cm, cn, num_sms):
                     continue
-                if gemm_kind == "masked" and ceil_div(n, bn) % (cm * cn):
-                    continue
-                if bm > 128 and bn > 128:
-                    continue
-                stages, smem = _sm90_pipeline(kernel, cd_esize, k, bm, bn, bk, ab_esize)
+                stages = sm90_max_stages(kernel, cd_dtype, k, bm, bn)
                 if stages < 3 or (bm * bn < 128 * 192 and stages < 4):
                     continue
                 cycles = _sm90_cycles(gemm_kind, cost_m, n, k, cost_groups, bm, bn, cm, cn,
                                       ab_esize, cd_esize, num_sms)
                 if best is None or cycles < best[0]:
-                    best = (cycles, bm, bn, cm, cn, stages, smem)
+                    best = (cycles, bm, bn, cm, cn)
     if best is None:
         raise ValueError(f"no legal SM90 {kernel} tile for m={m} n={n} k={k} groups={num_groups}")
-    _, bm, bn, cm, cn, stages, smem = best
-    return Sm90GemmConfig(
-        kernel=kernel, gemm_kind=gemm_kind, cd_dtype=cd_dtype,
-        num_groups=1 if gemm_kind == "normal" else num_groups,
-        block_m=bm, block_n=bn, block_k=bk, cluster_m=cm, cluster_n=cn, num_stages=stages,
-        swizzle_a=swizzle_mode(bk * ab_esize), swizzle_b=swizzle_mode(bk * ab_esize),
-        swizzle_cd=swizzle_mode(bn * cd_esize) if cd_dtype == "bf16" else 0,
-        smem_bytes=smem, num_tma_threads=128, num_math_threads=128 if bm <= 64 else 256, num_sms=num_sms)
+    _, bm, bn, cm, cn = best
+    return sm90_build_config(kernel, gemm_kind, cd_dtype, num_groups, num_sms, k, bm, bn, cm, cn)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,9 +34,10 @@ import jax.numpy as jnp
 
 from custom_calls.grouped_gemm import check_contig, check_masked
 from layouts import GemmFormat, SUPPORTED_ARCHS, gemm_format
-from layouts.checks import align, ceil_div, check_dtype, check_rank, check_shape, check_static_int
+from layouts.checks import check_dtype, check_rank, check_shape, check_static_int
 
-from . import compiler, launch_plan, toolchain
+from . import autotune, compiler, launch_plan, toolchain
+from .toolchain import detected_device
 from .heuristics import CONTIG_ALIGNMENT, sm90_gemm_config, sm90_prenorm_config, sm100_mgrouped_config
 from .codegen import sm90_gemm_source, sm90_prenorm_source, sm100_gemm_source
 from .launch import launch
@@ -46,23 +47,6 @@ SM100_NOTE = "arch 100 kernels are compiled for sm_100a but have not been run on
 
 
 # --- environment --------------------------------------------------------------------------------
-
-@functools.cache
-def detected_device() -> tuple[str, int | None, int | None]:
-    """(platform, arch, num_sms) of the first jax device; arch = 10·major + minor (9.0 → 90)."""
-    try:
-        devs = jax.devices("gpu")
-    except RuntimeError:
-        return jax.default_backend(), None, None
-    d = devs[0]
-    cc = getattr(d, "compute_capability", None)
-    arch = None
-    if cc:
-        major, minor = (int(x) for x in str(cc).split(".")[:2])
-        arch = 10 * major + minor
-    sms = os.environ.get("MOE_JAX_NUM_SMS") or getattr(d, "core_count", None)
-    return "gpu", arch, int(sms) if sms else None
-
 
 def _environment_reason(arch: int) -> str | None:
     """Why the DeepGEMM kernels cannot run here for ``arch``; None when they can."""
@@ -228,18 +212,19 @@ def supports_tf32_prenorm_gemm(*, n: int, k: int, num_splits: int = 1, arch: int
 # --- kernel selection (also used by warmup) -----------------------------------------------------
 
 def grouped_kernel(kind: str, rows: int, n: int, k: int, num_groups: int, recipe: str, arch: int,
-                   num_sms: int, expected_m: int | None = None):
+                   num_sms: int, expected_m: int | None = None, tuning: autotune.TuningPolicy | None = None):
     """(name, source, plan_fn) for a grouped GEMM; plan_fn(cubin_path) -> LaunchPlan.
 
     expected_m (masked only; None = rows) is clamped to [1, rows] here, so the op and the warm-up
-    pick the same tile for the same hint.
+    pick the same tile for the same hint. tuning: how SM90 picks its config (None: the documented
+    default, $MOE_JAX_GEMM_TUNING; see autotune.py).
     """
     if kind == "masked":
         expected_m = rows if expected_m is None else max(1, min(expected_m, rows))
     kernel = kernel_family(gemm_format(recipe, arch))
     if kernel in DENSE_KERNELS:
-        cfg = sm90_gemm_config(kernel, kind, rows, n, k, num_groups, num_sms,
-                               expected_m=expected_m if kind == "masked" else None)
+        problem = autotune.grouped_problem(kind, rows, n, k, num_groups, kernel, expected_m)
+        cfg = autotune.sm90_config(problem, num_sms, tuning)
         src = sm90_gemm_source(cfg, n, k)
         builder = launch_plan.sm90_bf16_plan if kernel == "bf16" else launch_plan.sm90_fp8_plan
         plan_fn = functools.partial(_plan, builder, cfg, m=rows, n=n, k=k, num_groups=num_groups)

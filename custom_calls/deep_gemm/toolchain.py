@@ -235,3 +235,22 @@ def cached_artifact(kind: str, name: str, key: str, artifact: str,
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return entry / artifact, True
+
+
+@functools.cache
+def detected_device() -> tuple[str, int | None, int | None]:
+    """(platform, arch, num_sms) of the first jax device; arch = 10·major + minor (9.0 → 90)."""
+    import jax
+
+    try:
+        devs = jax.devices("gpu")
+    except RuntimeError:
+        return jax.default_backend(), None, None
+    d = devs[0]
+    cc = getattr(d, "compute_capability", None)
+    arch = None
+    if cc:
+        major, minor = (int(x) for x in str(cc).split(".")[:2])
+        arch = 10 * major + minor
+    sms = os.environ.get("MOE_JAX_NUM_SMS") or getattr(d, "core_count", None)
+    return "gpu", arch, int(sms) if sms else None

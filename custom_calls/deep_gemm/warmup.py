@@ -3,6 +3,10 @@
 Kernels land in the on-disk cache (compiler.py), so a later process — or another local rank running
 the same warm-up concurrently — compiles nothing. ``arch`` and ``num_sms`` default to the detected
 device; pass them to precompile on a machine without one (nvcc is enough).
+
+``tuning`` (default: $MOE_JAX_GEMM_TUNING, see autotune.py) picks the SM90 grouped GEMMs' configs:
+with mode "cached" the tuned ones found on disk, with mode "search" it first tunes on the GPU the
+shapes that have none (minutes), so the first traced call finds the tuned config cached.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ import dataclasses
 import os
 from typing import Iterable, Literal
 
-from . import compiler
-from .ops import dense_kernel, detected_device, grouped_kernel, prenorm_kernel
+from . import autotune, compiler
+from layouts import gemm_format
+
+from .ops import DENSE_KERNELS, dense_kernel, detected_device, grouped_kernel, kernel_family, prenorm_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,11 +37,12 @@ class GemmShape:
     num_splits: int = 1  # prenorm only
 
 
-def kernel_for(shape: GemmShape, arch: int, num_sms: int) -> tuple[str, str]:
-    """(name, source) of the instantiation the op would use for ``shape``."""
+def kernel_for(shape: GemmShape, arch: int, num_sms: int,
+               tuning: autotune.TuningPolicy | None = None) -> tuple[str, str]:
+    """(name, source) of the instantiation the op would use for ``shape`` under ``tuning``."""
     if shape.kind in ("contig", "masked"):
         name, src, _ = grouped_kernel(shape.kind, shape.rows, shape.n, shape.k, shape.num_groups,
-                                      shape.recipe, arch, num_sms, expected_m=shape.expected_m)
+                                      shape.recipe, arch, num_sms, expected_m=shape.expected_m, tuning=tuning)
     elif shape.kind == "dense":
         import jax.numpy as jnp
         name, src, _ = dense_kernel(shape.rows, shape.n, shape.k, shape.recipe,
@@ -47,12 +54,24 @@ def kernel_for(shape: GemmShape, arch: int, num_sms: int) -> tuple[str, str]:
     return name, src
 
 
+def tuning_problem(shape: GemmShape) -> autotune.Sm90Problem | None:
+    """The SM90 tuning problem of a grouped shape (None for shapes the tuner does not cover)."""
+    kernel = kernel_family(gemm_format(shape.recipe, 90)) if shape.kind in ("contig", "masked") else None
+    if kernel not in DENSE_KERNELS:
+        return None
+    return autotune.grouped_problem(shape.kind, shape.rows, shape.n, shape.k, shape.num_groups, kernel,
+                                    shape.expected_m)
+
+
 def warmup(shapes: Iterable[GemmShape], *, arch: int | None = None, num_sms: int | None = None,
-           workers: int | None = None, progress: bool = True) -> list[compiler.Cubin]:
+           workers: int | None = None, progress: bool = True,
+           tuning: autotune.TuningPolicy | None = None) -> list[compiler.Cubin]:
     """Compile (or find in the cache) the kernel of every shape; returns one Cubin per distinct kernel.
 
     A ``Cubin.compiled`` flag says whether this call ran nvcc. Progress bar via tqdm when installed.
+    tuning: see the module docstring (None: ``TuningPolicy.from_env()``).
     """
+    shapes = list(shapes)
     if arch is None or num_sms is None:
         _, det_arch, det_sms = detected_device()
         if arch is None:
@@ -63,9 +82,15 @@ def warmup(shapes: Iterable[GemmShape], *, arch: int | None = None, num_sms: int
             if det_sms is None:
                 raise ValueError("num_sms: no CUDA device detected; pass the target's SM count (H200: 132)")
             num_sms = det_sms
+    tuning = autotune.TuningPolicy.from_env() if tuning is None else tuning
+    if tuning.mode == "search" and arch == 90:
+        problems = list(dict.fromkeys(p for p in map(tuning_problem, shapes) if p is not None))
+        if problems:
+            autotune.tune(problems, num_sms=num_sms, policy=tuning)
+        tuning = dataclasses.replace(tuning, mode="cached", retune=False)  # now read what was found
     jobs: dict[str, tuple[str, str]] = {}
     for s in shapes:
-        name, src = kernel_for(s, arch, num_sms)
+        name, src = kernel_for(s, arch, num_sms, tuning)
         jobs.setdefault(compiler.cache_key(src, arch), (name, src))
     workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
     bar = None

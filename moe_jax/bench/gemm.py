@@ -240,8 +240,9 @@ def run(args) -> int:
         bench(sub, shp, row, ragged=not args.no_ragged and i < 2, fp8_ragged=(i == 0),
               sustained_iters=sustained_iters, step=lambda what_, s=shp, w=what: progress.step(f"{w} {s}: {what_}"))
     progress.close()
+    tuned = print_tuned(plan)
     meta = {"date": datetime.date.today().isoformat(), "device": str(dev.device_kind),
-            "jax": jax.__version__, "rows": rows_out, "launch_overhead": lo}
+            "jax": jax.__version__, "rows": rows_out, "launch_overhead": lo, "tuned": tuned}
     if args.json:
         write_json(args.json, meta)
     if args.markdown:
@@ -250,6 +251,8 @@ def run(args) -> int:
             for r in rows_out:
                 f.write(_fmt_row(r) + "\n")
             f.write(f"\nlaunch overhead: {json.dumps(lo)}\n")
+            if tuned:
+                f.write(f"\n{_TUNED_HEADER}\n" + "".join(_fmt_tuned(r) + "\n" for r in tuned))
     if args.plot:
         plot(args.plot, rows_out, meta["device"])
     return exit_status([f"{r['impl']} {r['shape']}" for r in rows_out if r["failed"]])
@@ -409,3 +412,54 @@ def _fmt_row(r) -> str:
             f"| {f(r['tflops_kernel'], 1)} | {f(r['tbps_burst'], 2)} | {f(r['tbps_sustained'], 2)} "
             f"| {f(r['tbps_kernel'], 2)} "
             f"| {e(r['rel_err'])} | {e(r['worst_row_err'])} | {r['note']} |")
+
+
+# --- tuned vs heuristic (when python -m moe_jax.bench.tune has cached tuned configs) ---------------
+
+def tuning_problems(plan: list[tuple[str, tuple]]) -> list:
+    """The autotuner's problems (custom_calls.deep_gemm.autotune.Sm90Problem) of this benchmark's
+    DeepGEMM shapes: FP8 contig and masked, and BF16 contig on the first contig shape."""
+    from custom_calls.deep_gemm import autotune
+
+    out = []
+    for what, shp in plan:
+        if what == "contig":
+            g, rows, n, k = shp
+            out.append(autotune.grouped_problem("contig", g * rows, n, k, g, "fp8_1d2d"))
+            if shp == CONTIG[0]:
+                out.append(autotune.grouped_problem("contig", g * rows, n, k, g, "bf16"))
+        else:
+            g, m_pad, em, n, k = shp
+            out.append(autotune.grouped_problem("masked", m_pad, n, k, g, "fp8_1d2d", em))
+    return out
+
+
+_TUNED_HEADER = ("| shape | heuristic | tuned | heuristic kernel us | tuned kernel us | gain % |\n"
+                 "|---|---|---|---|---|---|")
+
+
+def _fmt_tuned(r: dict) -> str:
+    def us(d):
+        return " + ".join(f"{v:.1f}" for v in d.values()) + (f" ({', '.join(d)})" if len(d) > 1 else "")
+
+    return (f"| {r['problem']} | {r['heuristic']} | {r['tuned']} | {us(r['heuristic_us'])} | {us(r['tuned_us'])} "
+            f"| {100 * r['gain']:+.1f} |")
+
+
+def print_tuned(plan: list[tuple[str, tuple]]) -> list[dict]:
+    """Kernel time of the tuned config beside the heuristic's, now, for the shapes whose tuned config
+    is cached (masked: the sum over two masked_m patterns); prints the table, returns its rows."""
+    from moe_jax.bench._cli import log
+    from custom_calls.deep_gemm import autotune
+
+    try:
+        rows = autotune.compare_cached(tuning_problems(plan))
+    except Exception as e:  # the main table stands without this one; say why it is missing
+        log(f"tuned vs heuristic unavailable: {type(e).__name__}: {e}")
+        return []
+    if rows:
+        print(f"\ntuned configs (custom_calls/deep_gemm/autotune.py cache) vs DeepGEMM's heuristic, kernel time:\n"
+              f"{_TUNED_HEADER}", flush=True)
+        for r in rows:
+            print(_fmt_tuned(r), flush=True)
+    return rows

@@ -4,6 +4,18 @@
 // grid/block/cluster/shared memory, the kernel's argument list and the TMA descriptors, whose base
 // addresses are taken from the call's buffers at every launch (XLA may place them anywhere).
 // Driver entry points come from libcuda.so.1 at run time, so nothing links against a stub library.
+//
+// Two symbols share the launch: MoeJaxDeepGemmLaunch, and MoeJaxDeepGemmLaunchCmdBuffer with XLA's
+// kCmdBufferCompatible trait. With the trait, XLA may record the call into a command buffer (a CUDA
+// graph): it runs this handler once under stream capture and replays the recording on later
+// executions. That is safe here because a launch depends only on static attributes and on the
+// operands' device addresses, and XLA re-records a command buffer whenever the address of any
+// allocation its commands use differs from the recorded one (CommandBufferThunk compares them on
+// every execution; the custom-call command re-traces the handler), so the TMA descriptors frozen
+// in the recorded kernel parameters always point at the current buffers. Values in device memory
+// (m_indices, masked_m) are read by the kernel when it runs. The handler allocates no device
+// memory and never synchronizes or queries the stream; its one-time kernel load per cubin and
+// context runs in relaxed capture mode (it is not stream work), see GetKernel.
 
 #include <dlfcn.h>
 
@@ -44,6 +56,7 @@ struct Driver {
   CUresult (*CtxGetCurrent)(CUcontext*) = nullptr;
   CUresult (*CtxPushCurrent)(CUcontext) = nullptr;
   CUresult (*CtxPopCurrent)(CUcontext*) = nullptr;
+  CUresult (*ThreadExchangeStreamCaptureMode)(CUstreamCaptureMode*) = nullptr;
   std::string error;
 };
 
@@ -74,6 +87,7 @@ const Driver& GetDriver() {
     Load(lib, "cuCtxGetCurrent", &d.CtxGetCurrent, &d.error);
     Load(lib, "cuCtxPushCurrent_v2", &d.CtxPushCurrent, &d.error);
     Load(lib, "cuCtxPopCurrent_v2", &d.CtxPopCurrent, &d.error);
+    Load(lib, "cuThreadExchangeStreamCaptureMode", &d.ThreadExchangeStreamCaptureMode, &d.error);
     return d;
   }();
   return d;
@@ -108,11 +122,22 @@ std::mutex g_mu;
 std::map<std::pair<std::string, CUcontext>, LoadedKernel> g_kernels;
 std::map<std::string, CUlibrary> g_libraries;
 
-// Loads (once per cubin and context) the single kernel of a cubin and raises its dynamic
-// shared-memory limit (the attribute persists on the function).
-ffi::Error GetKernel(const Driver& d, const std::string& path, CUcontext ctx, int smem, CUfunction* out) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto key = std::make_pair(path, ctx);
+// Relaxed stream-capture mode for this thread while in scope: the first launch of a kernel may
+// happen while XLA captures the stream into a command buffer, and loading a module is an API call
+// that the default (thread-local) capture mode may refuse; it does no work on the captured stream.
+class RelaxedCapture {
+ public:
+  explicit RelaxedCapture(const Driver& d) : d_(d) { d_.ThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCapture() { d_.ThreadExchangeStreamCaptureMode(&mode_); }
+
+ private:
+  const Driver& d_;
+  CUstreamCaptureMode mode_ = CU_STREAM_CAPTURE_MODE_RELAXED;
+};
+
+// The slow path of GetKernel (caller holds g_mu): load the cubin's kernel and/or set its smem limit.
+ffi::Error LoadKernel(const Driver& d, const std::string& path, const std::pair<std::string, CUcontext>& key,
+                      int smem, CUfunction* out) {
   auto it = g_kernels.find(key);
   if (it == g_kernels.end()) {
     CUlibrary lib;
@@ -141,6 +166,20 @@ ffi::Error GetKernel(const Driver& d, const std::string& path, CUcontext ctx, in
     CUresult r = d.FuncSetAttribute(it->second.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem);
     if (r != CUDA_SUCCESS) return ffi::Error::Internal(CuError(d, r, "cuFuncSetAttribute(max dynamic smem)"));
     it->second.smem = smem;
+  }
+  *out = it->second.fn;
+  return ffi::Error::Success();
+}
+
+// Loads (once per cubin and context) the single kernel of a cubin and raises its dynamic
+// shared-memory limit (the attribute persists on the function).
+ffi::Error GetKernel(const Driver& d, const std::string& path, CUcontext ctx, int smem, CUfunction* out) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto key = std::make_pair(path, ctx);
+  auto it = g_kernels.find(key);
+  if (it == g_kernels.end() || (smem > 0 && it->second.smem != smem)) {
+    RelaxedCapture relaxed(d);
+    return LoadKernel(d, path, key, smem, out);
   }
   *out = it->second.fn;
   return ffi::Error::Success();
@@ -296,13 +335,22 @@ ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxDeepGemmLaunch, Launch,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .Attr<std::string_view>("cubin")
-                                  .Attr<ffi::Span<const int64_t>>("launch")
-                                  .Attr<ffi::Span<const int64_t>>("args")
-                                  .Attr<ffi::Span<const int64_t>>("tmaps")
-                                  .Attr<ffi::Span<const int64_t>>("blob")
-                                  .RemainingArgs()
-                                  .RemainingRets());
+namespace {
+
+auto LaunchBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<CUstream>>()
+      .Attr<std::string_view>("cubin")
+      .Attr<ffi::Span<const int64_t>>("launch")
+      .Attr<ffi::Span<const int64_t>>("args")
+      .Attr<ffi::Span<const int64_t>>("tmaps")
+      .Attr<ffi::Span<const int64_t>>("blob")
+      .RemainingArgs()
+      .RemainingRets();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxDeepGemmLaunch, Launch, LaunchBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxDeepGemmLaunchCmdBuffer, Launch, LaunchBinding(),
+                              {ffi::Traits::kCmdBufferCompatible});
