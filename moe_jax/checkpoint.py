@@ -1,5 +1,5 @@
 """Loading one MoE layer from safetensors files named like DeepSeek-V3/V4 Hugging Face checkpoints,
-with the load-time weight paths of SPEC §2.1 applied once, for the target GPU family.
+with the load-time weight paths (layouts/weight_paths.py) applied once, for the target GPU family.
 
     params = load_moe_params("/ckpt/DeepSeek-V3", config, layer=3, arch=90)
     params = load_moe_params(files, config, layer=3, expert_range=(32, 64))   # EP rank 1 of 8
@@ -28,7 +28,7 @@ Accepted expert formats, per projection of shape (N, K) (every expert of a layer
 Which checkpoint format serves which `config.recipe` (anything else is an error, not a conversion):
 
     bf16 <- bf16;  fp8_block <- fp8_block, fp8_per_tensor (expanded to 128x128 pseudo blocks);
-    mxfp8 <- mxfp8, bf16 (quantized here, SPEC §2.1 D);  mxfp4 <- mxfp4
+    mxfp8 <- mxfp8, bf16 (quantized here, weight path D);  mxfp4 <- mxfp4
 
 The shared expert may come in any of the five formats; it is dequantized to bf16 (the layer runs it
 as a dense bf16 MLP). The returned `MoEParams` is in GEMM form for `arch` (`prepare=True`) or in
@@ -69,7 +69,7 @@ RECIPE_SOURCES = {"bf16": ("bf16",), "fp8_block": ("fp8_block", "fp8_per_tensor"
 DEFAULT_PREFIX = "model.layers.{layer}.mlp."
 INDEX_FILE = "model.safetensors.index.json"
 
-BLOCK = 128  # fp8_block weight block (SPEC §2)
+BLOCK = 128  # fp8_block weight block: 128x128 values share one scale
 MX_GROUP = 32  # MXFP8 / MXFP4 scale group along K
 
 _ST_DTYPES = {
@@ -430,7 +430,7 @@ def _to_checkpoint_form(values, scale, fmt, recipe, n_split, k):
 
     v = jax.device_put(values)
     if fmt == "bf16":
-        if recipe == "mxfp8":  # SPEC §2.1 D from high-precision weights
+        if recipe == "mxfp8":  # weight path D: from high-precision weights
             return layouts.quantize_mxfp8(v, MX_GROUP)
         return v, None
     if fmt == "fp8_per_tensor":
@@ -473,7 +473,7 @@ def load_moe_params(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckp
     checkpoint: file, list of files, directory, or an open `SafetensorsCheckpoint`.
     prefix: tensor-name prefix (default `model.layers.{layer}.mlp.`; give one of the two).
     arch: target GPU family 90 | 100 (None -> config.gemm_arch; must equal it); it picks the load-time path
-    (SPEC §2.1: fp8_block on 100 -> UE8M0 requant C; mxfp4 on 90 -> FP4->FP8 B, on 100 -> A;
+    (weight paths, layouts/weight_paths.py: fp8_block on 100 -> UE8M0 requant C; mxfp4 on 90 -> FP4->FP8 B, on 100 -> A;
     mxfp8 -> D). expert_range: (start, stop) global expert ids held by this rank (EP); only those
     experts are read; the router, bias and shared expert are whole.
     prepare: True -> GEMM form for `arch` (`prepare_params`); False -> checkpoint form.

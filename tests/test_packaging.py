@@ -164,9 +164,10 @@ def test_version_is_the_one_in_pyproject():
     ("moe_jax.bench.__main__", ["--help"], "python -m moe_jax.bench"),
     ("moe_jax.bench.__main__", ["layer", "--help"], "python -m moe_jax.bench layer"),
     ("moe_jax.bench.__main__", ["gemm", "--help"], "python -m moe_jax.bench gemm"),
-    ("moe_jax.parallel.bench", ["--help"], "python -m moe_jax.parallel.bench"),
+    ("moe_jax.bench.__main__", ["parallel", "--help"], "python -m moe_jax.bench parallel"),
+    ("moe_jax.bench.__main__", ["triton", "--help"], "python -m moe_jax.bench triton"),
+    ("moe_jax.bench.tune", ["--help"], "python -m moe_jax.bench.tune"),
     ("moe_jax.parallel.bytes", ["--help"], "python -m moe_jax.parallel.bytes"),
-    ("custom_calls.triton.bench", ["--help"], "python -m custom_calls.triton.bench"),
 ])
 def test_cli_help_names_the_command_as_invoked(module, argv, prog, capsys):
     with pytest.raises(SystemExit) as e:

@@ -20,14 +20,19 @@ def _over_sets(fn: Callable) -> Callable:
     return jax.jit(lambda sets: [fn(*s) for s in sets])
 
 
-def time_op(fn: Callable, arg_sets: list[tuple], rounds: int = 5, chain: int = 4) -> float:
+def time_op(fn: Callable, arg_sets: list[tuple], rounds: int = 5, chain: int = 4,
+            idle_s: float = 0.0) -> float:
     """Seconds per call of fn: a jitted function runs fn over the argument sets; `chain` such calls
     are dispatched back to back (the host runs ahead, so dispatch and sync costs overlap the GPU),
-    then one sync; median over `rounds`."""
+    then one sync; median over `rounds`. `idle_s` > 0 sleeps before each round: with chain=1 that
+    is a burst after idle (the host's dispatch start-up and the clock ramp are in the figure), with
+    a long chain a steady stream, the way a serving loop calls the layer."""
     many = _over_sets(fn)
     jax.block_until_ready(many(arg_sets))
     times = []
     for _ in range(rounds):
+        if idle_s:
+            time.sleep(idle_s)
         t0 = time.perf_counter()
         outs = [many(arg_sets) for _ in range(chain)]
         jax.block_until_ready(outs)
