@@ -289,3 +289,27 @@ def test_fp32_model_matches_float64_per_token_loop(block, blocks_per_step):
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
     row_err = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
     assert row_err.max() < 1e-5
+
+
+def test_goal_ratios_come_first_and_follow_their_definitions(capsys):
+    stages = {s: 1.0 for s in STAGES}
+    common = dict(backend="auto", end_to_end_us=1.0, e2e_over_gemms=1.0, temp_MB=1.0, temp_bound_MB=2.0,
+                  stages_us=stages, implementations={"m_grouped_gemm_contig": "deep_gemm"})
+    prefill = dict(shape="prefill", tokens=4096, layout="contig", weights_GB=1.0, platform="gpu",
+                   auto=dict(common, with_routing_us=1100.0, gemms_us=1000.0,
+                             with_routing_kernel_us=dict(total=1050.0, gemms=1000.0, triton=40.0, other=10.0)))
+    decode = dict(shape="decode", tokens=128, layout="masked", weights_GB=0.5, platform="gpu",
+                  auto=dict(common, with_routing_us=520.0, gemms_us=400.0,
+                            with_routing_kernel_us=dict(error="no profiler")))
+    fell_back = dict(prefill, shape="prefill16k", auto=dict(prefill["auto"], fell_back=True))
+    rows = bench_layer.goals([prefill, decode, fell_back], copy_gbps=1000.0)
+    assert [r["shape"] for r in rows] == ["prefill", "decode"]  # a fallback row gets no goal figure
+    assert rows[0]["wall"] == pytest.approx(1.1) and rows[0]["kernel"] == pytest.approx(1.05)
+    assert not rows[0]["met"]  # 1.1 > 1.06
+    assert rows[1]["roofline_us"] == pytest.approx(500.0)  # 0.5 GB at 1000 GB/s
+    assert rows[1]["wall"] == pytest.approx(500 / 520) and rows[1]["kernel"] is None and rows[1]["met"]
+    bench_layer.print_table([prefill, decode], ["auto"], "test device", 1000.0)
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].startswith("  goal prefill") and "1.100 steady wall, 1.050 GPU kernel time" in out[2]
+    assert "(goal <= 1.06: not met)" in out[2]
+    assert out[3].startswith("  goal decode") and "96.2 % steady wall, – GPU kernel time (goal >= 90 %: met)" in out[3]
