@@ -681,7 +681,9 @@ def test_command_buffer_launches_match_plain_ones_as_addresses_change(monkeypatc
         monkeypatch.setenv(LP.COMMAND_BUFFER_ENV, flag)
         sample = (jnp.zeros((g, m_pad, k), jnp.bfloat16), jnp.zeros((g, n, k), jnp.bfloat16),
                   jnp.zeros((g,), jnp.int32))
-        compiled[flag] = jax.jit(f, compiler_options=opts).lower(*sample).compile()
+        # a fresh function object per setting: jax caches a function's trace, and the launcher target
+        # is chosen while tracing
+        compiled[flag] = jax.jit(lambda *args: f(*args), compiler_options=opts).lower(*sample).compile()
     text = compiled["1"].as_text()
     assert launch.FFI_TARGET_CMD_BUFFER in text and launch.FFI_TARGET_CMD_BUFFER not in compiled["0"].as_text()
     blocks = [b for b in text.split("\n\n") if "command_buffer" in b.splitlines()[0]] if text else []
