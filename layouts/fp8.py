@@ -15,14 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from layouts.checks import (
-    ceil_div,
-    check_dtype,
-    check_float,
-    check_min_ndim,
-    check_positive_int,
-    check_shape,
-)
+from layouts.checks import ceil_div, check_dtype, check_float, check_min_ndim, check_positive_int, check_shape
 from layouts.rounding import store_as
 from layouts.ue8m0 import ue8m0_scale_from_amax
 
@@ -91,15 +84,7 @@ def dequantize_fp8_per_token_group(
     q: jax.Array, sf: jax.Array, group_size: int = 128, dtype=jnp.float32
 ) -> jax.Array:
     """q: (..., K) float8_e4m3fn, sf: (..., ceil(K/group_size)) f32 -> (..., K) ``dtype`` (q * sf in f32)."""
-    check_dtype("q", q, (FP8_DTYPE,))
-    check_dtype("sf", sf, (jnp.float32,))
-    check_min_ndim("q", q, 1, "(..., K)")
-    check_positive_int("group_size", group_size)
-    k = q.shape[-1]
-    check_shape("sf", sf, (*q.shape[:-1], ceil_div(k, group_size)),
-                f"q {tuple(q.shape)}, group_size {group_size}")
-    scale = jnp.repeat(sf, group_size, axis=-1)[..., :k]
-    return (q.astype(jnp.float32) * scale).astype(dtype)
+    return _dequantize_blocked(q, sf, group_size, 1, "group_size", dtype)
 
 
 def quantize_fp8_per_block(
@@ -130,12 +115,20 @@ def dequantize_fp8_per_block(
     q: jax.Array, sf: jax.Array, block_size: int = 128, dtype=jnp.float32
 ) -> jax.Array:
     """q: (..., N, K) float8_e4m3fn, sf: (..., ceil(N/bs), ceil(K/bs)) f32 -> (..., N, K) ``dtype``."""
+    return _dequantize_blocked(q, sf, block_size, 2, "block_size", dtype)
+
+
+def _dequantize_blocked(q: jax.Array, sf: jax.Array, size: int, ndims: int, size_name: str, dtype) -> jax.Array:
+    """q * sf in f32, one scale per `size` values along each of the last `ndims` axes of q."""
     check_dtype("q", q, (FP8_DTYPE,))
     check_dtype("sf", sf, (jnp.float32,))
-    check_min_ndim("q", q, 2, "(..., N, K)")
-    check_positive_int("block_size", block_size)
-    n, k = q.shape[-2:]
-    check_shape("sf", sf, (*q.shape[:-2], ceil_div(n, block_size), ceil_div(k, block_size)),
-                f"q {tuple(q.shape)}, block_size {block_size}")
-    scale = jnp.repeat(jnp.repeat(sf, block_size, axis=-2), block_size, axis=-1)[..., :n, :k]
+    check_min_ndim("q", q, ndims, "(..., K)" if ndims == 1 else "(..., N, K)")
+    check_positive_int(size_name, size)
+    dims = q.shape[-ndims:]
+    check_shape("sf", sf, (*q.shape[:-ndims], *(ceil_div(d, size) for d in dims)),
+                f"q {tuple(q.shape)}, {size_name} {size}")
+    scale = sf
+    for axis in range(-ndims, 0):
+        scale = jnp.repeat(scale, size, axis=axis)
+    scale = scale[(..., *(slice(0, d) for d in dims))]
     return (q.astype(jnp.float32) * scale).astype(dtype)

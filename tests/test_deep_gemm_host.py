@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from custom_calls.deep_gemm import codegen, heuristics as H, launch_plan as LP, ops, toolchain
+from custom_calls.deep_gemm import codegen, heuristics as H, launch, launch_plan as LP, ops, toolchain
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,12 +28,13 @@ def _has_toolchain() -> bool:
     try:
         toolchain.deep_gemm_include_dir()
         toolchain.find_nvcc()
+        launch.find_cxx()  # the launcher library is built with g++
         return True
     except toolchain.ToolchainError:
         return False
 
 
-needs_nvcc = pytest.mark.skipif(not _has_toolchain(), reason="needs nvcc and sgl-deep-gemm")
+needs_nvcc = pytest.mark.skipif(not _has_toolchain(), reason="needs nvcc >= 12.9, g++ and sgl-deep-gemm")
 
 
 # --- heuristics -----------------------------------------------------------------------------

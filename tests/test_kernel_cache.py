@@ -21,21 +21,9 @@ from pathlib import Path
 import pytest
 
 from custom_calls.deep_gemm import compiler, launch, toolchain
+from test_deep_gemm_host import needs_nvcc
 
 TINY = 'extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }\n'
-
-
-def _has_toolchain() -> bool:
-    try:
-        toolchain.deep_gemm_include_dir()
-        toolchain.find_nvcc()
-        launch.find_cxx()
-        return True
-    except toolchain.ToolchainError:
-        return False
-
-
-needs_nvcc = pytest.mark.skipif(not _has_toolchain(), reason="needs nvcc >= 12.9, g++ and sgl-deep-gemm")
 
 
 def _sha(path: Path) -> str:

@@ -532,37 +532,24 @@ def trace_kernel_durations(calls: Sequence[Callable[[], Any]], needles: Sequence
                            sync_every: int = 16, per_call: int = 1) -> list[float]:
     """Run ``calls`` in order under the jax profiler, each launching exactly ``per_call`` kernels whose
     name contains one of ``needles`` (others are ignored); their durations in seconds, in launch order."""
-    import glob
-
     import jax
-    from jax.profiler import ProfileData
 
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        try:
-            pending = []
-            for c in calls:
-                pending.append(c())
-                if len(pending) >= sync_every:
-                    jax.block_until_ready(pending)
-                    pending = []
-            jax.block_until_ready(pending)
-        finally:
-            jax.profiler.stop_trace()
-        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-        if not files:
-            raise TraceMismatch("the profiler wrote no trace")
-        data = ProfileData.from_file(files[0])
-    events = set()
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if "Stream" not in line.name:
-                continue
-            for ev in line.events:
-                if any(nd in ev.name for nd in needles):
-                    events.add((ev.start_ns, ev.duration_ns))
+    from custom_calls.profiling import gpu_kernel_events
+
+    def run():
+        pending = []
+        for c in calls:
+            pending.append(c())
+            if len(pending) >= sync_every:
+                jax.block_until_ready(pending)
+                pending = []
+        jax.block_until_ready(pending)
+
+    try:
+        found = gpu_kernel_events(run)
+    except RuntimeError as e:  # no trace at all
+        raise TraceMismatch(str(e)) from e
+    events = {(start, dur) for name, start, dur in found if any(nd in name for nd in needles)}
     if len(events) != per_call * len(calls):
         raise TraceMismatch(f"the trace holds {len(events)} kernels named {'/'.join(needles)} for "
                             f"{len(calls)} calls of {per_call}")
@@ -724,7 +711,8 @@ def tune(problems: Sequence[Sm90Problem], *, num_sms: int | None = None,
                                 rounds[i])
         log(f"  tuning: {problems[i].label}: {'tuned ' + config_label(cfg) if won else 'heuristic kept'} "
             f"({hl}: {h_us[0]:.1f} us, best {winners[i]}: {_objective(times[i][winners[i]]):.1f} us)")
-    del cases, weights
+    cases.clear()  # frees the candidates' inputs and weights on the device
+    weights.clear()
     return [reports[i] for i in range(len(problems))]
 
 

@@ -4,9 +4,7 @@ kernel time read from a profiler trace (`trace_kernels`, `device_time`)."""
 from __future__ import annotations
 
 import functools
-import glob
 import statistics
-import tempfile
 import time
 from typing import Any, Callable
 
@@ -44,27 +42,11 @@ def time_op(fn: Callable, arg_sets: list[tuple], rounds: int = 5, chain: int = 4
 def trace_kernels(run: Callable[[], Any]) -> dict[str, list[float]]:
     """Device durations (s) of the GPU kernels and memsets launched while `run()` executes (it must
     block until its work is done), by name, from a jax.profiler trace."""
-    from jax.profiler import ProfileData
+    from custom_calls.profiling import gpu_kernel_events
 
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        try:
-            run()
-        finally:
-            jax.profiler.stop_trace()
-        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-        if not files:
-            raise RuntimeError("the profiler wrote no trace")
-        data = ProfileData.from_file(files[0])
     kernels: dict[str, list[float]] = {}
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if "Stream" not in line.name:  # the per-stream lines; others repeat the same kernels
-                continue
-            for ev in line.events:
-                kernels.setdefault(ev.name, []).append(ev.duration_ns / 1e9)
+    for name, _, dur in gpu_kernel_events(run):
+        kernels.setdefault(name, []).append(dur / 1e9)
     return kernels
 
 
