@@ -555,14 +555,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="the DeepSeek-V3 sizes even without a GPU (the default on a GPU; minutes and tens of GB "
                            "of memory on a CPU)")
     parser.set_defaults(func=run)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_jax.bench layer")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
