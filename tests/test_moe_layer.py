@@ -14,19 +14,12 @@ import pytest
 import moe_jax as mj
 from custom_calls import ActivationSpec
 from moe_jax import MoEConfig
+from numpy_reference import decode_e2m1  # examples/numpy_reference.py: the float64 model's formats
+from numpy_reference import scores as np_scores
 
 # ------------------------------------------------------------------------------------------------
 # float64 numpy model
 # ------------------------------------------------------------------------------------------------
-_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
-
-
-def np_e2m1_unpack(packed: np.ndarray) -> np.ndarray:
-    b = packed.view(np.uint8).astype(np.int64)
-    codes = np.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)  # low nibble first
-    mag = _E2M1[codes & 7]
-    return np.where(codes & 8, -mag, mag)
-
 
 def np_dequant_weight(w, sf, recipe: str) -> np.ndarray:
     """Checkpoint-form expert weight -> (E, N, K) float64."""
@@ -38,18 +31,8 @@ def np_dequant_weight(w, sf, recipe: str) -> np.ndarray:
         n, k = w.shape[-2:]
         full = np.repeat(np.repeat(sf, 128, axis=-2), 128, axis=-1)[..., :n, :k]
         return w.astype(np.float64) * full
-    vals = np_e2m1_unpack(w) if recipe == "mxfp4" else w.astype(np.float64)
+    vals = decode_e2m1(w) if recipe == "mxfp4" else w.astype(np.float64)
     return vals * np.repeat(sf, 32, axis=-1)
-
-
-def np_scores(logits: np.ndarray, scoring: str) -> np.ndarray:
-    if scoring == "softmax":
-        z = np.exp(logits - logits.max(-1, keepdims=True))
-        return z / z.sum(-1, keepdims=True)
-    if scoring == "sigmoid":
-        return 1.0 / (1.0 + np.exp(-logits))
-    softplus = np.maximum(logits, 0) + np.log1p(np.exp(-np.abs(logits)))
-    return np.sqrt(softplus)
 
 
 def _topk_desc(values: np.ndarray, k: int) -> list[int]:
