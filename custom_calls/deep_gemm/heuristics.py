@@ -32,8 +32,24 @@ def swizzle_mode(num_bytes: int) -> int:
     raise ValueError(f"row of {num_bytes} bytes is not a multiple of 16 (TMA needs 16-byte rows)")
 
 
+class _PersistentLaunch:
+    """What the SM90 and SM100 GEMM configs share: persistent kernels (the scheduler strides over
+    tiles by kNumSMs, so grid == num_sms exactly) whose CTAs along N share one A tile."""
+
+    num_sms: int
+    cluster_n: int
+
+    @property
+    def multicast_on_a(self) -> bool:
+        return self.cluster_n > 1
+
+    @property
+    def grid(self) -> int:
+        return self.num_sms
+
+
 @dataclasses.dataclass(frozen=True)
-class Sm90GemmConfig:
+class Sm90GemmConfig(_PersistentLaunch):
     """Tile, pipeline and launch of one SM90 FP8 1D2D or BF16 GEMM instantiation."""
 
     kernel: Literal["fp8_1d2d", "bf16"]
@@ -59,17 +75,8 @@ class Sm90GemmConfig:
         return self.cluster_m * self.cluster_n
 
     @property
-    def multicast_on_a(self) -> bool:
-        return self.cluster_n > 1
-
-    @property
     def num_threads(self) -> int:
         return self.num_tma_threads + self.num_math_threads
-
-    @property
-    def grid(self) -> int:
-        # Persistent kernels: the scheduler strides over tiles by kNumSMs, so grid == num_sms exactly.
-        return self.num_sms
 
 
 # Legal SM90 tiles. The rules below restate the kernels' static asserts and assumptions
@@ -364,7 +371,7 @@ def sm100_operands(recipe: str) -> tuple[int, int, str]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sm100GemmConfig:
+class Sm100GemmConfig(_PersistentLaunch):
     """m-grouped sm100_fp8_fp4_gemm_1d1d instantiation (swap-AB, 2-CTA multicast of A when legal)."""
 
     recipe: str
@@ -396,16 +403,8 @@ class Sm100GemmConfig:
         return self.cluster_n
 
     @property
-    def multicast_on_a(self) -> bool:
-        return self.cluster_n > 1
-
-    @property
     def num_threads(self) -> int:
         return self.num_non_epilogue_threads + self.num_epilogue_threads
-
-    @property
-    def grid(self) -> int:
-        return self.num_sms
 
 
 def sm100_mgrouped_config(recipe: str, gemm_kind: GemmKind, n: int, k: int, num_groups: int,
