@@ -163,6 +163,24 @@ def test_hash_routing_takes_token_ids():
         moe(x)
 
 
+def test_batch_seq_hidden_activations_keep_their_shape():
+    """A flax user's (batch, seq, hidden) activations (and (batch, seq) token ids): the same rows as the
+    flattened (batch * seq, hidden) call, in the caller's shape."""
+    cfg = bf16_config(hash_routing=True, vocab_size=40)
+    moe = MoE(cfg, rngs=nnx.Rngs(4))
+    b, t = 3, 7
+    x = jnp.asarray(np.random.default_rng(5).normal(0, 1, (b, t, H)), jnp.bfloat16)
+    tok = jnp.asarray(np.random.default_rng(6).integers(0, 40, (b, t)), jnp.int32)
+    y = fwd(moe, x, token_ids=tok)
+    assert y.shape == (b, t, H) and y.dtype == jnp.bfloat16
+    flat = fwd(moe, x.reshape(b * t, H), token_ids=tok.reshape(-1))
+    np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)).reshape(b * t, H),
+                                  np.asarray(flat.astype(jnp.float32)))
+    assert (np.abs(np.asarray(flat.astype(jnp.float32))).max(axis=1) > 0).all()  # every row computed
+    with pytest.raises(ValueError, match=r"token_ids: expected shape \(3, 7\)"):
+        fwd(moe, x, token_ids=tok.reshape(-1))
+
+
 def test_from_checkpoint(tmp_path):
     from safetensors.numpy import save_file
 
