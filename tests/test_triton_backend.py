@@ -115,7 +115,9 @@ def test_route_topk_rejects_what_it_cannot_serve():
     from custom_calls.triton.support import route_topk_reason
 
     assert route_topk_reason(256, 8, "sigmoid", 8, 4) == ""
-    assert "power-of-two" in route_topk_reason(96, 8, "sigmoid", 3, 2)
+    assert route_topk_reason(96, 8, "sigmoid", 3, 2) == ""  # any n_group dividing E
+    assert route_topk_reason(160, 6, "softmax", 5, 3) == ""
+    assert "n_group: expected a divisor of num_experts = 96, got 5" in route_topk_reason(96, 8, "sigmoid", 5, 2)
     assert "num_experts" in route_topk_reason(2048, 8, "softmax", 1, 1)
     assert "scoring" in route_topk_reason(64, 8, "relu", 1, 1)
     assert "topk_group" in route_topk_reason(64, 8, "sigmoid", 8, 9)

@@ -31,7 +31,8 @@ CASES = [
     "act_masked_silu_limit_90", "act_masked_situ_100", "act_masked_oai_100", "act_masked_count_over_m_pad",
     "unpermute_bf16", "unpermute_f32_out", "unpermute_row_past_end", "dispatch_rank_e32", "dispatch_rank_e5",
     "route_sigmoid_grouped_bias", "route_softmax_grouped_no_bias", "route_softmax_e20",
-    "route_sqrtsoftplus_bias",
+    "route_sqrtsoftplus_bias", "route_v3_one_token_per_program", "route_groups_not_power_of_two",
+    "route_ties_lower_index_wins",
     # the host entry points (custom_calls.triton.*_kernel), launches run by the interpreter: the
     # heuristic config against the models, a non-default config bit for bit against the heuristic
     "host_quant_configs", "host_permute_configs", "host_act_configs", "host_unpermute_config",
@@ -82,6 +83,10 @@ def test_heuristic_configs_are_the_measured_defaults():
     assert k["unpermute"].heuristic_config() == k["unpermute"].UnpermuteConfig(1024, 4)
     assert k["dispatch"].heuristic_config(32) == k["dispatch"].RankConfig(128, 4)
     assert k["routing"].heuristic_config(256) == k["routing"].RouteTopkConfig(8, 4)
+    assert k["routing"].heuristic_config(256, 4096, 8) == k["routing"].RouteTopkConfig(8, 4)
+    # decode: one token per single-warp program; in between, fewer tokens per program than at prefill
+    assert k["routing"].heuristic_config(256, 128, 8) == k["routing"].RouteTopkConfig(1, 1)
+    assert k["routing"].heuristic_config(256, 1024, 8) == k["routing"].RouteTopkConfig(4, 4)
     cfg = k["permute"].heuristic_config("mxfp8")
     assert hash(cfg) == hash(dataclasses.replace(cfg)) and cfg == dataclasses.replace(cfg)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -721,23 +726,33 @@ def model_route(logits, bias, top_k, scoring, n_group, topk_group, renorm):
     return ids, w
 
 
-def _route_case(seed, m, e, top_k, scoring, n_group, topk_group, with_bias, renorm):
+def _route_case(seed, m, e, top_k, scoring, n_group, topk_group, with_bias, renorm, block_t=8, ties=False):
+    """ties: every row repeats a few logits (and the bias repeats too), so equal selection and group
+    scores occur; the lower expert / group id must win, as in the model."""
     from custom_calls.triton.routing_kernel import SCORINGS, route_topk_kernel
 
     rng = _rng(seed)
     logits = (rng.standard_normal((m, e)) * 2).astype(np.float32)
     bias = (rng.standard_normal(e) * 0.3).astype(np.float32) if with_bias else np.zeros(1, np.float32)
-    e_pad = 1 << (e - 1).bit_length()
+    if ties:  # half the experts copy another expert's logit and bias: exact ties in every row
+        src = rng.integers(0, e, e // 2)
+        dst = rng.permutation(e)[: e // 2]
+        logits[:, dst] = logits[:, src]
+        if with_bias:
+            bias[dst] = bias[src]
+    ng = max(1, n_group)
+    ng_pad = 1 << (ng - 1).bit_length()
+    gs_pad = 1 << (e // ng - 1).bit_length()
     k_pad = 1 << (top_k - 1).bit_length()
-    block_t = 8
     ids = np.full((m, top_k), -7, np.int32)
     w = np.full((m, top_k), np.nan, np.float32)
-    _launch(route_topk_kernel, (ceil_div(m, block_t),), logits, bias, ids, w, M=m, E=e, E_PAD=e_pad, TOPK=top_k,
-            K_PAD=k_pad, SCORING=SCORINGS[scoring], HAS_BIAS=with_bias, N_GROUP=n_group, TOPK_GROUP=topk_group,
-            RENORM=renorm, BLOCK_T=block_t)
+    _launch(route_topk_kernel, (ceil_div(m, block_t),), logits, bias, ids, w, M=m, E=e, TOPK=top_k,
+            K_PAD=k_pad, SCORING=SCORINGS[scoring], HAS_BIAS=with_bias, N_GROUP=ng, NG_PAD=ng_pad, GS_PAD=gs_pad,
+            TOPK_GROUP=topk_group, RENORM=renorm, BLOCK_T=block_t)
     want_ids, want_w = model_route(logits, bias if with_bias else None, top_k, scoring, n_group, topk_group, renorm)
     assert np.array_equal(ids, want_ids), np.argwhere(ids != want_ids)[:5]
     np.testing.assert_allclose(w, want_w, rtol=2e-5, atol=1e-7)
+    return logits, bias
 
 
 def case_route_sigmoid_grouped_bias():
@@ -754,6 +769,28 @@ def case_route_softmax_e20():
 
 def case_route_sqrtsoftplus_bias():
     _route_case(52, 19, 48, 6, "sqrtsoftplus", 1, 1, True, True)
+
+
+def case_route_v3_one_token_per_program():
+    """DeepSeek-V3's routing (256 experts, 8 groups of 32, top-4 groups, top-8, bias) at the decode
+    tiling: one token per program."""
+    _route_case(54, 13, 256, 8, "sigmoid", 8, 4, True, True, block_t=1)
+
+
+def case_route_groups_not_power_of_two():
+    """n_group = 3 of 32 experts (padded to 4 groups), 5 groups of 12 (padded to 16 each), 7 of 1."""
+    _route_case(55, 23, 96, 8, "sigmoid", 3, 2, True, True)
+    _route_case(56, 17, 60, 6, "softmax", 5, 3, False, True, block_t=2)
+    _route_case(57, 11, 7, 2, "sigmoid", 7, 3, True, False, block_t=4)
+
+
+def case_route_ties_lower_index_wins():
+    lg, bias = _route_case(58, 31, 64, 8, "sigmoid", 8, 4, True, True, ties=True)
+    # the ties are real: equal selection scores within rows (else this case tests nothing new)
+    sel = 1 / (1 + np.exp(-lg.astype(np.float64))) + bias
+    assert all(len(np.unique(row)) < row.size for row in sel)
+    _route_case(59, 19, 24, 5, "softmax", 1, 1, False, True, block_t=1, ties=True)
+    _route_case(60, 9, 40, 6, "sqrtsoftplus", 4, 2, False, False, ties=True)
 
 
 # ---------------------------------------------------------------- host entry points and configs
@@ -980,9 +1017,15 @@ def case_host_route_config():
     bias = (rng.standard_normal(e) * 0.3).astype(np.float32)
     kw = dict(top_k=top_k, scoring="sigmoid", n_group=8, topk_group=4, norm_topk_prob=True)
     ids, w = rk.route_topk(jnp.asarray(logits), jnp.asarray(bias), **kw)
+    _launched_with("route_topk_kernel", num_warps=1, BLOCK_T=1)  # decode-sized M: one token per program
     want_ids, want_w = model_route(logits, bias, top_k, "sigmoid", 8, 4, True)
     assert np.array_equal(np.asarray(ids), want_ids)
     np.testing.assert_allclose(np.asarray(w), want_w, rtol=2e-5, atol=1e-7)
+    from custom_calls.route_topk import route_topk as route_op  # the op's reference backend
+
+    ref_ids, ref_w = route_op(jnp.asarray(logits), jnp.asarray(bias), **kw, backend="reference")
+    assert np.array_equal(np.asarray(ids), np.asarray(ref_ids))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(ref_w), rtol=2e-6, atol=1e-7)
     ids2, w2 = rk.route_topk(jnp.asarray(logits), jnp.asarray(bias), **kw,
                              config=rk.RouteTopkConfig(block_t=2, num_warps=8))
     _launched_with("route_topk_kernel", num_warps=8, BLOCK_T=2)

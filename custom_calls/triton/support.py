@@ -137,9 +137,22 @@ def supports_route_topk(*, num_experts: int, top_k: int, scoring: str, n_group: 
     return _answer(route_topk_reason(num_experts, top_k, scoring, n_group, topk_group))
 
 
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, v - 1).bit_length()
+
+
+def route_row_width(num_experts: int, n_group: int = 1) -> int:
+    """Register columns of one token's row in the routing epilogue: n_group groups of E / n_group
+    experts, each padded to a power of two, the group count padded to a power of two (no padding
+    for DeepSeek-V3's 8 x 32; E alone rounded up to a power of two without groups)."""
+    g = max(1, n_group)
+    return _next_pow2(g) * _next_pow2(num_experts // g)
+
+
 def route_topk_reason(num_experts: int, top_k: int, scoring: str, n_group: int, topk_group: int) -> str:
     """Why the Triton routing epilogue (`route_topk`) cannot serve these routing settings, "" when it
-    can: the grouped path holds each group as a power-of-two block of the row."""
+    can. Any n_group dividing E: with E <= MAX_EXPERTS a token's padded row (`route_row_width`, a
+    product of two powers of two below 2 x n_group and 2 x E / n_group) has at most 2048 columns."""
     if scoring not in SCORINGS:
         return f"scoring: expected one of {tuple(SCORINGS)}, got {scoring!r}"
     if not 1 <= num_experts <= MAX_EXPERTS:
@@ -147,9 +160,8 @@ def route_topk_reason(num_experts: int, top_k: int, scoring: str, n_group: int, 
     if not 1 <= top_k <= num_experts:
         return f"top_k: expected 1..{num_experts}, got {top_k}"
     if n_group > 1:
-        pow2 = lambda v: v & (v - 1) == 0  # noqa: E731
-        if not (pow2(num_experts) and pow2(n_group) and num_experts % n_group == 0):
-            return f"grouped top-k needs power-of-two num_experts and n_group, got {num_experts} and {n_group}"
+        if num_experts % n_group:
+            return f"n_group: expected a divisor of num_experts = {num_experts}, got {n_group}"
         if not 1 <= topk_group <= n_group:
             return f"topk_group: expected 1..{n_group}, got {topk_group}"
     return ""
