@@ -22,6 +22,8 @@ assert set(SCORINGS) == set(_SCORING_NAMES), "a scoring of route_topk has no ker
 MAX_EXPERTS = 1024  # routing epilogue: one program holds whole expert rows
 MAX_RANK_EXPERTS = 1023  # dispatch ranking: a chunk's one-hot matrix has next_pow2(E + 1) columns
 MAX_RANK_CHUNKS = 16384  # dispatch ranking: one program scans the counts of every chunk
+MAX_MAP_EXPERTS = 1024  # dispatch maps: a sub-block's one-hot matrix has next_pow2(E) columns
+INT32_LIMIT = 2**31  # dispatch maps: routes, rows and slab rows are int32 indices in the kernels
 MIN_CAPABILITY = (8, 9)  # e4m3 conversions in hardware (Ada / Hopper and newer)
 
 
@@ -165,3 +167,26 @@ def route_topk_reason(num_experts: int, top_k: int, scoring: str, n_group: int, 
         if not 1 <= topk_group <= n_group:
             return f"topk_group: expected 1..{n_group}, got {topk_group}"
     return ""
+
+
+def dispatch_map_reason(num_routes: int, num_experts: int, num_rows: int = 0) -> str:
+    """Why the Triton dispatch-map kernels (`custom_calls.triton.dispatch_map_kernel`) cannot serve
+    these sizes, "" when they can: at most MAX_MAP_EXPERTS local experts; routes and the rows of
+    the grouped layout (num_rows: contig capacity or E_local x m_pad) are int32 indices."""
+    if num_experts > MAX_MAP_EXPERTS:
+        return f"num_experts: at most {MAX_MAP_EXPERTS} local experts, got {num_experts}"
+    if num_routes >= INT32_LIMIT:
+        return f"num_routes: expected fewer than 2**31 routes (M * top_k), got {num_routes}"
+    if num_rows >= INT32_LIMIT:
+        return f"rows of the grouped layout: expected fewer than 2**31 (int32 row indices), got {num_rows}"
+    return ""
+
+
+def supports_dispatch_map_contig(*, num_routes: int, num_experts: int, alignment: int) -> tuple[bool, str]:
+    # contig_capacity with M * k = num_routes (it depends on the product only)
+    n = min(num_experts, num_routes)
+    return _answer(dispatch_map_reason(num_routes, num_experts, alignment * (n + (num_routes - n) // alignment)))
+
+
+def supports_dispatch_map_masked(*, num_routes: int, num_experts: int, m_pad: int) -> tuple[bool, str]:
+    return _answer(dispatch_map_reason(num_routes, num_experts, num_experts * m_pad))
