@@ -99,10 +99,10 @@ def test_dispatch_map_heuristic_is_one_launch_at_decode():
     """Up to 4096 routes one chunk (one program, one launch); above, about 128 chunks (two launches)."""
     dk = _kernel_modules()["dispatch_map"]
     cfg = dk.heuristic_config(128 * 8, 32)  # decode: 128 tokens, top-8, 32 local experts
-    assert cfg == dk.DispatchMapConfig(sub=256, subs=4, num_warps=8) and cfg.sub * cfg.subs >= 128 * 8
-    assert dk.heuristic_config(4096, 256) == dk.DispatchMapConfig(sub=32, subs=128, num_warps=8)
-    assert dk.heuristic_config(4096 * 8, 32) == dk.DispatchMapConfig(sub=256, subs=1, num_warps=4)
-    assert dk.heuristic_config(16384 * 8, 32) == dk.DispatchMapConfig(sub=256, subs=4, num_warps=4)
+    assert cfg == dk.DispatchMapConfig(sub=128, subs=8, num_warps=8) and cfg.sub * cfg.subs >= 128 * 8
+    assert dk.heuristic_config(4096, 256) == dk.DispatchMapConfig(sub=16, subs=256, num_warps=8)
+    assert dk.heuristic_config(4096 * 8, 32) == dk.DispatchMapConfig(sub=128, subs=2, num_warps=8)
+    assert dk.heuristic_config(16384 * 8, 32) == dk.DispatchMapConfig(sub=128, subs=8, num_warps=8)
     assert dk.heuristic_config(40, 1000) == dk.DispatchMapConfig(sub=16, subs=3, num_warps=8)
 
 
@@ -768,7 +768,7 @@ def _map_case(seed, m, k, e, offset, sub, subs, alignment=None, m_pad=None, dup=
     e_pad = 1 << (e - 1).bit_length()
     nc = ceil_div(r, sub * subs)
     plan = dict(R=r, E=e, E_PAD=e_pad, SUB=sub, SUBS=subs, NC=nc, HB=max(1, min(1 << (nc - 1).bit_length(),
-                                                                                8192 // e_pad)))
+                                                                                4096 // e_pad)))
     hist = np.zeros(1, np.int32)
     if nc > 1:
         hist = np.full((nc, e_pad), -7, np.int32)

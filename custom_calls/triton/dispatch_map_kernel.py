@@ -34,7 +34,7 @@ from custom_calls.triton.launch import triton_call
 from custom_calls.triton.support import dispatch_map_reason
 from custom_calls.triton.tuning import check_launch, check_powers_of_two, config_or_default
 
-ONE_HOT_ELEMENTS = 8192  # the [SUB, E_PAD] one-hot matrix of a sub-block (registers of one program)
+ONE_HOT_ELEMENTS = 4096  # the [SUB, E_PAD] one-hot matrix of a sub-block: 16 per thread on 8 warps, no spills
 SINGLE_LAUNCH_ROUTES = 4096  # up to this many routes the heuristic uses one program, one launch
 PREFILL_PROGRAMS = 128  # above it: about one wave of chunks on an H200 (132 SMs)
 
@@ -57,13 +57,13 @@ class DispatchMapConfig:
 
 
 def heuristic_config(num_routes: int, num_experts: int) -> DispatchMapConfig:
-    """The default tiling: sub = ONE_HOT_ELEMENTS / next_pow2(E) routes (16 to 1024); up to
-    SINGLE_LAUNCH_ROUTES routes one program on 8 warps (one launch), else chunks of whole
-    sub-blocks making about PREFILL_PROGRAMS programs on 4 warps."""
+    """The default tiling: sub = ONE_HOT_ELEMENTS / next_pow2(E) routes (16 to 1024), 8 warps; up
+    to SINGLE_LAUNCH_ROUTES routes one program (one launch), else chunks of whole sub-blocks making
+    about PREFILL_PROGRAMS programs (two launches)."""
     sub = max(16, min(1024, ONE_HOT_ELEMENTS // triton.next_power_of_2(num_experts)))
     if num_routes <= SINGLE_LAUNCH_ROUTES:
         return DispatchMapConfig(sub=sub, subs=max(1, ceil_div(num_routes, sub)), num_warps=8)
-    return DispatchMapConfig(sub=sub, subs=max(1, ceil_div(num_routes, sub * PREFILL_PROGRAMS)), num_warps=4)
+    return DispatchMapConfig(sub=sub, subs=max(1, ceil_div(num_routes, sub * PREFILL_PROGRAMS)), num_warps=8)
 
 
 @triton.jit
