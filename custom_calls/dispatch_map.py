@@ -51,12 +51,16 @@ def local_expert_ids(topk_ids: jax.Array, expert_offset, num_local_experts: int)
     return jnp.where(here, local, num_local_experts)
 
 
-def _reference_contig(topk_ids, expert_offset, *, num_local_experts, alignment):
+def dispatch_map_contig_xla(topk_ids, expert_offset, *, num_local_experts: int, alignment: int,
+                            rank_backend: str = "reference"):
+    """The reference of `dispatch_map_contig`: XLA placement around `rank_within_expert` run on
+    `rank_backend` (the reference's stable argsort, or the three Triton ranking kernels: the
+    dispatcher's path before the fused dispatch-map kernels, kept for comparison)."""
     m, k = topk_ids.shape
     e_loc = num_local_experts
     cap = contig_capacity(m, k, e_loc, alignment)
     e_flat = local_expert_ids(topk_ids, expert_offset, e_loc).reshape(-1)
-    counts, rank = rank_within_expert(e_flat, num_experts=e_loc, backend="reference")
+    counts, rank = rank_within_expert(e_flat, num_experts=e_loc, backend=rank_backend)
     padded = (counts + alignment - 1) // alignment * alignment
     seg_start = jnp.cumsum(padded) - padded
     here = e_flat < e_loc
@@ -71,11 +75,13 @@ def _reference_contig(topk_ids, expert_offset, *, num_local_experts, alignment):
             jnp.sum(padded).astype(jnp.int32), counts.astype(jnp.int32))
 
 
-def _reference_masked(topk_ids, expert_offset, *, num_local_experts, m_pad):
+def dispatch_map_masked_xla(topk_ids, expert_offset, *, num_local_experts: int, m_pad: int,
+                            rank_backend: str = "reference"):
+    """The reference of `dispatch_map_masked` (`rank_backend` as in `dispatch_map_contig_xla`)."""
     m, k = topk_ids.shape
     e_loc = num_local_experts
     e_flat = local_expert_ids(topk_ids, expert_offset, e_loc).reshape(-1)
-    counts, rank = rank_within_expert(e_flat, num_experts=e_loc, backend="reference")
+    counts, rank = rank_within_expert(e_flat, num_experts=e_loc, backend=rank_backend)
     fits = (e_flat < e_loc) & (rank < m_pad)
     dst = jnp.where(fits, e_flat * m_pad + rank, -1)
     return (dst.reshape(m, k).astype(jnp.int32), jnp.minimum(counts, m_pad).astype(jnp.int32),
@@ -83,9 +89,9 @@ def _reference_masked(topk_ids, expert_offset, *, num_local_experts, m_pad):
 
 
 declare_op(OP_CONTIG, stage="dispatch", static_args=("num_routes", "num_experts", "alignment"),
-           reference=jax.jit(_reference_contig, static_argnames=("num_local_experts", "alignment")))
+           reference=jax.jit(dispatch_map_contig_xla, static_argnames=("num_local_experts", "alignment")))
 declare_op(OP_MASKED, stage="dispatch", static_args=("num_routes", "num_experts", "m_pad"),
-           reference=jax.jit(_reference_masked, static_argnames=("num_local_experts", "m_pad")))
+           reference=jax.jit(dispatch_map_masked_xla, static_argnames=("num_local_experts", "m_pad")))
 
 
 def _check_common(topk_ids: jax.Array, expert_offset, num_local_experts: int) -> jax.Array:
