@@ -1,6 +1,6 @@
 """Slot ranking for dispatch: how many routes each local expert receives and the position
-of every route among the routes of its expert, in (token, k) order. The dispatcher
-(moe_jax.dispatch) turns these into segment offsets and `src2dst`.
+of every route among the routes of its expert, in (token, k) order. The dispatch maps
+(custom_calls.dispatch_map, reference) turn these into segment offsets and `src2dst`.
 
 The reference uses a stable argsort (O(R log R), ~120 µs for 32768 routes on an H200); the
 Triton backend counts and ranks with three small sort-free kernels.

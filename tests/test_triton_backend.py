@@ -58,7 +58,8 @@ def test_dispatch_with_triton_ranking_on_cpu_is_an_error_naming_the_platform():
     ok, reason = supports_dispatch_map_masked(num_routes=8, num_experts=1025, m_pad=128)
     assert not ok and "num_experts: at most 1024 local experts, got 1025" in reason
     ok, reason = supports_dispatch_map_masked(num_routes=2**20, num_experts=1024, m_pad=2**21)
-    assert not ok and "rows of the grouped layout: expected fewer than 2**31 (int32 row indices), got 2147483648" in reason
+    assert not ok and "rows of the grouped layout: expected fewer than 2**31 (int32 row indices), got 2147483648" \
+        in reason
     ok, reason = supports_dispatch_map_contig(num_routes=2**31, num_experts=8, alignment=128)
     assert not ok and "num_routes: expected fewer than 2**31 routes (M * top_k), got 2147483648" in reason
     from custom_calls.triton import supports_rank_within_expert
