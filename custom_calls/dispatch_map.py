@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from custom_calls.backends import declare_op, resolve
-from custom_calls.expert_rank import rank_within_expert
+from custom_calls.expert_rank import rank_within_expert, stable_rank
 from layouts.checks import check_rank
 
 OP_CONTIG = "dispatch_map_contig"
@@ -51,6 +51,13 @@ def local_expert_ids(topk_ids: jax.Array, expert_offset, num_local_experts: int)
     return jnp.where(here, local, num_local_experts)
 
 
+def _rank(e_flat: jax.Array, num_experts: int, rank_backend: str) -> tuple[jax.Array, jax.Array]:
+    # the reference ranks directly: it resolves no other op
+    if rank_backend == "reference":
+        return stable_rank(e_flat, num_experts=num_experts)
+    return rank_within_expert(e_flat, num_experts=num_experts, backend=rank_backend)
+
+
 def dispatch_map_contig_xla(topk_ids, expert_offset, *, num_local_experts: int, alignment: int,
                             rank_backend: str = "reference"):
     """The reference of `dispatch_map_contig`: XLA placement around `rank_within_expert` run on
@@ -60,7 +67,7 @@ def dispatch_map_contig_xla(topk_ids, expert_offset, *, num_local_experts: int, 
     e_loc = num_local_experts
     cap = contig_capacity(m, k, e_loc, alignment)
     e_flat = local_expert_ids(topk_ids, expert_offset, e_loc).reshape(-1)
-    counts, rank = rank_within_expert(e_flat, num_experts=e_loc, backend=rank_backend)
+    counts, rank = _rank(e_flat, e_loc, rank_backend)
     padded = (counts + alignment - 1) // alignment * alignment
     seg_start = jnp.cumsum(padded) - padded
     here = e_flat < e_loc
@@ -81,7 +88,7 @@ def dispatch_map_masked_xla(topk_ids, expert_offset, *, num_local_experts: int, 
     m, k = topk_ids.shape
     e_loc = num_local_experts
     e_flat = local_expert_ids(topk_ids, expert_offset, e_loc).reshape(-1)
-    counts, rank = rank_within_expert(e_flat, num_experts=e_loc, backend=rank_backend)
+    counts, rank = _rank(e_flat, e_loc, rank_backend)
     fits = (e_flat < e_loc) & (rank < m_pad)
     dst = jnp.where(fits, e_flat * m_pad + rank, -1)
     return (dst.reshape(m, k).astype(jnp.int32), jnp.minimum(counts, m_pad).astype(jnp.int32),
