@@ -126,9 +126,11 @@ def test_triton_routing_only_parses_and_needs_a_gpu(tmp_path, monkeypatch):
 
     called = []
     monkeypatch.setattr(triton_kernels, "gpu_reason", lambda: None)
-    monkeypatch.setattr(triton_kernels, "run_routing", lambda reps: called.append(("routing", reps)) or [])
+    monkeypatch.setattr(triton_kernels, "run_routing",
+                        lambda reps, sweep: called.append(("routing", reps, sweep)) or [])
     monkeypatch.setattr(triton_kernels, "run", lambda *a, **k: called.append(("run",)) or [])
-    assert main(["triton", "--routing-only", "--reps", "3"]) == 0 and called == [("routing", 3)]
+    assert main(["triton", "--routing-only", "--reps", "3"]) == 0 and called == [("routing", 3, True)]
+    assert main(["triton", "--routing-only", "--no-sweep"]) == 0 and called[-1] == ("routing", 6, False)
     monkeypatch.undo()
     _no_gpu()
     j = tmp_path / "routing.json"
@@ -141,10 +143,12 @@ def test_triton_routing_only_parses_and_needs_a_gpu(tmp_path, monkeypatch):
 def test_routing_rows_report_what_cannot_run():
     """On the CPU the XLA rows are timed and the Triton rows are FAILED rows naming the reason,
     old and new paths side by side for each stage."""
-    from moe_jax.bench.triton_kernels import run_routing
+    from moe_jax.bench.triton_kernels import ROUTING_SWEEP, routing_cases, run_routing
 
     _no_gpu()
-    rows = run_routing(reps=1, shapes=(("decode", 8, "masked"),))
+    swept = routing_cases(8, "masked", sweep=True)
+    assert len(swept) == 9 + len(ROUTING_SWEEP) and "epilogue: Triton, block_t=1 num_warps=1" in swept
+    rows = run_routing(reps=1, shapes=(("decode", 8, "masked"),), sweep=False)
     labels = [r["kernel"] for r in rows]
     for stage in ("epilogue: Triton, former tiling", "epilogue: Triton, heuristic tiling",
                   "dispatch masked: former", "dispatch masked: fused", "route + dispatch: former",

@@ -22,7 +22,8 @@ shapes, 32 local experts of 256: gate GEMM; epilogue = XLA reference, the Triton
 former tiling (8 tokens per program, 4 warps), at the heuristic tiling; dispatch map = XLA
 reference (argsort), the former path (three Triton ranking kernels + XLA placement), the fused
 dispatch-map kernels; route + dispatch together, old and new, as one jitted function. Each row:
-wall and kernel time as above and the GPU kernels it launched.
+wall and kernel time as above and the GPU kernels it launched; unless `--no-sweep`, the epilogue
+also at the tilings of ROUTING_SWEEP.
 Needs a CUDA GPU with jax_triton; elsewhere it exits with status 2 and says so; status 1 when a
 row failed. Output: the table on stdout, one JSON line per row on stderr, `--json PATH`.
 """
@@ -239,10 +240,13 @@ ROUTING_SHAPES = (("prefill", 4096, "contig"), ("prefill", 16384, "contig"), ("d
 ROUTING_LOCAL_EXPERTS = 32  # of DeepSeek-V3's 256: one rank of an 8-way expert-parallel layer
 
 
-def routing_cases(tokens: int, layout: str) -> dict:
-    """{row label: fn} of `--routing-only` for one shape (functions of (x, logits), jit-able):
-    gate GEMM, the epilogue variants, the dispatch-map variants on ids routed beforehand
-    (functions of ids), and route + dispatch old and new."""
+ROUTING_SWEEP = ((1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (16, 4))  # epilogue (block_t, num_warps) variants
+
+
+def routing_cases(tokens: int, layout: str, sweep: bool = False) -> dict:
+    """{row label: (input name, fn)} of `--routing-only` for one shape (fns of x, logits or ids,
+    jit-able): gate GEMM, the epilogue variants (with `sweep`, also the ROUTING_SWEEP tilings),
+    the dispatch-map variants on ids routed beforehand, and route + dispatch old and new."""
     from custom_calls.dispatch_map import (dispatch_map_contig, dispatch_map_contig_xla, dispatch_map_masked,
                                            dispatch_map_masked_xla)
     from custom_calls.route_topk import route_topk
@@ -257,13 +261,13 @@ def routing_cases(tokens: int, layout: str) -> dict:
     sel = dict(top_k=cfg.top_k, scoring=cfg.scoring, n_group=cfg.n_group, topk_group=cfg.topk_group,
                norm_topk_prob=True)
 
-    def epilogue(which):
+    def epilogue(which, tiling=None):
         def run(lg):
             if which == "reference":
                 return route_topk(lg, bias, **sel, backend="reference")
             from custom_calls.triton import routing_kernel
 
-            config = routing_kernel.RouteTopkConfig(block_t=8, num_warps=4) if which == "old" else None
+            config = routing_kernel.RouteTopkConfig(*tiling) if tiling else None
             return routing_kernel.route_topk(lg, bias, **sel, config=config)
         return run
 
@@ -280,21 +284,27 @@ def routing_cases(tokens: int, layout: str) -> dict:
             return dispatch_map_masked(ids, 0, **kw, backend="triton" if which == "new" else "reference")
         return run
 
+    former = (8, 4)  # the epilogue's tiling at every M before the decode tiling
+
     def both(which):
-        return lambda x: dispatch(which)(epilogue(which)(router_logits(x, gw))[0])
+        route = epilogue(which, former if which == "old" else None)
+        return lambda x: dispatch(which)(route(router_logits(x, gw))[0])
 
-    return {"gate GEMM (bf16 x bf16 -> f32)": ("x", lambda x: router_logits(x, gw)),
-            "epilogue: XLA reference": ("logits", epilogue("reference")),
-            "epilogue: Triton, former tiling (8 tok/program, 4 warps)": ("logits", epilogue("old")),
-            "epilogue: Triton, heuristic tiling": ("logits", epilogue("new")),
-            f"dispatch {layout}: XLA reference (argsort)": ("ids", dispatch("reference")),
-            f"dispatch {layout}: former (3 Triton ranking kernels + XLA)": ("ids", dispatch("old")),
-            f"dispatch {layout}: fused dispatch-map kernels": ("ids", dispatch("new")),
-            "route + dispatch: former": ("x", both("old")),
-            "route + dispatch: new": ("x", both("new"))}
+    cases = {"gate GEMM (bf16 x bf16 -> f32)": ("x", lambda x: router_logits(x, gw)),
+             "epilogue: XLA reference": ("logits", epilogue("reference")),
+             "epilogue: Triton, former tiling (8 tok/program, 4 warps)": ("logits", epilogue("old", former)),
+             "epilogue: Triton, heuristic tiling": ("logits", epilogue("new"))}
+    if sweep:
+        cases.update({f"epilogue: Triton, block_t={bt} num_warps={nw}": ("logits", epilogue("new", (bt, nw)))
+                      for bt, nw in ROUTING_SWEEP})
+    return cases | {f"dispatch {layout}: XLA reference (argsort)": ("ids", dispatch("reference")),
+                    f"dispatch {layout}: former (3 Triton ranking kernels + XLA)": ("ids", dispatch("old")),
+                    f"dispatch {layout}: fused dispatch-map kernels": ("ids", dispatch("new")),
+                    "route + dispatch: former": ("x", both("old")),
+                    "route + dispatch: new": ("x", both("new"))}
 
 
-def run_routing(reps: int = 6, shapes=ROUTING_SHAPES) -> list[dict]:
+def run_routing(reps: int = 6, shapes=ROUTING_SHAPES, sweep: bool = True) -> list[dict]:
     """Rows of `--routing-only` (module docstring); a row that failed holds "error"."""
     from moe_jax.config import MoEConfig
 
@@ -307,7 +317,7 @@ def run_routing(reps: int = 6, shapes=ROUTING_SHAPES) -> list[dict]:
         # routes as the layer sees them: top-8 of 256 (distinct per token), about 1/8 held here
         inputs["ids"] = [jnp.argsort(jax.random.uniform(kk, (m, cfg.num_experts)), axis=1)[:, :cfg.top_k]
                          .astype(jnp.int32) for kk in keys]
-        for label, (arg, fn) in routing_cases(m, layout).items():
+        for label, (arg, fn) in routing_cases(m, layout, sweep).items():
             row = dict(kernel=f"{phase} M={m} {label}", phase=phase, tokens=m, layout=layout)
             sets = [(a,) for a in inputs[arg]]
             try:
@@ -371,7 +381,7 @@ def run_cli(args) -> int:
         log(f"python -m moe_jax.bench triton: {reason}")
         return 2
     if args.routing_only:
-        table = run_routing(args.reps)
+        table = run_routing(args.reps, sweep=not args.no_sweep)
         print_routing_table(table)
         failed = [r["kernel"] for r in table if "error" in r]
     else:
