@@ -13,6 +13,7 @@ import importlib.util
 
 import jax.numpy as jnp
 
+from custom_calls.dispatch_map import contig_capacity
 from custom_calls.route_topk import SCORINGS as _SCORING_NAMES
 from custom_calls.triton.launch import missing_dependencies
 from layouts import FLOAT_DTYPES, ceil_div, get_recipe
@@ -183,9 +184,8 @@ def dispatch_map_reason(num_routes: int, num_experts: int, num_rows: int = 0) ->
 
 
 def supports_dispatch_map_contig(*, num_routes: int, num_experts: int, alignment: int) -> tuple[bool, str]:
-    # contig_capacity with M * k = num_routes (it depends on the product only)
-    n = min(num_experts, num_routes)
-    return _answer(dispatch_map_reason(num_routes, num_experts, alignment * (n + (num_routes - n) // alignment)))
+    # the capacity depends on M * k = num_routes only
+    return _answer(dispatch_map_reason(num_routes, num_experts, contig_capacity(num_routes, 1, num_experts, alignment)))
 
 
 def supports_dispatch_map_masked(*, num_routes: int, num_experts: int, m_pad: int) -> tuple[bool, str]:
