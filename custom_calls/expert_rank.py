@@ -1,6 +1,6 @@
 """Slot ranking for dispatch: how many routes each local expert receives and the position
-of every route among the routes of its expert, in (token, k) order. The dispatcher
-(moe_jax.dispatch) turns these into segment offsets and `src2dst`.
+of every route among the routes of its expert, in (token, k) order. The dispatch maps
+(custom_calls.dispatch_map, reference) turn these into segment offsets and `src2dst`.
 
 The reference uses a stable argsort (O(R log R), ~120 µs for 32768 routes on an H200); the
 Triton backend counts and ranks with three small sort-free kernels.
@@ -17,7 +17,8 @@ from custom_calls.backends import declare_op, resolve
 OP = "rank_within_expert"
 
 
-def _reference(e_flat, *, num_experts):
+def stable_rank(e_flat: jax.Array, *, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """The reference of `rank_within_expert` (stable argsort), callable without the registry."""
     r = e_flat.shape[0]
     order = jnp.argsort(e_flat, stable=True)
     counts_all = jnp.zeros((num_experts + 1,), jnp.int32).at[e_flat].add(1)
@@ -29,7 +30,7 @@ def _reference(e_flat, *, num_experts):
 
 
 declare_op(OP, stage="dispatch", static_args=("num_routes", "num_experts"),
-           reference=jax.jit(_reference, static_argnames=("num_experts",)))
+           reference=jax.jit(stable_rank, static_argnames=("num_experts",)))
 
 
 def rank_within_expert(e_flat: jax.Array, *, num_experts: int,

@@ -30,20 +30,14 @@ import jax.numpy as jnp
 from custom_calls.activation import OP_MASKED as OP_ACTIVATION_MASKED
 from custom_calls.activation import ActivationSpec
 from custom_calls.backends import get_default_backend, static_supports
-from custom_calls.expert_rank import rank_within_expert
+from custom_calls.dispatch_map import contig_capacity, dispatch_map_contig, dispatch_map_masked
+from custom_calls.dispatch_map import local_expert_ids  # noqa: F401  (the dispatcher's name for it, used by layer.py)
 from layouts import get_recipe
 from layouts.checks import align, ceil_div
 
 LAYOUTS = ("auto", "contig", "masked")  # "auto": `choose_layout` decides
 MASKED_M_PAD_MULTIPLE = 256
 DEFAULT_MASKED_BUDGET_FRACTION = 0.25
-
-
-def contig_capacity(num_tokens: int, top_k: int, num_local_experts: int, alignment: int) -> int:
-    """Static row count M_cap of the contig layout (module docstring for the derivation)."""
-    r = num_tokens * top_k
-    n = min(num_local_experts, r)
-    return alignment * (n + (r - n) // alignment)
 
 
 def default_masked_m_pad(num_tokens: int) -> int:
@@ -62,14 +56,6 @@ def _check_dispatch_args(topk_ids: jax.Array, num_local_experts: int) -> None:
         raise TypeError(f"topk_ids: expected an integer dtype, got {topk_ids.dtype}")
     if not isinstance(num_local_experts, int) or num_local_experts < 1:
         raise ValueError(f"num_local_experts: expected a positive int, got {num_local_experts!r}")
-
-
-def local_expert_ids(topk_ids: jax.Array, expert_offset, num_local_experts: int) -> jax.Array:
-    """Global ids (M, k) -> local ids in [0, E_local), or E_local for routes not held here
-    (outside [offset, offset + E_local), or -1). expert_offset: python int or traced int32 scalar."""
-    local = topk_ids.astype(jnp.int32) - jnp.asarray(expert_offset, jnp.int32)
-    here = (topk_ids >= 0) & (local >= 0) & (local < num_local_experts)
-    return jnp.where(here, local, num_local_experts)
 
 
 @dataclass(frozen=True)
@@ -111,28 +97,17 @@ jax.tree_util.register_dataclass(MaskedDispatch, data_fields=["src2dst", "masked
 def dispatch_contig(topk_ids: jax.Array, *, num_local_experts: int, alignment: int,
                     expert_offset=0, backend: str | None = None) -> ContigDispatch:
     """topk_ids (M, k) global int ids -> ContigDispatch. Segments in expert order, each starting at
-    a multiple of `alignment`; within a segment routes keep (token, k) order. `backend` runs the
-    ranking (`custom_calls.rank_within_expert`); the result does not depend on it."""
+    a multiple of `alignment`; within a segment routes keep (token, k) order. `backend` builds the
+    map (`custom_calls.dispatch_map_contig`: one or two sort-free Triton launches, or the
+    reference's argsort); the result does not depend on it."""
     _check_dispatch_args(topk_ids, num_local_experts)
     if not isinstance(alignment, int) or alignment < 1:
         raise ValueError(f"alignment: expected a positive int, got {alignment!r}")
     m, k = topk_ids.shape
-    e_loc = num_local_experts
-    cap = contig_capacity(m, k, e_loc, alignment)
-    e_flat = local_expert_ids(topk_ids, expert_offset, e_loc).reshape(-1)
-    counts, rank = rank_within_expert(e_flat, num_experts=e_loc, backend=backend)
-    padded = (counts + alignment - 1) // alignment * alignment
-    seg_start = jnp.cumsum(padded) - padded
-    here = e_flat < e_loc
-    dst = jnp.where(here, seg_start[jnp.minimum(e_flat, e_loc - 1)] + rank, -1)
-    # row r belongs to the last expert whose segment starts at or before r (empty segments start
-    # where the next one does), and holds a route if it lies within that expert's count: one
-    # compare-and-count pass instead of a scatter
-    row = jnp.arange(cap, dtype=jnp.int32)
-    owner = jnp.sum(seg_start[None, :] <= row[:, None], axis=1, dtype=jnp.int32) - 1
-    m_indices = jnp.where(row < seg_start[owner] + counts[owner], owner, -1)
-    return ContigDispatch(src2dst=dst.reshape(m, k).astype(jnp.int32), m_indices=m_indices,
-                          num_rows=jnp.sum(padded).astype(jnp.int32), counts=counts,
+    cap = contig_capacity(m, k, num_local_experts, alignment)
+    src2dst, m_indices, num_rows, counts = dispatch_map_contig(
+        topk_ids, expert_offset, num_local_experts=num_local_experts, alignment=alignment, backend=backend)
+    return ContigDispatch(src2dst=src2dst, m_indices=m_indices, num_rows=num_rows, counts=counts,
                           num_rows_cap=cap, alignment=alignment)
 
 
@@ -150,14 +125,9 @@ def dispatch_masked(topk_ids: jax.Array, *, num_local_experts: int, m_pad: int,
         raise ValueError(f"m_pad={m_pad} is too small for the static worst case: one expert can "
                          f"receive every one of the M={m} tokens (need m_pad >= {m}, e.g. "
                          f"{default_masked_m_pad(m)})")
-    e_loc = num_local_experts
-    e_flat = local_expert_ids(topk_ids, expert_offset, e_loc).reshape(-1)
-    counts, rank = rank_within_expert(e_flat, num_experts=e_loc, backend=backend)
-    fits = (e_flat < e_loc) & (rank < m_pad)
-    dst = jnp.where(fits, e_flat * m_pad + rank, -1)
-    return MaskedDispatch(src2dst=dst.reshape(m, k).astype(jnp.int32),
-                          masked_m=jnp.minimum(counts, m_pad).astype(jnp.int32),
-                          num_dropped=jnp.sum(jnp.maximum(counts - m_pad, 0)).astype(jnp.int32),
+    src2dst, masked_m, num_dropped = dispatch_map_masked(topk_ids, expert_offset, num_local_experts=num_local_experts,
+                                                         m_pad=m_pad, backend=backend)
+    return MaskedDispatch(src2dst=src2dst, masked_m=masked_m, num_dropped=num_dropped,
                           m_pad=m_pad, expected_m=expected_m(m, k, num_experts_global))
 
 

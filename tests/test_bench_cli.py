@@ -73,7 +73,7 @@ def test_layer_without_flags_on_cpu_runs_scaled_shapes_quickly_and_honestly(tmp_
         assert res["layout"] == layout and res["tokens"] in (64, 16) and _positive(res["weights_GB"])
         auto = res["auto"]
         assert auto["fell_back"] is True and auto["same_as"] == "reference" and "end_to_end_us" not in auto
-        assert set(auto["implementations"]) == {"route_topk", "rank_within_expert", f"permute_{layout}",
+        assert set(auto["implementations"]) == {"route_topk", f"dispatch_map_{layout}", f"permute_{layout}",
                                                 f"m_grouped_gemm_{layout}", f"activation_quant_{layout}", "unpermute"}
         assert set(auto["implementations"].values()) == {"reference"}
         row = res["reference"]
@@ -91,7 +91,7 @@ def test_layer_without_flags_on_cpu_runs_scaled_shapes_quickly_and_honestly(tmp_
 @pytest.mark.parametrize("sub, options", [("layer", ["--json", "--plot", "--no-error", "--small", "--full",
                                                      "--backends"]),
                                           ("gemm", ["--json", "--plot", "--markdown", "--quick"]),
-                                          ("triton", ["--json", "--no-sweep", "--reps"]),
+                                          ("triton", ["--json", "--no-sweep", "--reps", "--routing-only"]),
                                           ("parallel", ["--json", "--backend", "--model", "--tokens"])])
 def test_subcommand_help(capsys, sub, options):
     with pytest.raises(SystemExit) as e:
@@ -117,6 +117,48 @@ def test_gpu_subcommand_without_gpu_exits_with_a_message_not_a_traceback(tmp_pat
     assert proc.returncode == 2
     assert f"python -m moe_jax.bench {sub}: needs a CUDA GPU" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == "" and not j.exists()
+
+
+def test_triton_routing_only_parses_and_needs_a_gpu(tmp_path, monkeypatch):
+    """`triton --routing-only` reaches the routing run (not the bandwidth table) and, without a
+    GPU, exits 2 naming the reason, writing nothing."""
+    from moe_jax.bench import triton_kernels
+
+    called = []
+    monkeypatch.setattr(triton_kernels, "gpu_reason", lambda: None)
+    monkeypatch.setattr(triton_kernels, "run_routing",
+                        lambda reps, sweep: called.append(("routing", reps, sweep)) or [])
+    monkeypatch.setattr(triton_kernels, "run", lambda *a, **k: called.append(("run",)) or [])
+    assert main(["triton", "--routing-only", "--reps", "3"]) == 0 and called == [("routing", 3, True)]
+    assert main(["triton", "--routing-only", "--no-sweep"]) == 0 and called[-1] == ("routing", 6, False)
+    monkeypatch.undo()
+    _no_gpu()
+    j = tmp_path / "routing.json"
+    proc = subprocess.run([sys.executable, "-m", "moe_jax.bench", "triton", "--routing-only", "--json", str(j)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "python -m moe_jax.bench triton: needs a CUDA GPU" in proc.stderr, proc.stderr
+    assert not j.exists()
+
+
+def test_routing_rows_report_what_cannot_run():
+    """On the CPU the XLA rows are timed and the Triton rows are FAILED rows naming the reason,
+    old and new paths side by side for each stage."""
+    from moe_jax.bench.triton_kernels import ROUTING_SWEEP, routing_cases, run_routing
+
+    _no_gpu()
+    swept = routing_cases(8, "masked", sweep=True)
+    assert len(swept) == 9 + len(ROUTING_SWEEP) and "epilogue: Triton, block_t=1 num_warps=1" in swept
+    rows = run_routing(reps=1, shapes=(("decode", 8, "masked"),), sweep=False)
+    labels = [r["kernel"] for r in rows]
+    for stage in ("epilogue: Triton, former tiling", "epilogue: Triton, heuristic tiling",
+                  "dispatch masked: former", "dispatch masked: fused", "route + dispatch: former",
+                  "route + dispatch: new"):
+        row = next(r for r in rows if stage in r["kernel"])
+        assert "triton" in row["error"], row
+    for r in rows:
+        if "reference" in r["kernel"] or "gate GEMM" in r["kernel"]:
+            assert "error" not in r and r["us"] > 0, r
+    assert len(labels) == 9 and all(lb.startswith("decode M=8 ") for lb in labels)
 
 
 def test_layer_exits_1_when_a_requested_row_failed(tmp_path):
@@ -182,7 +224,7 @@ def test_resolved_backends_asks_the_registry_even_after_jax_cached_the_trace():
         return moe_forward(x, p, cfg, layout="masked", backend=backend)
 
     jax.block_until_ready(jax.jit(forward)(params, x))  # jax now holds traces of the jitted stages (dispatch)
-    ops = ("route_topk", "rank_within_expert", "permute_masked", "m_grouped_gemm_masked", "activation_quant_masked",
+    ops = ("route_topk", "dispatch_map_masked", "permute_masked", "m_grouped_gemm_masked", "activation_quant_masked",
            "unpermute")
     assert resolved_backends(forward, params, x) == {op: "reference" for op in ops}
     with pytest.raises(ValueError, match="backend 'triton'.*'route_topk'.*platform is 'cpu'"):

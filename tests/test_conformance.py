@@ -144,6 +144,8 @@ def _route_cases():
 
     return [Case("route_topk", "sigmoid_grouped_bias_m13_e64", make(13, 64, 6, "sigmoid", 8, 4, True), compare),
             Case("route_topk", "softmax_m7_e20", make(7, 20, 3, "softmax", 1, 1, False), compare),
+            Case("route_topk", "sigmoid_bias_3_groups_m11_e96", make(11, 96, 8, "sigmoid", 3, 2, True), compare),
+            Case("route_topk", "v3_decode_m5_e256", make(5, 256, 8, "sigmoid", 8, 4, True), compare),
             Case("route_topk", "sqrtsoftplus_bias_m9_e256", make(9, 256, 8, "sqrtsoftplus", 1, 1, True), compare)]
 
 
@@ -155,6 +157,23 @@ def _rank_cases():
 
     return [Case("rank_within_expert", "r333_e5", make(333, 5), _exact),
             Case("rank_within_expert", "r1000_e32", make(1000, 32), _exact)]
+
+
+def _dispatch_map_cases():
+    def ids(rng, m, k, e, offset):  # ids below, inside and above [offset, offset + e), and -1
+        return jnp.asarray(rng.integers(-1, e + 2 * offset + 3, (m, k)), jnp.int32)
+
+    def contig(m, k, e, offset, alignment):
+        return lambda rng: ((ids(rng, m, k, e, offset), jnp.int32(offset)),
+                            dict(num_local_experts=e, alignment=alignment))
+
+    def masked(m, k, e, offset, m_pad):
+        return lambda rng: ((ids(rng, m, k, e, offset), jnp.int32(offset)), dict(num_local_experts=e, m_pad=m_pad))
+
+    return [Case("dispatch_map_contig", "m37_k6_e5_off3", contig(37, 6, 5, 3, 16), _exact),
+            Case("dispatch_map_contig", "m700_k8_e20_two_launches", contig(700, 8, 20, 7, 128), _exact),
+            Case("dispatch_map_masked", "m37_k6_e5_off3", masked(37, 6, 5, 3, 128), _exact),
+            Case("dispatch_map_masked", "m600_k8_e3_dropped", masked(600, 8, 3, 0, 128), _exact)]
 
 
 def _permute_cases():
@@ -299,7 +318,7 @@ def _gemm_cases():
     return cases
 
 
-CASES = {c.id: c for c in (_route_cases() + _rank_cases() + _permute_cases() + _activation_cases()
+CASES = {c.id: c for c in (_route_cases() + _rank_cases() + _dispatch_map_cases() + _permute_cases() + _activation_cases()
                            + _unpermute_cases() + _gemm_cases())}
 
 
@@ -377,6 +396,12 @@ def _bad_inputs():
          ValueError, r"top_k: expected an int in \[1, 8\]"),
         ("rank_within_expert", lambda b: cc.rank_within_expert(z((8,), f32), num_experts=2, backend=b),
          TypeError, "e_flat: expected dtype int32"),
+        ("dispatch_map_contig", lambda b: cc.dispatch_map_contig(z((4, 2), f32), 0, num_local_experts=2,
+                                                                 alignment=8, backend=b),
+         TypeError, "topk_ids: expected an integer dtype"),
+        ("dispatch_map_masked", lambda b: cc.dispatch_map_masked(z((4, 2), i32), z((2,), i32), num_local_experts=2,
+                                                                 m_pad=128, backend=b),
+         ValueError, "expert_offset: expected an integer scalar"),
         ("permute_contig", lambda b: cc.permute_contig(z((4, 128), i32), z((4, 2), i32), num_rows=128,
                                                        recipe="bf16", arch=90, backend=b),
          TypeError, "x: expected dtype"),

@@ -264,3 +264,65 @@ def test_bad_dispatch_inputs():
         mj.dispatch_contig(ids, num_local_experts=0, alignment=8)
     with pytest.raises(ValueError, match="alignment: expected a positive int, got 0"):
         mj.dispatch_contig(ids, num_local_experts=2, alignment=0)
+
+
+def _np_dispatch_maps(ids, offset, e, alignment, m_pad):
+    """numpy model of both dispatch maps, one route at a time in (token, k) order."""
+    flat = ids.reshape(-1).astype(np.int64)
+    loc = flat - offset
+    held = (flat >= 0) & (loc >= 0) & (loc < e)
+    counts = np.zeros(e, np.int64)
+    rank = np.full(flat.size, -1, np.int64)
+    for i in np.flatnonzero(held):
+        rank[i] = counts[loc[i]]
+        counts[loc[i]] += 1
+    padded = -(-counts // alignment) * alignment
+    start = np.cumsum(padded) - padded
+    contig_dst = np.where(held, start[np.clip(loc, 0, e - 1)] + rank, -1)
+    cap = mj.contig_capacity(*ids.shape, e, alignment)
+    m_indices = np.full(cap, -1, np.int64)
+    for x in range(e):
+        m_indices[start[x]:start[x] + counts[x]] = x
+    masked_dst = np.where(held & (rank < m_pad), loc * m_pad + rank, -1)
+    return ((contig_dst.reshape(ids.shape), m_indices, padded.sum(), counts),
+            (masked_dst.reshape(ids.shape), np.minimum(counts, m_pad), np.maximum(counts - m_pad, 0).sum()))
+
+
+@pytest.mark.parametrize("m,k,e,offset,alignment,m_pad", [(1, 1, 1, 0, 1, 128), (37, 6, 5, 3, 16, 128),
+                                                          (300, 8, 20, 7, 128, 128), (0, 8, 4, 0, 128, 128)])
+def test_dispatch_map_reference_against_numpy(m, k, e, offset, alignment, m_pad):
+    """The ops' reference backend, expert_offset traced; ids below, inside and above the local
+    window, -1, and (first rows) repeated experts so masked slabs overflow."""
+    rng = np.random.default_rng(m + e)
+    ids = rng.integers(-1, e + 2 * offset + 3, (m, k)).astype(np.int32)
+    ids[: m // 3] = offset + rng.integers(0, 2, (m // 3, k))
+    want_c, want_m = _np_dispatch_maps(ids, offset, e, alignment, m_pad)
+    got_c = jax.jit(lambda i, o: cc.dispatch_map_contig(i, o, num_local_experts=e, alignment=alignment,
+                                                        backend="reference"))(jnp.asarray(ids), jnp.int32(offset))
+    got_m = jax.jit(lambda i, o: cc.dispatch_map_masked(i, o, num_local_experts=e, m_pad=m_pad,
+                                                        backend="reference"))(jnp.asarray(ids), jnp.int32(offset))
+    for got, want in ((got_c, want_c), (got_m, want_m)):
+        for g, w in zip(got, want):
+            assert g.dtype == jnp.int32 and np.array_equal(np.asarray(g), w)
+    if m == 300:
+        assert int(got_m[2]) > 0  # the overflow case is exercised
+    # the dispatcher returns the same maps
+    dc = mj.dispatch_contig(jnp.asarray(ids), num_local_experts=e, alignment=alignment, expert_offset=offset)
+    for g, w in zip((dc.src2dst, dc.m_indices, dc.num_rows, dc.counts), want_c):
+        assert np.array_equal(np.asarray(g), w)
+
+
+def test_bad_dispatch_map_inputs():
+    ids = jnp.zeros((4, 2), jnp.int32)
+    with pytest.raises(ValueError, match=r"topk_ids: expected rank 2"):
+        cc.dispatch_map_contig(ids.reshape(-1), 0, num_local_experts=2, alignment=8)
+    with pytest.raises(TypeError, match="topk_ids: expected an integer dtype, got float32"):
+        cc.dispatch_map_masked(ids.astype(jnp.float32), 0, num_local_experts=2, m_pad=128)
+    with pytest.raises(ValueError, match=r"expert_offset: expected an integer scalar, got shape \(2,\)"):
+        cc.dispatch_map_masked(ids, jnp.zeros((2,), jnp.int32), num_local_experts=2, m_pad=128)
+    with pytest.raises(ValueError, match="num_local_experts: expected a positive int, got True"):
+        cc.dispatch_map_contig(ids, 0, num_local_experts=True, alignment=8)
+    with pytest.raises(ValueError, match="alignment: expected a positive int, got 0"):
+        cc.dispatch_map_contig(ids, 0, num_local_experts=2, alignment=0)
+    with pytest.raises(ValueError, match="m_pad: expected a positive int, got 0"):
+        cc.dispatch_map_masked(ids, 0, num_local_experts=2, m_pad=0)

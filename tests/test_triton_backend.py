@@ -17,7 +17,7 @@ from custom_calls.activation import ActivationSpec
 backends = importlib.import_module("custom_calls.backends")
 
 OPS = ("permute_contig", "permute_masked", "activation_quant_contig", "activation_quant_masked", "unpermute",
-       "rank_within_expert", "route_topk")
+       "rank_within_expert", "route_topk", "dispatch_map_contig", "dispatch_map_masked")
 
 
 def test_importing_custom_calls_imports_no_gpu_dependency():
@@ -50,8 +50,18 @@ def test_auto_on_cpu_is_the_reference():
 def test_dispatch_with_triton_ranking_on_cpu_is_an_error_naming_the_platform():
     from moe_jax.dispatch import dispatch_contig
 
-    with pytest.raises(ValueError, match=r"rank_within_expert.*platform is 'cpu'"):
+    with pytest.raises(ValueError, match=r"dispatch_map_contig.*platform is 'cpu'"):
         dispatch_contig(jnp.zeros((4, 2), jnp.int32), num_local_experts=2, alignment=8, backend="triton")
+    from custom_calls.triton import supports_dispatch_map_contig, supports_dispatch_map_masked
+
+    assert supports_dispatch_map_contig(num_routes=4096 * 8, num_experts=32, alignment=128) == (True, "")
+    ok, reason = supports_dispatch_map_masked(num_routes=8, num_experts=1025, m_pad=128)
+    assert not ok and "num_experts: at most 1024 local experts, got 1025" in reason
+    ok, reason = supports_dispatch_map_masked(num_routes=2**20, num_experts=1024, m_pad=2**21)
+    assert not ok and "rows of the grouped layout: expected fewer than 2**31 (int32 row indices), got 2147483648" \
+        in reason
+    ok, reason = supports_dispatch_map_contig(num_routes=2**31, num_experts=8, alignment=128)
+    assert not ok and "num_routes: expected fewer than 2**31 routes (M * top_k), got 2147483648" in reason
     from custom_calls.triton import supports_rank_within_expert
 
     ok, reason = supports_rank_within_expert(num_routes=8, num_experts=1024)
@@ -115,7 +125,9 @@ def test_route_topk_rejects_what_it_cannot_serve():
     from custom_calls.triton.support import route_topk_reason
 
     assert route_topk_reason(256, 8, "sigmoid", 8, 4) == ""
-    assert "power-of-two" in route_topk_reason(96, 8, "sigmoid", 3, 2)
+    assert route_topk_reason(96, 8, "sigmoid", 3, 2) == ""  # any n_group dividing E
+    assert route_topk_reason(160, 6, "softmax", 5, 3) == ""
+    assert "n_group: expected a divisor of num_experts = 96, got 5" in route_topk_reason(96, 8, "sigmoid", 5, 2)
     assert "num_experts" in route_topk_reason(2048, 8, "softmax", 1, 1)
     assert "scoring" in route_topk_reason(64, 8, "relu", 1, 1)
     assert "topk_group" in route_topk_reason(64, 8, "sigmoid", 8, 9)
@@ -131,7 +143,7 @@ def test_constraints_hold_at_the_deepseek_shapes():
 # ------------------------------------------------------------------ offline compilation
 
 
-def _compile(kernel, pointers: dict, constexprs: dict, arch: int):
+def _compile(kernel, pointers: dict, constexprs: dict, arch: int, num_warps: int = 4):
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
@@ -140,7 +152,7 @@ def _compile(kernel, pointers: dict, constexprs: dict, arch: int):
     # jax_triton assumes 16-byte aligned buffers; say the same so the loads vectorize as on the GPU
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4, num_stages=1))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=1))
 
 
 def _resources(compiled) -> dict:
@@ -219,7 +231,28 @@ def test_kernels_compile_for_sm90_and_sm100(arch):
                    dict(R=32768, E_PAD=64, CHUNK=128), arch))
     from custom_calls.triton.routing_kernel import route_topk_kernel
 
-    c = _compile(route_topk_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "w_ptr": "*fp32"},
-                 dict(M=4096, E=256, E_PAD=256, TOPK=8, K_PAD=8, SCORING=1, HAS_BIAS=True, N_GROUP=8, TOPK_GROUP=4,
-                      RENORM=True, BLOCK_T=8), arch)
+    route_ptrs = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "w_ptr": "*fp32"}
+    v3 = dict(E=256, TOPK=8, K_PAD=8, SCORING=1, HAS_BIAS=True, N_GROUP=8, NG_PAD=8, GS_PAD=32, TOPK_GROUP=4,
+              RENORM=True)
+    # decode tiling (one token, one warp) and 3 groups of 32 padded to 4: no spills either
+    for const, warps in ((dict(M=128, BLOCK_T=1, **v3), 1),
+                         (dict(v3, M=100, E=96, N_GROUP=3, NG_PAD=4, GS_PAD=32, TOPK_GROUP=2, BLOCK_T=2), 1)):
+        assert _resources(_compile(route_topk_kernel, route_ptrs, const, arch, warps))["stack"] == 0
+    from custom_calls.triton.dispatch_map_kernel import map_contig_kernel, map_hist_kernel, map_masked_kernel
+
+    map_ptrs = {"ids_ptr": "*i32", "off_ptr": "*i32", "hist_ptr": "*i32", "dst_ptr": "*i32"}
+    # the heuristic tilings at prefill (4096 tokens, two launches) and decode (128 tokens, one launch)
+    prefill = dict(R=32768, E=32, E_PAD=32, SUB=128, SUBS=2, NC=128, HB=128)
+    decode = dict(R=1024, E=32, E_PAD=32, SUB=128, SUBS=8, NC=1, HB=1)
+    _lean(_compile(map_hist_kernel, {"ids_ptr": "*i32", "off_ptr": "*i32", "hist_ptr": "*i32"},
+                   {k: prefill[k] for k in ("R", "E", "E_PAD", "SUB", "SUBS")}, arch, 8))
+    # one program per SM at most (128 chunks, or one): no spills and two 8-warp programs fit per SM
+    for const in (prefill, decode):
+        for c in (_compile(map_contig_kernel, dict(map_ptrs, mind_ptr="*i32", nrows_ptr="*i32", counts_ptr="*i32"),
+                           dict(const, ALIGN=128, CAP=36864, ROWS_PER_PROGRAM=384, ROW_BLOCK=128), arch, 8),
+                  _compile(map_masked_kernel, dict(map_ptrs, masked_m_ptr="*i32", dropped_ptr="*i32"),
+                           dict(const, M_PAD=256), arch, 8)):
+            res = _resources(c)
+            assert res["stack"] == 0 and res["reg"] <= 128, res
+    c = _compile(route_topk_kernel, route_ptrs, dict(M=4096, BLOCK_T=8, **v3), arch)
     assert _resources(c)["stack"] == 0

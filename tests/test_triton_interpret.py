@@ -30,12 +30,15 @@ CASES = [
     "act_contig_keep_fp32_90", "act_contig_mxfp8_100", "act_contig_bf16",
     "act_masked_silu_limit_90", "act_masked_situ_100", "act_masked_oai_100", "act_masked_count_over_m_pad",
     "unpermute_bf16", "unpermute_f32_out", "unpermute_row_past_end", "dispatch_rank_e32", "dispatch_rank_e5",
+    "dispatch_map_contig_one_launch", "dispatch_map_contig_two_launches", "dispatch_map_masked_one_launch",
+    "dispatch_map_masked_two_launches",
     "route_sigmoid_grouped_bias", "route_softmax_grouped_no_bias", "route_softmax_e20",
-    "route_sqrtsoftplus_bias",
+    "route_sqrtsoftplus_bias", "route_v3_one_token_per_program", "route_groups_not_power_of_two",
+    "route_ties_lower_index_wins",
     # the host entry points (custom_calls.triton.*_kernel), launches run by the interpreter: the
     # heuristic config against the models, a non-default config bit for bit against the heuristic
     "host_quant_configs", "host_permute_configs", "host_act_configs", "host_unpermute_config",
-    "host_rank_config", "host_route_config",
+    "host_rank_config", "host_route_config", "host_dispatch_map_configs",
 ]
 
 
@@ -63,7 +66,7 @@ def _kernel_modules():
     import importlib
 
     return {name: importlib.import_module(f"custom_calls.triton.{name}_kernel")
-            for name in ("permute", "activation", "quant", "unpermute", "dispatch", "routing")}
+            for name in ("permute", "activation", "quant", "unpermute", "dispatch", "dispatch_map", "routing")}
 
 
 def test_heuristic_configs_are_the_measured_defaults():
@@ -82,10 +85,25 @@ def test_heuristic_configs_are_the_measured_defaults():
     assert k["unpermute"].heuristic_config() == k["unpermute"].UnpermuteConfig(1024, 4)
     assert k["dispatch"].heuristic_config(32) == k["dispatch"].RankConfig(128, 4)
     assert k["routing"].heuristic_config(256) == k["routing"].RouteTopkConfig(8, 4)
+    assert k["routing"].heuristic_config(256, 4096, 8) == k["routing"].RouteTopkConfig(8, 4)
+    # decode: one token per single-warp program; in between, fewer tokens per program than at prefill
+    assert k["routing"].heuristic_config(256, 128, 8) == k["routing"].RouteTopkConfig(1, 1)
+    assert k["routing"].heuristic_config(256, 1024, 8) == k["routing"].RouteTopkConfig(4, 4)
     cfg = k["permute"].heuristic_config("mxfp8")
     assert hash(cfg) == hash(dataclasses.replace(cfg)) and cfg == dataclasses.replace(cfg)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.tile = 2048
+
+
+def test_dispatch_map_heuristic_is_one_launch_at_decode():
+    """Up to 4096 routes one chunk (one program, one launch); above, about 128 chunks (two launches)."""
+    dk = _kernel_modules()["dispatch_map"]
+    cfg = dk.heuristic_config(128 * 8, 32)  # decode: 128 tokens, top-8, 32 local experts
+    assert cfg == dk.DispatchMapConfig(sub=128, subs=8, num_warps=8) and cfg.sub * cfg.subs >= 128 * 8
+    assert dk.heuristic_config(4096, 256) == dk.DispatchMapConfig(sub=16, subs=256, num_warps=8)
+    assert dk.heuristic_config(4096 * 8, 32) == dk.DispatchMapConfig(sub=128, subs=2, num_warps=8)
+    assert dk.heuristic_config(16384 * 8, 32) == dk.DispatchMapConfig(sub=128, subs=8, num_warps=8)
+    assert dk.heuristic_config(40, 1000) == dk.DispatchMapConfig(sub=16, subs=3, num_warps=8)
 
 
 def test_bad_configs_are_refused_naming_the_field():
@@ -107,6 +125,13 @@ def test_bad_configs_are_refused_naming_the_field():
         dataclasses.replace(ak.heuristic_config(2048, "fp8_block"), chunks_fastest=1)
     with pytest.raises(ValueError, match=r"UnpermuteConfig\.block_h: expected a power of two, got 0"):
         k["unpermute"].UnpermuteConfig(block_h=0, num_warps=4)
+    with pytest.raises(ValueError, match=r"DispatchMapConfig\.sub: expected a power of two, got 48"):
+        k["dispatch_map"].DispatchMapConfig(sub=48, subs=1, num_warps=4)
+    with pytest.raises(ValueError, match=r"DispatchMapConfig\.subs: expected a positive int, got 0"):
+        k["dispatch_map"].DispatchMapConfig(sub=64, subs=0, num_warps=4)
+    with pytest.raises(ValueError, match=r"dispatch_map: num_experts: at most 1024 local experts, got 1025"):
+        k["dispatch_map"].dispatch_map_masked(jnp.zeros((4, 2), jnp.int32), jnp.int32(0), num_local_experts=1025,
+                                              m_pad=128)
     with pytest.raises(ValueError, match=r"RouteTopkConfig\.block_t: expected a power of two, got True"):
         k["routing"].RouteTopkConfig(block_t=True, num_warps=4)
     # against the problem, before anything is launched
@@ -695,6 +720,102 @@ def case_dispatch_rank_e5():
     _dispatch_case(41, 333, 5, 8, 64, strays=(-1, 8, 1 << 20))
 
 
+def model_dispatch_map(ids, offset, e, alignment=None, m_pad=None):
+    """numpy model of the dispatch maps, one route at a time in (token, k) order: local expert
+    id - offset when in [0, e) and id >= 0; contig rows from padded segments, masked slab rows."""
+    flat = ids.reshape(-1).astype(np.int64)
+    loc = flat - offset
+    held = (flat >= 0) & (loc >= 0) & (loc < e)
+    counts = np.bincount(loc[held], minlength=e)
+    rank = np.zeros(flat.size, np.int64)
+    seen = np.zeros(e, np.int64)
+    for i in np.flatnonzero(held):
+        rank[i] = seen[loc[i]]
+        seen[loc[i]] += 1
+    if m_pad is not None:
+        fits = held & (rank < m_pad)
+        dst = np.where(fits, loc * m_pad + rank, -1)
+        return dst.reshape(ids.shape), np.minimum(counts, m_pad), np.maximum(counts - m_pad, 0).sum()
+    r = flat.size
+    n = min(e, r)
+    cap = alignment * (n + (r - n) // alignment)
+    padded = -(-counts // alignment) * alignment
+    start = np.concatenate([[0], np.cumsum(padded)[:-1]])
+    dst = np.where(held, start[np.where(held, loc, 0)] + rank, -1)
+    m_indices = np.full(cap, -1, np.int64)
+    for x in range(e):
+        m_indices[start[x]:start[x] + counts[x]] = x
+    return dst.reshape(ids.shape), m_indices, padded.sum(), counts
+
+
+def _map_ids(rng, m, k, e, offset, dup=False):
+    """Global ids around the local window [offset, offset + e): -1, ids below and above it; with
+    dup, tokens may repeat an expert (so masked slabs can overflow)."""
+    ids = rng.integers(-1, e + 2 * offset + 3, (m, k)).astype(np.int32)
+    if dup:
+        ids[: m // 2] = offset + rng.integers(0, 2, (m // 2, k))
+    return ids
+
+
+def _map_case(seed, m, k, e, offset, sub, subs, alignment=None, m_pad=None, dup=False):
+    """One or two launches of the dispatch-map kernels on poisoned buffers; every element checked."""
+    from custom_calls.triton import dispatch_map_kernel as dk
+
+    rng = _rng(seed)
+    ids = _map_ids(rng, m, k, e, offset, dup)
+    off = np.array([offset], np.int32)
+    r = m * k
+    e_pad = 1 << (e - 1).bit_length()
+    nc = ceil_div(r, sub * subs)
+    plan = dict(R=r, E=e, E_PAD=e_pad, SUB=sub, SUBS=subs, NC=nc, HB=max(1, min(1 << (nc - 1).bit_length(),
+                                                                                4096 // e_pad)))
+    hist = np.zeros(1, np.int32)
+    if nc > 1:
+        hist = np.full((nc, e_pad), -7, np.int32)
+        _launch(dk.map_hist_kernel, (nc,), ids, off, hist, **{k_: plan[k_] for k_ in ("R", "E", "E_PAD", "SUB",
+                                                                                     "SUBS")})
+    dst = np.full((m, k), -7, np.int32)
+    if m_pad is not None:
+        masked_m = np.full(e, -7, np.int32)
+        dropped = np.full(1, -7, np.int32)
+        _launch(dk.map_masked_kernel, (nc,), ids, off, hist, dst, masked_m, dropped, M_PAD=m_pad, **plan)
+        want = model_dispatch_map(ids, offset, e, m_pad=m_pad)
+        got = (dst, masked_m, dropped[0])
+    else:
+        want = model_dispatch_map(ids, offset, e, alignment=alignment)
+        cap = want[1].size
+        rows_per_program = ceil_div(ceil_div(cap, nc), sub) * sub
+        m_ind = np.full(cap, -7, np.int32)
+        nrows = np.full(1, -7, np.int32)
+        counts = np.full(e, -7, np.int32)
+        _launch(dk.map_contig_kernel, (nc,), ids, off, hist, dst, m_ind, nrows, counts, ALIGN=alignment, CAP=cap,
+                ROWS_PER_PROGRAM=rows_per_program, ROW_BLOCK=sub, **plan)
+        got = (dst, m_ind, nrows[0], counts)
+    for name, g, w in zip(("src2dst", "second", "third", "fourth"), got, want):
+        assert np.array_equal(np.asarray(g), w), (name, np.argwhere(np.asarray(g) != w)[:5])
+    return want
+
+
+def case_dispatch_map_contig_one_launch():
+    _map_case(70, 37, 6, 5, 3, sub=64, subs=4, alignment=16)  # 222 routes: one program, 4 sub-blocks
+
+
+def case_dispatch_map_contig_two_launches():
+    _map_case(71, 129, 8, 20, 0, sub=64, subs=3, alignment=128)  # 6 chunks, E not a power of two
+    _map_case(72, 300, 7, 33, 40, sub=32, subs=1, alignment=8)  # 66 chunks: several hist tiles
+
+
+def case_dispatch_map_masked_one_launch():
+    want = _map_case(73, 71, 8, 6, 2, sub=128, subs=5, m_pad=128, dup=True)  # one chunk of 568 routes
+    assert want[2] > 0  # routes past m_pad dropped and counted
+
+
+def case_dispatch_map_masked_two_launches():
+    _map_case(74, 257, 8, 32, 0, sub=256, subs=1, m_pad=384)
+    want = _map_case(75, 333, 3, 7, 5, sub=16, subs=2, m_pad=128, dup=True)
+    assert want[2] > 0
+
+
 def model_route(logits, bias, top_k, scoring, n_group, topk_group, renorm):
     """float64 model of moe_jax.routing's expert selection (ties: lower index first)."""
     lg = logits.astype(np.float64)
@@ -721,23 +842,33 @@ def model_route(logits, bias, top_k, scoring, n_group, topk_group, renorm):
     return ids, w
 
 
-def _route_case(seed, m, e, top_k, scoring, n_group, topk_group, with_bias, renorm):
+def _route_case(seed, m, e, top_k, scoring, n_group, topk_group, with_bias, renorm, block_t=8, ties=False):
+    """ties: every row repeats a few logits (and the bias repeats too), so equal selection and group
+    scores occur; the lower expert / group id must win, as in the model."""
     from custom_calls.triton.routing_kernel import SCORINGS, route_topk_kernel
 
     rng = _rng(seed)
     logits = (rng.standard_normal((m, e)) * 2).astype(np.float32)
     bias = (rng.standard_normal(e) * 0.3).astype(np.float32) if with_bias else np.zeros(1, np.float32)
-    e_pad = 1 << (e - 1).bit_length()
+    if ties:  # half the experts copy another expert's logit and bias: exact ties in every row
+        src = rng.integers(0, e, e // 2)
+        dst = rng.permutation(e)[: e // 2]
+        logits[:, dst] = logits[:, src]
+        if with_bias:
+            bias[dst] = bias[src]
+    ng = max(1, n_group)
+    ng_pad = 1 << (ng - 1).bit_length()
+    gs_pad = 1 << (e // ng - 1).bit_length()
     k_pad = 1 << (top_k - 1).bit_length()
-    block_t = 8
     ids = np.full((m, top_k), -7, np.int32)
     w = np.full((m, top_k), np.nan, np.float32)
-    _launch(route_topk_kernel, (ceil_div(m, block_t),), logits, bias, ids, w, M=m, E=e, E_PAD=e_pad, TOPK=top_k,
-            K_PAD=k_pad, SCORING=SCORINGS[scoring], HAS_BIAS=with_bias, N_GROUP=n_group, TOPK_GROUP=topk_group,
-            RENORM=renorm, BLOCK_T=block_t)
+    _launch(route_topk_kernel, (ceil_div(m, block_t),), logits, bias, ids, w, M=m, E=e, TOPK=top_k,
+            K_PAD=k_pad, SCORING=SCORINGS[scoring], HAS_BIAS=with_bias, N_GROUP=ng, NG_PAD=ng_pad, GS_PAD=gs_pad,
+            TOPK_GROUP=topk_group, RENORM=renorm, BLOCK_T=block_t)
     want_ids, want_w = model_route(logits, bias if with_bias else None, top_k, scoring, n_group, topk_group, renorm)
     assert np.array_equal(ids, want_ids), np.argwhere(ids != want_ids)[:5]
     np.testing.assert_allclose(w, want_w, rtol=2e-5, atol=1e-7)
+    return logits, bias
 
 
 def case_route_sigmoid_grouped_bias():
@@ -754,6 +885,28 @@ def case_route_softmax_e20():
 
 def case_route_sqrtsoftplus_bias():
     _route_case(52, 19, 48, 6, "sqrtsoftplus", 1, 1, True, True)
+
+
+def case_route_v3_one_token_per_program():
+    """DeepSeek-V3's routing (256 experts, 8 groups of 32, top-4 groups, top-8, bias) at the decode
+    tiling: one token per program."""
+    _route_case(54, 13, 256, 8, "sigmoid", 8, 4, True, True, block_t=1)
+
+
+def case_route_groups_not_power_of_two():
+    """n_group = 3 of 32 experts (padded to 4 groups), 5 groups of 12 (padded to 16 each), 7 of 1."""
+    _route_case(55, 23, 96, 8, "sigmoid", 3, 2, True, True)
+    _route_case(56, 17, 60, 6, "softmax", 5, 3, False, True, block_t=2)
+    _route_case(57, 11, 7, 2, "sigmoid", 7, 3, True, False, block_t=4)
+
+
+def case_route_ties_lower_index_wins():
+    lg, bias = _route_case(58, 31, 64, 8, "sigmoid", 8, 4, True, True, ties=True)
+    # the ties are real: equal selection scores within rows (else this case tests nothing new)
+    sel = 1 / (1 + np.exp(-lg.astype(np.float64))) + bias
+    assert all(len(np.unique(row)) < row.size for row in sel)
+    _route_case(59, 19, 24, 5, "softmax", 1, 1, False, True, block_t=1, ties=True)
+    _route_case(60, 9, 40, 6, "sqrtsoftplus", 4, 2, False, False, ties=True)
 
 
 # ---------------------------------------------------------------- host entry points and configs
@@ -775,7 +928,7 @@ def _record_launches():
         return launch.triton_call(*args, kernel=kernel, out_shape=out_shape, grid=grid, num_warps=num_warps,
                                   name=name, zeroed_outputs=zeroed_outputs, **constexprs)
 
-    for name in ("permute", "activation", "quant", "unpermute", "dispatch", "routing"):
+    for name in ("permute", "activation", "quant", "unpermute", "dispatch", "dispatch_map", "routing"):
         importlib.import_module(f"custom_calls.triton.{name}_kernel").triton_call = recording
 
 
@@ -980,14 +1133,51 @@ def case_host_route_config():
     bias = (rng.standard_normal(e) * 0.3).astype(np.float32)
     kw = dict(top_k=top_k, scoring="sigmoid", n_group=8, topk_group=4, norm_topk_prob=True)
     ids, w = rk.route_topk(jnp.asarray(logits), jnp.asarray(bias), **kw)
+    _launched_with("route_topk_kernel", num_warps=1, BLOCK_T=1)  # decode-sized M: one token per program
     want_ids, want_w = model_route(logits, bias, top_k, "sigmoid", 8, 4, True)
     assert np.array_equal(np.asarray(ids), want_ids)
     np.testing.assert_allclose(np.asarray(w), want_w, rtol=2e-5, atol=1e-7)
+    from custom_calls.route_topk import route_topk as route_op  # the op's reference backend
+
+    ref_ids, ref_w = route_op(jnp.asarray(logits), jnp.asarray(bias), **kw, backend="reference")
+    assert np.array_equal(np.asarray(ids), np.asarray(ref_ids))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(ref_w), rtol=2e-6, atol=1e-7)
     ids2, w2 = rk.route_topk(jnp.asarray(logits), jnp.asarray(bias), **kw,
                              config=rk.RouteTopkConfig(block_t=2, num_warps=8))
     _launched_with("route_topk_kernel", num_warps=8, BLOCK_T=2)
     _same_bytes(ids, ids2, "route ids")
     _same_bytes(w, w2, "route weights")
+
+
+def case_host_dispatch_map_configs():
+    """The host entry points: heuristic (one launch at this size, two above 4096 routes) and a
+    forced tiling against the op's reference backend, bit for bit; traced expert_offset."""
+    import jax
+    import jax.numpy as jnp
+
+    from custom_calls.dispatch_map import dispatch_map_contig, dispatch_map_masked
+    from custom_calls.triton import dispatch_map_kernel as dk
+
+    rng = _rng(76)
+    for m, k, e, offset in ((37, 6, 5, 3), (700, 8, 20, 7)):
+        ids = jnp.asarray(_map_ids(rng, m, k, e, offset))
+        n_launch = 0
+        for cfg in (None, dk.DispatchMapConfig(sub=32, subs=2, num_warps=2)):
+            start = len(LAUNCHES)
+            got_c = jax.jit(lambda i, o, c=cfg: dk.dispatch_map_contig(i, o, num_local_experts=e, alignment=64,
+                                                                       config=c))(ids, jnp.int32(offset))
+            if cfg is None:
+                n_launch = len(LAUNCHES) - start
+                assert n_launch == (1 if m * k <= dk.SINGLE_LAUNCH_ROUTES else 2), (m, k, n_launch)
+            else:
+                _launched_with("map_contig_kernel", num_warps=2, SUB=32, SUBS=2)
+            got_m = dk.dispatch_map_masked(ids, jnp.int32(offset), num_local_experts=e, m_pad=m, config=cfg)
+            want_c = dispatch_map_contig(ids, offset, num_local_experts=e, alignment=64, backend="reference")
+            want_m = dispatch_map_masked(ids, offset, num_local_experts=e, m_pad=m, backend="reference")
+            for g, w in zip((*got_c, *got_m), (*want_c, *want_m)):
+                _same_bytes(g, w, f"dispatch map m={m} config={cfg}")
+            model = model_dispatch_map(np.asarray(ids), offset, e, alignment=64)
+            assert np.array_equal(np.asarray(got_c[1]), model[1]) and int(got_c[2]) == model[2]
 
 
 def _main() -> None:

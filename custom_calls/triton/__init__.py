@@ -6,6 +6,7 @@ custom calls through jax_triton, behind the reference ops' names and signatures.
   activation_quant_contig/_m.  custom_calls.triton.activation_kernel  2I bf16 read, I e4m3 written
   unpermute                    custom_calls.triton.unpermute_kernel   top_k rows read, 1 row written
   rank_within_expert           custom_calls.triton.dispatch_kernel    dispatch slot ranks, no sort
+  dispatch_map_contig/_masked  custom_calls.triton.dispatch_map_kernel  the whole dispatch map, 1-2 launches
   route_topk                   custom_calls.triton.routing_kernel     scores + grouped top-k + weights
   (quantize_activation)        custom_calls.triton.quant_kernel       x read, e4m3 + image written
 The last is a plain function (the layer quantizes inside permute and activation).
@@ -25,10 +26,13 @@ import jax
 from custom_calls.backends import register, set_environment
 from custom_calls.triton.support import (
     activation_masked_constraints,
+    dispatch_map_reason,
     environment,
     route_topk_reason,
     supports_activation_contig,
     supports_activation_masked,
+    supports_dispatch_map_contig,
+    supports_dispatch_map_masked,
     supports_permute_contig,
     supports_permute_masked,
     supports_rank_within_expert,
@@ -98,6 +102,26 @@ def rank_within_expert(e_flat: jax.Array, *, num_experts: int) -> tuple[jax.Arra
     return dispatch_kernel.rank_within_expert(e_flat, num_experts=num_experts)
 
 
+def dispatch_map_contig(topk_ids: jax.Array, expert_offset: jax.Array, *, num_local_experts: int,
+                        alignment: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """As `custom_calls.dispatch_map.dispatch_map_contig`: topk_ids (M, k) int32, expert_offset () int32 ->
+    (src2dst (M, k), m_indices (M_cap,), num_rows (), counts (E_local,)) int32."""
+    from custom_calls.triton import dispatch_map_kernel
+
+    return dispatch_map_kernel.dispatch_map_contig(topk_ids, expert_offset, num_local_experts=num_local_experts,
+                                                   alignment=alignment)
+
+
+def dispatch_map_masked(topk_ids: jax.Array, expert_offset: jax.Array, *, num_local_experts: int,
+                        m_pad: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """As `custom_calls.dispatch_map.dispatch_map_masked`: topk_ids (M, k) int32, expert_offset () int32 ->
+    (src2dst (M, k), masked_m (E_local,), num_dropped ()) int32."""
+    from custom_calls.triton import dispatch_map_kernel
+
+    return dispatch_map_kernel.dispatch_map_masked(topk_ids, expert_offset, num_local_experts=num_local_experts,
+                                                   m_pad=m_pad)
+
+
 def route_topk(logits: jax.Array, bias: jax.Array | None, *, top_k: int, scoring: str, n_group: int = 1,
                topk_group: int = 1, norm_topk_prob: bool = True) -> tuple[jax.Array, jax.Array]:
     """As `custom_calls.route_topk.route_topk`: logits (M, E) f32 ->
@@ -115,6 +139,7 @@ def _register() -> None:
     _unpermute_ref = importlib.import_module("custom_calls.unpermute")
     _rank_ref = importlib.import_module("custom_calls.expert_rank")
     _route_ref = importlib.import_module("custom_calls.route_topk")
+    _map_ref = importlib.import_module("custom_calls.dispatch_map")
     register(_permute_ref.OP_CONTIG, BACKEND, permute_contig, supports_permute_contig)
     register(_permute_ref.OP_MASKED, BACKEND, permute_masked, supports_permute_masked)
     register(_activation_ref.OP_CONTIG, BACKEND, activation_quant_contig, supports_activation_contig)
@@ -122,6 +147,8 @@ def _register() -> None:
     register(_unpermute_ref.OP, BACKEND, unpermute, supports_unpermute)
     register(_rank_ref.OP, BACKEND, rank_within_expert, supports_rank_within_expert)
     register(_route_ref.OP, BACKEND, route_topk, supports_route_topk)
+    register(_map_ref.OP_CONTIG, BACKEND, dispatch_map_contig, supports_dispatch_map_contig)
+    register(_map_ref.OP_MASKED, BACKEND, dispatch_map_masked, supports_dispatch_map_masked)
     set_environment(BACKEND, environment)
 
 
@@ -132,6 +159,9 @@ __all__ = [
     "activation_masked_constraints",
     "activation_quant_contig",
     "activation_quant_masked",
+    "dispatch_map_contig",
+    "dispatch_map_masked",
+    "dispatch_map_reason",
     "environment",
     "permute_contig",
     "permute_masked",
@@ -141,6 +171,8 @@ __all__ = [
     "route_topk_reason",
     "supports_activation_contig",
     "supports_activation_masked",
+    "supports_dispatch_map_contig",
+    "supports_dispatch_map_masked",
     "supports_permute_contig",
     "supports_permute_masked",
     "supports_rank_within_expert",

@@ -11,9 +11,16 @@ each of n_group equal groups with a correction bias, the largest without one, on
 ties to the lower index (as jax.lax.top_k); weights = scores at ids, divided by their sum + 1e-20
 when norm_topk_prob. routed_scaling_factor is not applied here.
 
+Tie policy (the reference's, kept exactly): among equal selection scores the lower expert id wins,
+among equal group scores the lower group id wins.
+
 One program handles BLOCK_T tokens, the whole expert row in registers; top-k is k rounds of
-(max, lowest index at the max, mask). The grouped path needs E and n_group powers of two.
-Tiling: `RouteTopkConfig` (`config=`; None: `heuristic_config(E)`).
+(max, lowest index at the max, mask). Any n_group dividing E: each group is laid out as a
+power-of-two run of register columns (`support.route_row_width`), so DeepSeek-V3's 8 groups of 32
+need no padding and e.g. 3 groups of 32 take 4 x 32 columns. Without a correction bias the weight
+of a pick is the maximum itself (no extra reduction).
+Tiling: `RouteTopkConfig` (`config=`; None: `heuristic_config(E, M, n_group)`: one token per
+single-warp program at decode sizes, 2048-element blocks on 4 warps at prefill).
 """
 
 from __future__ import annotations
@@ -28,10 +35,12 @@ import triton.language as tl
 from layouts import ceil_div
 from custom_calls.route_topk import NORM_EPS
 from custom_calls.triton.launch import triton_call
-from custom_calls.triton.support import SCORINGS, route_topk_reason
+from custom_calls.triton.support import SCORINGS, route_row_width, route_topk_reason
 from custom_calls.triton.tuning import check_launch, check_powers_of_two, config_or_default
 
 _NORM_EPS = tl.constexpr(NORM_EPS)
+PREFILL_ELEMENTS = 2048  # elements of the (tokens, width) block of one program at large M (measured)
+LATENCY_PROGRAMS = 264  # small M: at least two programs per SM of an H200 (132 SMs), one token each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +56,18 @@ class RouteTopkConfig:
         check_launch(self)
 
 
-def heuristic_config(num_experts: int) -> RouteTopkConfig:
-    """The default tiling: block_t x next_pow2(E) = 2048 elements per program (register-bound: ~7
-    live copies of the row), 1 to 64 tokens; 4 warps."""
-    return RouteTopkConfig(block_t=max(1, min(64, 2048 // triton.next_power_of_2(num_experts))), num_warps=4)
+def heuristic_config(num_experts: int, num_tokens: int | None = None, n_group: int = 1) -> RouteTopkConfig:
+    """The default tiling. Large M (or M unknown): block_t x row width = PREFILL_ELEMENTS per
+    program (register-bound: ~7 live copies of the row), 1 to 64 tokens, 4 warps (the measured
+    throughput tiling). Small M (decode): fewer tokens per program, down to one token per program
+    on one warp, so that at least LATENCY_PROGRAMS programs run when M allows: the epilogue is then
+    one short wave of single-warp reductions (launch-latency bound)."""
+    width = route_row_width(num_experts, n_group)
+    block_t = max(1, min(64, PREFILL_ELEMENTS // width))
+    if num_tokens is None or num_tokens >= block_t * LATENCY_PROGRAMS:
+        return RouteTopkConfig(block_t=block_t, num_warps=4)
+    block_t = min(block_t, triton.next_power_of_2(max(1, num_tokens // LATENCY_PROGRAMS)))
+    return RouteTopkConfig(block_t=block_t, num_warps=min(4, max(1, block_t * width // 256)))
 
 
 @triton.jit
@@ -65,14 +82,22 @@ def _argmax_lowest(v, idx, N: tl.constexpr):
 def route_topk_kernel(
     logits_ptr, bias_ptr,
     ids_ptr, w_ptr,
-    M: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
-    SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    RENORM: tl.constexpr, BLOCK_T: tl.constexpr,
+    M: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
+    SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
+    GS_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
+    # column c of the [BLOCK_T, W] block holds expert (c // GS_PAD) * GS + c % GS_PAD: each group a
+    # power-of-two run of columns (padding columns are -inf), so groups are a plain reshape
+    GS: tl.constexpr = E // N_GROUP
+    W: tl.constexpr = NG_PAD * GS_PAD
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    e = tl.arange(0, E_PAD)
+    c = tl.arange(0, W)
+    col_g = c // GS_PAD
+    col_j = c % GS_PAD
+    e = col_g * GS + col_j
+    e_ok1 = (col_j < GS) & (col_g < N_GROUP)
     t_ok = t < M
-    e_ok = tl.expand_dims(e < E, 0)
+    e_ok = tl.expand_dims(e_ok1, 0)
     ok = tl.expand_dims(t_ok, 1) & e_ok
     lg = tl.load(logits_ptr + tl.expand_dims(t.to(tl.int64) * E, 1) + tl.expand_dims(e, 0), mask=ok, other=0.0)
     if SCORING == 0:
@@ -88,37 +113,41 @@ def route_topk_kernel(
     s = tl.where(e_ok, s, 0.0)
     sel = s
     if HAS_BIAS:
-        sel = sel + tl.expand_dims(tl.load(bias_ptr + e, mask=e < E, other=0.0), 0)
+        sel = sel + tl.expand_dims(tl.load(bias_ptr + e, mask=e_ok1, other=0.0), 0)
     sel = tl.where(e_ok, sel, float("-inf"))
-    idx = tl.broadcast_to(tl.expand_dims(e, 0), (BLOCK_T, E_PAD))
+    # padding columns carry index E: never the lowest index at a finite max
+    idx = tl.broadcast_to(tl.expand_dims(tl.where(e_ok1, e, E), 0), (BLOCK_T, W))
     if N_GROUP > 1:
-        GS: tl.constexpr = E // N_GROUP
-        g3 = tl.reshape(sel, (BLOCK_T, N_GROUP, GS))
-        gi = tl.broadcast_to(tl.reshape(tl.arange(0, GS), (1, 1, GS)), (BLOCK_T, N_GROUP, GS))
+        g3 = tl.reshape(sel, (BLOCK_T, NG_PAD, GS_PAD))
+        gi = tl.broadcast_to(tl.reshape(tl.arange(0, GS_PAD), (1, 1, GS_PAD)), (BLOCK_T, NG_PAD, GS_PAD))
         top1 = tl.max(g3, axis=2)
-        at1 = tl.min(tl.where(g3 == tl.expand_dims(top1, 2), gi, GS), axis=2)
-        top2 = tl.max(tl.where(gi == tl.expand_dims(at1, 2), float("-inf"), g3), axis=2)
-        # group score as in moe_jax.routing: top-2 sum with a correction bias (V3), else the max
-        if HAS_BIAS:
-            gscore = top1 + top2  # [BLOCK_T, N_GROUP]
+        # group score as in moe_jax.routing: top-2 sum with a correction bias (V3; the one value of
+        # a one-expert group), else the max; padding groups stay at -inf and are never kept
+        if HAS_BIAS and GS > 1:
+            at1 = tl.min(tl.where(g3 == tl.expand_dims(top1, 2), gi, GS_PAD), axis=2)
+            top2 = tl.max(tl.where(gi == tl.expand_dims(at1, 2), float("-inf"), g3), axis=2)
+            gscore = top1 + top2  # [BLOCK_T, NG_PAD]
         else:
             gscore = top1
-        gidx = tl.broadcast_to(tl.expand_dims(tl.arange(0, N_GROUP), 0), (BLOCK_T, N_GROUP))
-        keep = tl.zeros((BLOCK_T, N_GROUP), tl.int1)
+        gidx = tl.broadcast_to(tl.expand_dims(tl.arange(0, NG_PAD), 0), (BLOCK_T, NG_PAD))
+        keep = tl.zeros((BLOCK_T, NG_PAD), tl.int1)
         for _ in tl.static_range(TOPK_GROUP):
-            _, g_at = _argmax_lowest(gscore, gidx, N_GROUP)
+            _, g_at = _argmax_lowest(gscore, gidx, NG_PAD)
             hit = gidx == tl.expand_dims(g_at, 1)
             keep = keep | hit
             gscore = tl.where(hit, float("-inf"), gscore)
-        keep3 = tl.broadcast_to(tl.expand_dims(keep, 2), (BLOCK_T, N_GROUP, GS))
-        sel = tl.reshape(tl.where(keep3, g3, float("-inf")), (BLOCK_T, E_PAD))
+        keep3 = tl.broadcast_to(tl.expand_dims(keep, 2), (BLOCK_T, NG_PAD, GS_PAD))
+        sel = tl.reshape(tl.where(keep3, g3, float("-inf")), (BLOCK_T, W))
     kk = tl.broadcast_to(tl.expand_dims(tl.arange(0, K_PAD), 0), (BLOCK_T, K_PAD))
     ids = tl.zeros((BLOCK_T, K_PAD), tl.int32)
     w = tl.zeros((BLOCK_T, K_PAD), tl.float32)
     for j in tl.static_range(TOPK):
-        _, at = _argmax_lowest(sel, idx, E_PAD)
+        best, at = _argmax_lowest(sel, idx, E)
         hit = idx == tl.expand_dims(at, 1)
-        wj = tl.sum(tl.where(hit, s, 0.0), axis=1)
+        if HAS_BIAS:
+            wj = tl.sum(tl.where(hit, s, 0.0), axis=1)
+        else:  # the selection score is the score itself: no third reduction
+            wj = best
         ids = tl.where(kk == j, tl.expand_dims(at, 1), ids)
         w = tl.where(kk == j, tl.expand_dims(wj, 1), w)
         sel = tl.where(hit, float("-inf"), sel)
@@ -134,9 +163,9 @@ def route_topk(logits: jax.Array, bias: jax.Array | None, *, top_k: int, scoring
                topk_group: int = 1, norm_topk_prob: bool = True,
                config: RouteTopkConfig | None = None) -> tuple[jax.Array, jax.Array]:
     """logits: (M, E) float -> (topk_ids (M, top_k) int32, topk_weights (M, top_k) f32).
-    config: the tiling (None: `heuristic_config(E)`)."""
+    config: the tiling (None: `heuristic_config(E, M, n_group)`)."""
     m, e = logits.shape
-    config = config_or_default(config, RouteTopkConfig, lambda: heuristic_config(e))
+    config = config_or_default(config, RouteTopkConfig, lambda: heuristic_config(e, m, n_group))
     reason = route_topk_reason(e, top_k, scoring, n_group, topk_group)
     if reason:
         raise ValueError(f"route_topk: {reason}")
@@ -144,14 +173,15 @@ def route_topk(logits: jax.Array, bias: jax.Array | None, *, top_k: int, scoring
         raise ValueError(f"bias: expected shape ({e},), got {tuple(bias.shape)}")
     if m == 0:
         return jnp.zeros((0, top_k), jnp.int32), jnp.zeros((0, top_k), jnp.float32)
-    e_pad = triton.next_power_of_2(e)
+    ng = n_group if n_group > 1 else 1
     block_t = config.block_t
     bias_arr = (bias if bias is not None else jnp.zeros((1,), jnp.float32)).astype(jnp.float32)
     ids, w = triton_call(
         logits.astype(jnp.float32), bias_arr, kernel=route_topk_kernel,
         out_shape=[jax.ShapeDtypeStruct((m, top_k), jnp.int32), jax.ShapeDtypeStruct((m, top_k), jnp.float32)],
         grid=(ceil_div(m, block_t),), num_warps=config.num_warps, name="moe_route_topk",
-        M=m, E=e, E_PAD=e_pad, TOPK=top_k, K_PAD=triton.next_power_of_2(top_k), SCORING=SCORINGS[scoring],
-        HAS_BIAS=bias is not None, N_GROUP=n_group if n_group > 1 else 1, TOPK_GROUP=topk_group,
+        M=m, E=e, TOPK=top_k, K_PAD=triton.next_power_of_2(top_k), SCORING=SCORINGS[scoring],
+        HAS_BIAS=bias is not None, N_GROUP=ng, NG_PAD=triton.next_power_of_2(ng),
+        GS_PAD=triton.next_power_of_2(e // ng), TOPK_GROUP=topk_group if ng > 1 else 1,
         RENORM=bool(norm_topk_prob), BLOCK_T=block_t)
     return ids, w

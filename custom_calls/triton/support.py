@@ -13,6 +13,7 @@ import importlib.util
 
 import jax.numpy as jnp
 
+from custom_calls.dispatch_map import contig_capacity
 from custom_calls.route_topk import SCORINGS as _SCORING_NAMES
 from custom_calls.triton.launch import missing_dependencies
 from layouts import FLOAT_DTYPES, ceil_div, get_recipe
@@ -22,6 +23,8 @@ assert set(SCORINGS) == set(_SCORING_NAMES), "a scoring of route_topk has no ker
 MAX_EXPERTS = 1024  # routing epilogue: one program holds whole expert rows
 MAX_RANK_EXPERTS = 1023  # dispatch ranking: a chunk's one-hot matrix has next_pow2(E + 1) columns
 MAX_RANK_CHUNKS = 16384  # dispatch ranking: one program scans the counts of every chunk
+MAX_MAP_EXPERTS = 1024  # dispatch maps: a sub-block's one-hot matrix has next_pow2(E) columns
+INT32_LIMIT = 2**31  # dispatch maps: routes, rows and slab rows are int32 indices in the kernels
 MIN_CAPABILITY = (8, 9)  # e4m3 conversions in hardware (Ada / Hopper and newer)
 
 
@@ -137,9 +140,22 @@ def supports_route_topk(*, num_experts: int, top_k: int, scoring: str, n_group: 
     return _answer(route_topk_reason(num_experts, top_k, scoring, n_group, topk_group))
 
 
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, v - 1).bit_length()
+
+
+def route_row_width(num_experts: int, n_group: int = 1) -> int:
+    """Register columns of one token's row in the routing epilogue: n_group groups of E / n_group
+    experts, each padded to a power of two, the group count padded to a power of two (no padding
+    for DeepSeek-V3's 8 x 32; E alone rounded up to a power of two without groups)."""
+    g = max(1, n_group)
+    return _next_pow2(g) * _next_pow2(num_experts // g)
+
+
 def route_topk_reason(num_experts: int, top_k: int, scoring: str, n_group: int, topk_group: int) -> str:
     """Why the Triton routing epilogue (`route_topk`) cannot serve these routing settings, "" when it
-    can: the grouped path holds each group as a power-of-two block of the row."""
+    can. Any n_group dividing E: with E <= MAX_EXPERTS a token's padded row (`route_row_width`, a
+    product of two powers of two below 2 x n_group and 2 x E / n_group) has at most 2048 columns."""
     if scoring not in SCORINGS:
         return f"scoring: expected one of {tuple(SCORINGS)}, got {scoring!r}"
     if not 1 <= num_experts <= MAX_EXPERTS:
@@ -147,9 +163,30 @@ def route_topk_reason(num_experts: int, top_k: int, scoring: str, n_group: int, 
     if not 1 <= top_k <= num_experts:
         return f"top_k: expected 1..{num_experts}, got {top_k}"
     if n_group > 1:
-        pow2 = lambda v: v & (v - 1) == 0  # noqa: E731
-        if not (pow2(num_experts) and pow2(n_group) and num_experts % n_group == 0):
-            return f"grouped top-k needs power-of-two num_experts and n_group, got {num_experts} and {n_group}"
+        if num_experts % n_group:
+            return f"n_group: expected a divisor of num_experts = {num_experts}, got {n_group}"
         if not 1 <= topk_group <= n_group:
             return f"topk_group: expected 1..{n_group}, got {topk_group}"
     return ""
+
+
+def dispatch_map_reason(num_routes: int, num_experts: int, num_rows: int = 0) -> str:
+    """Why the Triton dispatch-map kernels (`custom_calls.triton.dispatch_map_kernel`) cannot serve
+    these sizes, "" when they can: at most MAX_MAP_EXPERTS local experts; routes and the rows of
+    the grouped layout (num_rows: contig capacity or E_local x m_pad) are int32 indices."""
+    if num_experts > MAX_MAP_EXPERTS:
+        return f"num_experts: at most {MAX_MAP_EXPERTS} local experts, got {num_experts}"
+    if num_routes >= INT32_LIMIT:
+        return f"num_routes: expected fewer than 2**31 routes (M * top_k), got {num_routes}"
+    if num_rows >= INT32_LIMIT:
+        return f"rows of the grouped layout: expected fewer than 2**31 (int32 row indices), got {num_rows}"
+    return ""
+
+
+def supports_dispatch_map_contig(*, num_routes: int, num_experts: int, alignment: int) -> tuple[bool, str]:
+    # the capacity depends on M * k = num_routes only
+    return _answer(dispatch_map_reason(num_routes, num_experts, contig_capacity(num_routes, 1, num_experts, alignment)))
+
+
+def supports_dispatch_map_masked(*, num_routes: int, num_experts: int, m_pad: int) -> tuple[bool, str]:
+    return _answer(dispatch_map_reason(num_routes, num_experts, num_experts * m_pad))

@@ -16,6 +16,14 @@ backend uses), then with tiling variants passed as configs; `--no-sweep` skips t
 Also times what stays outside these kernels: routing (gate GEMM, XLA top-k and grouped top-k with
 correction bias, E = 256, against the Triton routing epilogue) and the dispatcher's slot
 assignment (stable argsort against the Triton two-pass ranking).
+`--routing-only`: routing epilogue and dispatch map alone (`run_routing`), old path against new
+at the DeepSeek-V3 prefill (4096 and 16384 tokens, contig) and decode (128 tokens, masked)
+shapes, 32 local experts of 256: gate GEMM; epilogue = XLA reference, the Triton kernel at the
+former tiling (8 tokens per program, 4 warps), at the heuristic tiling; dispatch map = XLA
+reference (argsort), the former path (three Triton ranking kernels + XLA placement), the fused
+dispatch-map kernels; route + dispatch together, old and new, as one jitted function. Each row:
+wall and kernel time as above and the GPU kernels it launched; unless `--no-sweep`, the epilogue
+also at the tilings of ROUTING_SWEEP.
 Needs a CUDA GPU with jax_triton; elsewhere it exits with status 2 and says so; status 1 when a
 row failed. Output: the table on stdout, one JSON line per row on stderr, `--json PATH`.
 """
@@ -228,6 +236,114 @@ def routing_bench(m: int = 4096, reps: int = 6) -> dict:
                 gate_gemm=time_op(lambda x: router_logits(x, gw), [(x,) for x in xs]))
 
 
+ROUTING_SHAPES = (("prefill", 4096, "contig"), ("prefill", 16384, "contig"), ("decode", 128, "masked"))
+ROUTING_LOCAL_EXPERTS = 32  # of DeepSeek-V3's 256: one rank of an 8-way expert-parallel layer
+
+
+ROUTING_SWEEP = ((1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (16, 4))  # epilogue (block_t, num_warps) variants
+
+
+def routing_cases(tokens: int, layout: str, sweep: bool = False) -> dict:
+    """{row label: (input name, fn)} of `--routing-only` for one shape (fns of x, logits or ids,
+    jit-able): gate GEMM, the epilogue variants (with `sweep`, also the ROUTING_SWEEP tilings),
+    the dispatch-map variants on ids routed beforehand, and route + dispatch old and new."""
+    from custom_calls.dispatch_map import (dispatch_map_contig, dispatch_map_contig_xla, dispatch_map_masked,
+                                           dispatch_map_masked_xla)
+    from custom_calls.route_topk import route_topk
+    from moe_jax.config import MoEConfig
+    from moe_jax.dispatch import default_masked_m_pad
+    from moe_jax.routing import router_logits
+
+    cfg = MoEConfig.deepseek_v3()
+    e_loc, align, m_pad = ROUTING_LOCAL_EXPERTS, cfg.alignment, default_masked_m_pad(tokens)
+    bias = 0.1 * jax.random.normal(jax.random.PRNGKey(8), (cfg.num_experts,), jnp.float32)
+    gw = (0.02 * jax.random.normal(jax.random.PRNGKey(9), (cfg.num_experts, cfg.hidden_size))).astype(jnp.bfloat16)
+    sel = dict(top_k=cfg.top_k, scoring=cfg.scoring, n_group=cfg.n_group, topk_group=cfg.topk_group,
+               norm_topk_prob=True)
+
+    def epilogue(which, tiling=None):
+        def run(lg):
+            if which == "reference":
+                return route_topk(lg, bias, **sel, backend="reference")
+            from custom_calls.triton import routing_kernel
+
+            config = routing_kernel.RouteTopkConfig(*tiling) if tiling else None
+            return routing_kernel.route_topk(lg, bias, **sel, config=config)
+        return run
+
+    def dispatch(which):
+        def run(ids):
+            if layout == "contig":
+                kw = dict(num_local_experts=e_loc, alignment=align)
+                if which == "old":
+                    return dispatch_map_contig_xla(ids, 0, **kw, rank_backend="triton")
+                return dispatch_map_contig(ids, 0, **kw, backend="triton" if which == "new" else "reference")
+            kw = dict(num_local_experts=e_loc, m_pad=m_pad)
+            if which == "old":
+                return dispatch_map_masked_xla(ids, 0, **kw, rank_backend="triton")
+            return dispatch_map_masked(ids, 0, **kw, backend="triton" if which == "new" else "reference")
+        return run
+
+    former = (8, 4)  # the epilogue's tiling at every M before the decode tiling
+
+    def both(which):
+        route = epilogue(which, former if which == "old" else None)
+        return lambda x: dispatch(which)(route(router_logits(x, gw))[0])
+
+    cases = {"gate GEMM (bf16 x bf16 -> f32)": ("x", lambda x: router_logits(x, gw)),
+             "epilogue: XLA reference": ("logits", epilogue("reference")),
+             "epilogue: Triton, former tiling (8 tok/program, 4 warps)": ("logits", epilogue("old", former)),
+             "epilogue: Triton, heuristic tiling": ("logits", epilogue("new"))}
+    if sweep:
+        cases.update({f"epilogue: Triton, block_t={bt} num_warps={nw}": ("logits", epilogue("new", (bt, nw)))
+                      for bt, nw in ROUTING_SWEEP})
+    return cases | {f"dispatch {layout}: XLA reference (argsort)": ("ids", dispatch("reference")),
+                    f"dispatch {layout}: former (3 Triton ranking kernels + XLA)": ("ids", dispatch("old")),
+                    f"dispatch {layout}: fused dispatch-map kernels": ("ids", dispatch("new")),
+                    "route + dispatch: former": ("x", both("old")),
+                    "route + dispatch: new": ("x", both("new"))}
+
+
+def run_routing(reps: int = 6, shapes=ROUTING_SHAPES, sweep: bool = True) -> list[dict]:
+    """Rows of `--routing-only` (module docstring); a row that failed holds "error"."""
+    from moe_jax.config import MoEConfig
+
+    cfg = MoEConfig.deepseek_v3()
+    table = []
+    for phase, m, layout in shapes:
+        keys = jax.random.split(jax.random.PRNGKey(m), reps)
+        inputs = dict(x=[jax.random.normal(kk, (m, cfg.hidden_size), jnp.bfloat16) for kk in keys],
+                      logits=[jax.random.normal(kk, (m, cfg.num_experts), jnp.float32) for kk in keys])
+        # routes as the layer sees them: top-8 of 256 (distinct per token), about 1/8 held here
+        inputs["ids"] = [jnp.argsort(jax.random.uniform(kk, (m, cfg.num_experts)), axis=1)[:, :cfg.top_k]
+                         .astype(jnp.int32) for kk in keys]
+        for label, (arg, fn) in routing_cases(m, layout, sweep).items():
+            row = dict(kernel=f"{phase} M={m} {label}", phase=phase, tokens=m, layout=layout)
+            sets = [(a,) for a in inputs[arg]]
+            try:
+                row["us"] = time_op(fn, sets) * 1e6
+                dev = device_time(fn, sets)
+                row["kernel_us"] = dev.pop("total") * 1e6
+                row["kernels"] = {n: v * 1e6 for n, v in dev.items()}
+            except Exception as exc:  # report the row as failed and go on
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            table.append(row)
+            log(json.dumps(row))
+    return table
+
+
+def print_routing_table(table: list[dict]) -> None:
+    print(f"{'route / dispatch (DeepSeek-V3, 32 local experts of 256)':76s} {'wall us':>8s} {'kern us':>8s} "
+          f"{'kernels':>7s}")
+    for r in table:
+        if "error" in r:
+            print(f"{r['kernel'][:76]:76s} FAILED {r['error']}")
+            continue
+        print(f"{r['kernel'][:76]:76s} {r['us']:8.1f} {r['kernel_us']:8.1f} {len(r['kernels']):7d}")
+        if r["kernels"]:
+            print("    " + ", ".join(f"{n[:40]} {v:.1f}" for n, v in r["kernels"].items()))
+
+
 def gpu_reason() -> str | None:
     """Why the Triton kernels cannot run here (they need a CUDA GPU and jax_triton), or None."""
     from custom_calls.triton.launch import missing_dependencies
@@ -264,11 +380,17 @@ def run_cli(args) -> int:
     if reason:
         log(f"python -m moe_jax.bench triton: {reason}")
         return 2
-    table = run(args.reps, sweep=not args.no_sweep)
-    print_table(table)
+    if args.routing_only:
+        table = run_routing(args.reps, sweep=not args.no_sweep)
+        print_routing_table(table)
+        failed = [r["kernel"] for r in table if "error" in r]
+    else:
+        table = run(args.reps, sweep=not args.no_sweep)
+        print_table(table)
+        failed = [r["kernel"] for r in table[1:] if "error" in r]
     if args.json:
         write_json(args.json, table)
-    return exit_status([r["kernel"] for r in table[1:] if "error" in r])
+    return exit_status(failed)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -276,4 +398,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=6, help="distinct input sets per timed dispatch (default 6)")
     parser.add_argument("--json", metavar="PATH", help="write every row as JSON here")
     parser.add_argument("--no-sweep", action="store_true", help="only the heuristic config of each kernel")
+    parser.add_argument("--routing-only", action="store_true",
+                        help="only routing epilogue + dispatch map, former path against new, at the prefill "
+                             "(4096, 16384 tokens) and decode (128 tokens) shapes")
     parser.set_defaults(func=run_cli)
