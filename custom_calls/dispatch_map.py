@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from custom_calls.backends import declare_op, resolve
 from custom_calls.expert_rank import rank_within_expert, stable_rank
-from layouts.checks import check_rank
+from layouts.checks import check_positive_int, check_rank
 
 OP_CONTIG = "dispatch_map_contig"
 OP_MASKED = "dispatch_map_masked"
@@ -105,8 +105,7 @@ def _check_common(topk_ids: jax.Array, expert_offset, num_local_experts: int) ->
     check_rank("topk_ids", topk_ids, 2, "(M, top_k)")
     if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
         raise TypeError(f"topk_ids: expected an integer dtype, got {topk_ids.dtype}")
-    if isinstance(num_local_experts, bool) or not isinstance(num_local_experts, int) or num_local_experts < 1:
-        raise ValueError(f"num_local_experts: expected a positive int, got {num_local_experts!r}")
+    check_positive_int("num_local_experts", num_local_experts)
     offset = jnp.asarray(expert_offset)
     if offset.shape != () or not jnp.issubdtype(offset.dtype, jnp.integer):
         raise ValueError(f"expert_offset: expected an integer scalar, got shape {offset.shape} dtype {offset.dtype}")
@@ -119,8 +118,7 @@ def dispatch_map_contig(topk_ids: jax.Array, expert_offset=0, *, num_local_exper
     (src2dst (M, k) int32, m_indices (M_cap,) int32, num_rows () int32, counts (E_local,) int32);
     module docstring for the layout."""
     offset = _check_common(topk_ids, expert_offset, num_local_experts)
-    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
-        raise ValueError(f"alignment: expected a positive int, got {alignment!r}")
+    check_positive_int("alignment", alignment)
     m, k = topk_ids.shape
     impl = resolve(OP_CONTIG, backend, num_routes=m * k, num_experts=num_local_experts, alignment=alignment)
     return impl.impl(topk_ids.astype(jnp.int32), offset, num_local_experts=num_local_experts, alignment=alignment)
@@ -132,8 +130,7 @@ def dispatch_map_masked(topk_ids: jax.Array, expert_offset=0, *, num_local_exper
     (src2dst (M, k) int32 flat slab row or -1, masked_m (E_local,) int32, num_dropped () int32);
     module docstring for the layout."""
     offset = _check_common(topk_ids, expert_offset, num_local_experts)
-    if isinstance(m_pad, bool) or not isinstance(m_pad, int) or m_pad < 1:
-        raise ValueError(f"m_pad: expected a positive int, got {m_pad!r}")
+    check_positive_int("m_pad", m_pad)
     m, k = topk_ids.shape
     impl = resolve(OP_MASKED, backend, num_routes=m * k, num_experts=num_local_experts, m_pad=m_pad)
     return impl.impl(topk_ids.astype(jnp.int32), offset, num_local_experts=num_local_experts, m_pad=m_pad)

@@ -12,6 +12,7 @@ replaces them with ml_dtypes' exact casts (the GPU's cvt.rn instructions round t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -586,49 +587,24 @@ def _act_case(seed, *, variant, recipe, arch, keep_fp32=False, masked=False, mn=
         assert on_bf16.mean() < 0.05 if keep_fp32 else on_bf16.all(), on_bf16.mean()
 
 
-def case_act_contig_silu_90():
-    _act_case(20, variant="silu", recipe="fp8_block", arch=90)
-
-
-def case_act_contig_silu_limit_100():
-    _act_case(21, variant="silu_limit", recipe="fp8_block", arch=100)
-
-
-def case_act_contig_oai_90():
-    _act_case(22, variant="oai", recipe="fp8_block", arch=90)
-
-
-def case_act_contig_situ_100():
-    _act_case(23, variant="situ", recipe="fp8_block", arch=100)
-
-
-def case_act_contig_keep_fp32_90():
-    _act_case(24, variant="silu", recipe="fp8_block", arch=90, keep_fp32=True)
-
-
-def case_act_contig_mxfp8_100():
-    _act_case(25, variant="silu_limit", recipe="mxfp8", arch=100)
-
-
-def case_act_contig_bf16():
-    _act_case(26, variant="silu", recipe="bf16", arch=90)
-
-
-def case_act_masked_silu_limit_90():
-    _act_case(27, variant="silu_limit", recipe="fp8_block", arch=90, masked=True)
-
-
-def case_act_masked_situ_100():
-    _act_case(28, variant="situ", recipe="fp8_block", arch=100, masked=True)
-
-
-def case_act_masked_oai_100():
-    _act_case(29, variant="oai", recipe="mxfp8", arch=100, masked=True)
-
-
-def case_act_masked_count_over_m_pad():
+# activation cases: name -> _act_case keywords
+ACT_CASES = {
+    "act_contig_silu_90": dict(seed=20, variant="silu", recipe="fp8_block", arch=90),
+    "act_contig_silu_limit_100": dict(seed=21, variant="silu_limit", recipe="fp8_block", arch=100),
+    "act_contig_oai_90": dict(seed=22, variant="oai", recipe="fp8_block", arch=90),
+    "act_contig_situ_100": dict(seed=23, variant="situ", recipe="fp8_block", arch=100),
+    "act_contig_keep_fp32_90": dict(seed=24, variant="silu", recipe="fp8_block", arch=90, keep_fp32=True),
+    "act_contig_mxfp8_100": dict(seed=25, variant="silu_limit", recipe="mxfp8", arch=100),
+    "act_contig_bf16": dict(seed=26, variant="silu", recipe="bf16", arch=90),
+    "act_masked_silu_limit_90": dict(seed=27, variant="silu_limit", recipe="fp8_block", arch=90, masked=True),
+    "act_masked_situ_100": dict(seed=28, variant="situ", recipe="fp8_block", arch=100, masked=True),
+    "act_masked_oai_100": dict(seed=29, variant="oai", recipe="mxfp8", arch=100, masked=True),
     # m_pad 10 is not a multiple of BLOCK_M 4: slab 0's count 40 must not spill into slab 1 (count 0)
-    _act_case(32, variant="silu", recipe="fp8_block", arch=90, masked=True, mn=10, counts=(40, 0, 7, 11))
+    "act_masked_count_over_m_pad": dict(seed=32, variant="silu", recipe="fp8_block", arch=90, masked=True, mn=10,
+                                        counts=(40, 0, 7, 11)),
+}
+for _name, _kw in ACT_CASES.items():
+    globals()[f"case_{_name}"] = functools.partial(_act_case, **_kw)
 
 
 def _unpermute_case(seed, out_dtype, stray=False):
