@@ -290,6 +290,33 @@ class SafetensorsCheckpoint:
             mm = self._maps[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
         return mm[info.begin:info.end].view(_ST_DTYPES[info.dtype]).reshape(info.shape)
 
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        """Copy tensor `name` into the C-contiguous array `out` (its shape; a dtype of the same bytes,
+        or a float dtype the values are cast to). Same-byte tensors go from the file straight into
+        `out` (pread: no memory map, so the file's pages never count in this process's RSS)."""
+        info = self.info(name)
+        src = _ST_DTYPES.get(info.dtype)
+        if src is None or tuple(out.shape) != info.shape:
+            raise ValueError(f"checkpoint: cannot read {name!r} ({info.dtype} {list(info.shape)}) into "
+                             f"{out.dtype} {list(out.shape)}")
+        same_bytes = src == out.dtype or (src.kind in "iu" and out.dtype.kind in "iu"
+                                          and src.itemsize == out.dtype.itemsize == 1)
+        if not (same_bytes and out.flags.c_contiguous):
+            out[...] = self.read(name)  # a cast (F16/F32 -> bf16) through the memory map
+            return
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        fd = os.open(info.file, os.O_RDONLY)
+        try:
+            done, size = 0, info.end - info.begin
+            while done < size:
+                got = os.preadv(fd, [view[done:]], info.begin + done)
+                if got <= 0:
+                    raise ValueError(f"{info.file}: truncated: tensor {name!r} ends at byte {info.end}, "
+                                     f"reading stopped at {info.begin + done}")
+                done += got
+        finally:
+            os.close(fd)
+
     def layers(self) -> tuple[list[int], list[int]]:
         """(layer indices with any tensor, layer indices with a MoE router `gate.weight`)."""
         held, moe = set(), set()
@@ -547,11 +574,8 @@ def _stack_experts(ckpt, plan: _Plan, config: MoEConfig, naming: Naming, which: 
         r0 = 0
         for j, proj in enumerate(projs):
             pp = row[proj]
-            w = ckpt.read(pp.weight)
-            rows = w.shape[0]
-            if fmt == "mxfp4":
-                w = w.view(np.int8)
-            values[e, r0:r0 + rows] = w  # the one host copy (casts F16/F32 -> bf16 on the way)
+            rows = ckpt.info(pp.weight).shape[0]
+            ckpt.read_into(pp.weight, values[e, r0:r0 + rows])  # the one host copy (F16/F32 -> bf16 cast)
             if fmt == "fp8_block":
                 rb = rows // BLOCK  # quantized recipes: I is a multiple of 128, blocks do not straddle
                 scale[e, r0 // BLOCK:r0 // BLOCK + rb] = _scale_to_f32(ckpt.read(pp.scale))
