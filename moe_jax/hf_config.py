@@ -173,7 +173,7 @@ def moe_config_kwargs(config_json: str | os.PathLike | Mapping[str, Any], layer:
         norm_topk_prob=bool(cfg.get("norm_topk_prob", v4)),
         routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
         hash_routing=hashed,
-        vocab_size=_int(cfg, "vocab_size", minimum=1) if hashed else None,
+        vocab_size=_int(cfg, "vocab_size", minimum=1) if hashed or v4 else None,  # as the presets
         activation=ActivationSpec(kind="silu", swiglu_limit=None if limit is None else float(limit)),
         recipe=_recipe(cfg),
     )
