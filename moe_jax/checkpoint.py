@@ -548,8 +548,8 @@ def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
 
 
 def _stack_experts(ckpt, plan: _Plan, config: MoEConfig, naming: Naming, which: str):
-    """Stacked checkpoint-form values (E_loc, N, Kv) and scale (or None) for "w13" or "w2"; MX
-    scales stay E8M0 bytes when stored so, every other scale becomes f32 (exactly)."""
+    """Stacked checkpoint-form values (E_loc, N, Kv) and scale (or None) for "w13" or "w2"; every
+    scale becomes f32 here, exactly, one expert at a time (no whole-layer byte copy beside it)."""
     h, i = config.hidden_size, config.intermediate_size
     e_loc = len(plan.experts)
     projs = ("gate_proj", "up_proj") if which == "w13" else ("down_proj",)
@@ -569,7 +569,7 @@ def _stack_experts(ckpt, plan: _Plan, config: MoEConfig, naming: Naming, which: 
     elif fmt == "fp8_per_tensor":
         scale = np.empty((e_loc, len(projs)), np.float32)
     else:
-        scale = np.empty((e_loc, n, ceil_div(k, MX_GROUP)), np.uint8 if plan.scale_dtype == "E8M0" else np.float32)
+        scale = _aligned_empty((e_loc, n, ceil_div(k, MX_GROUP)), np.float32)
     for e, row in enumerate(plan.experts):
         r0 = 0
         for j, proj in enumerate(projs):
@@ -582,8 +582,7 @@ def _stack_experts(ckpt, plan: _Plan, config: MoEConfig, naming: Naming, which: 
             elif fmt == "fp8_per_tensor":
                 scale[e, j] = _scale_to_f32(ckpt.read(pp.scale)).reshape(())
             elif fmt in ("mxfp8", "mxfp4"):  # values checked by _classify
-                s = ckpt.read(pp.scale)
-                scale[e, r0:r0 + rows] = s if scale.dtype == np.uint8 else _scale_to_f32(s)
+                scale[e, r0:r0 + rows] = _scale_to_f32(ckpt.read(pp.scale))
             r0 += rows
     return values, scale
 
@@ -605,10 +604,7 @@ def _to_checkpoint_form(values, scale, fmt, recipe, n_split, k):
         parts = [layouts.expand_per_tensor_scale(jnp.asarray(scale[:, j]), rows, k, BLOCK)
                  for j, rows in enumerate(n_split)]
         return v, jnp.concatenate(parts, axis=1)
-    s = jnp.asarray(scale)
-    if s.dtype == jnp.uint8:
-        s = layouts.ue8m0_bytes_to_fp32(s)
-    return v, s
+    return v, jax.device_put(scale)
 
 
 def _read_shared_projection(ckpt: SafetensorsCheckpoint, fmt: str, pp: _ProjPlan
