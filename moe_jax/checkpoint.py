@@ -329,11 +329,12 @@ class SafetensorsCheckpoint:
         return sorted(held), sorted(moe)
 
 
-def detect_naming(ckpt: SafetensorsCheckpoint, *, layer: int | None = None,
-                  prefix: str | None = None) -> tuple[Naming, str]:
+def detect_naming(ckpt: SafetensorsCheckpoint, *, layer: int | None = None, prefix: str | None = None,
+                  kinds: tuple[str, ...] | None = None) -> tuple[Naming, str]:
     """(naming, prefix) of layer `layer`, or of the tensors under an explicit `prefix` (its leaf
     names decide v3 vs v4 leaves). Raises CheckpointError when no naming has tensors for the layer
-    (listing the layers the files hold) or more than one has."""
+    (listing the layers the files hold, and config.json's layer `kinds` when given) or more than
+    one has."""
     if prefix is not None:
         under = [k[len(prefix):] for k in ckpt.keys() if k.startswith(prefix)]
         v4 = any(k == "gate.bias" or re.match(r"(shared_experts|experts\.\d+)\.w[123]\.", k) for k in under)
@@ -350,7 +351,8 @@ def detect_naming(ckpt: SafetensorsCheckpoint, *, layer: int | None = None,
     if not hits:
         raise CheckpointError(f"checkpoint layer {layer}", [
             f"no tensor of layer {layer} under any known naming ({tried}); the files hold layers "
-            f"{hf_config.format_ranges(held)}, with a MoE router (gate.weight) in layers {hf_config.format_ranges(moe)}"])
+            f"{hf_config.format_ranges(held)}, with a MoE router (gate.weight) in layers {hf_config.format_ranges(moe)}"
+            + (f"; config.json's layers: {hf_config.describe_kinds(kinds)}" if kinds else "")])
     raise CheckpointError(f"checkpoint layer {layer}", [
         f"tensors of layer {layer} under more than one naming ({', '.join(p for _, p in hits)}); "
         f"pass prefix= to pick one"])
@@ -660,7 +662,7 @@ def _layer_config(ckpt, config, layer, arch, cfg_json) -> MoEConfig:
     kinds = hf_config.layer_kinds(cfg_json)
     if layer >= len(kinds) or kinds[layer] == "dense":
         held, moe = ckpt.layers()
-        what = f"a dense layer" if layer < len(kinds) else f"not a layer of this model ({len(kinds)} layers)"
+        what = "a dense layer" if layer < len(kinds) else f"not a layer of this model ({len(kinds)} layers)"
         raise CheckpointError(where, [
             f"layer {layer} is {what}; config.json's layers: {hf_config.describe_kinds(kinds)}; the files "
             f"hold layers {hf_config.format_ranges(held)}, MoE routers in {hf_config.format_ranges(moe)}"])
@@ -705,7 +707,8 @@ def load_moe_layer(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckpo
     if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= e):
         raise ValueError(f"expert_range: expected (start, stop) with 0 <= start < stop <= "
                          f"num_experts={e}, got {expert_range!r}")
-    naming, prefix = detect_naming(ckpt, layer=layer, prefix=prefix)
+    kinds = hf_config.layer_kinds(cfg_json) if cfg_json is not None else None
+    naming, prefix = detect_naming(ckpt, layer=layer, prefix=prefix, kinds=kinds)
     where = f"checkpoint layer prefix {prefix!r} ({naming.name} naming)"
 
     problems: list[str] = []

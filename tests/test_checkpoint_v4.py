@@ -425,7 +425,8 @@ def test_dense_layer_and_missing_layer_say_what_the_files_hold(tmp_path):
     assert "layer 12 is not a layer of this model (9 layers)" in msg
     msg = err(lambda: load_moe_params(tmp_path, layer=4))  # MoE by config.json, absent from the files
     assert ("no tensor of layer 4 under any known naming (model.layers.4.mlp., layers.4.ffn., "
-            "model.layers.4.ffn.); the files hold layers 1, 3, with a MoE router (gate.weight) in layers 3") in msg
+            "model.layers.4.ffn.); the files hold layers 1, 3, with a MoE router (gate.weight) in layers 3; "
+            "config.json's layers: moe: 3-8; dense: 0-2") in msg
     with pytest.raises(ValueError, match="config: the checkpoint has no config.json beside its files"):
         (tmp_path / "config.json").unlink()
         load_moe_params(tmp_path, layer=3)
