@@ -711,6 +711,12 @@ def load_moe_layer(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckpo
     naming, prefix = detect_naming(ckpt, layer=layer, prefix=prefix, kinds=kinds)
     where = f"checkpoint layer prefix {prefix!r} ({naming.name} naming)"
 
+    if layer is not None and f"{prefix}gate.weight" not in ckpt:  # e.g. a dense layer's MLP: say so
+        held, moe = ckpt.layers()
+        raise CheckpointError(where, [
+            f"missing {prefix}gate.weight: layer {layer} has no MoE router in the files (a dense layer?); "
+            f"MoE routers are in layers {hf_config.format_ranges(moe)}"
+            + (f"; config.json's layers: {hf_config.describe_kinds(kinds)}" if kinds else "")])
     problems: list[str] = []
     h = config.hidden_size
     _check_small(ckpt, f"{prefix}gate.weight", (e, h), _FLOAT, problems, required=True)

@@ -142,7 +142,6 @@ class MoEConfig:
         base.update(overrides)
         return cls(**base)
 
-
     @classmethod
     def from_pretrained(cls, path_or_config_json, *, layer: int, **overrides) -> "MoEConfig":
         """Layer `layer`'s config from a checkpoint's `config.json` (moe_jax/hf_config.py):

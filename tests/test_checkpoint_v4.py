@@ -427,9 +427,12 @@ def test_dense_layer_and_missing_layer_say_what_the_files_hold(tmp_path):
     assert ("no tensor of layer 4 under any known naming (model.layers.4.mlp., layers.4.ffn., "
             "model.layers.4.ffn.); the files hold layers 1, 3, with a MoE router (gate.weight) in layers 3; "
             "config.json's layers: moe: 3-8; dense: 0-2") in msg
+    (tmp_path / "config.json").unlink()
     with pytest.raises(ValueError, match="config: the checkpoint has no config.json beside its files"):
-        (tmp_path / "config.json").unlink()
         load_moe_params(tmp_path, layer=3)
+    msg = err(lambda: load_moe_params(tmp_path, v4_config("fp8_block"), layer=1))  # no config.json to ask
+    assert ("missing model.layers.1.mlp.gate.weight: layer 1 has no MoE router in the files (a dense "
+            "layer?); MoE routers are in layers 3") in msg
 
 
 def test_missing_tensor_list_is_capped(tmp_path):

@@ -5,8 +5,8 @@ SM90 CUDA GPU), ``layer`` (the routed MoE layer: per-stage times, end to end, er
 memory; without a GPU it runs scaled shapes), ``triton`` (bandwidth of the Triton kernels and their
 tiling configs; needs a CUDA GPU), ``parallel`` (the shard_map patterns on whatever devices jax
 sees), ``load`` (writes full-size synthetic V3/V4 layers and loads them: seconds, GB/s, peak host
-RSS; ``--small`` for a scaled run). The table goes to stdout, progress to stderr. Exit status: 0 when every requested row ran,
-1 when one failed, 2 when the machine cannot run the subcommand.
+RSS; ``--small`` for a scaled run). The table goes to stdout, progress to stderr. Exit status: 0
+when every requested row ran, 1 when one failed, 2 when the machine cannot run the subcommand.
 ``python -m moe_jax.bench <subcommand> --help`` for the options.
 """
 
