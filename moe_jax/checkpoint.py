@@ -53,11 +53,13 @@ config that disagrees with it is an error naming the field.
 
 Reading: with a `model.safetensors.index.json` the tensor names come from its weight map and a
 shard's header is read only when one of its tensors is needed; the safetensors header (8-byte
-little-endian length, then JSON) is parsed here and every tensor is a read-only view of a memory
-map; numpy cannot name FP8 dtypes, so `safetensors.safe_open(framework="numpy")` (0.8) refuses
-F8_E4M3/F8_E8M0 tensors — ml_dtypes supplies them. Each expert tensor is copied once, straight into
-a preallocated, 64-byte aligned stacked host buffer (E_local, N, K) that jax on the CPU adopts
-without a copy: the layer's experts are never held twice on the host. Every tensor name, dtype and
+little-endian length, then JSON) is parsed here; numpy cannot name FP8 dtypes, so
+`safetensors.safe_open(framework="numpy")` (0.8) refuses F8_E4M3/F8_E8M0 tensors — ml_dtypes
+supplies them. The loader reads with pread (no file pages stay mapped in the process;
+`SafetensorsCheckpoint.read` offers read-only memory-mapped views): each expert tensor is copied
+once, straight from the file into a preallocated, 64-byte aligned stacked host buffer
+(E_local, N, K) that jax on the CPU adopts without a copy, so the layer's experts are never held
+twice on the host (`python -m moe_jax.bench load` measures the peak). Every tensor name, dtype and
 shape is checked from the headers, and the small tensors whose values can be invalid (scales,
 tid2eid) are checked, before any weight is stacked; all problems are reported together in one
 `CheckpointError` (the first 20 listed, then a count), and nothing is returned half-loaded.
@@ -317,6 +319,16 @@ class SafetensorsCheckpoint:
         finally:
             os.close(fd)
 
+    def read_copy(self, name: str) -> np.ndarray:
+        """Tensor `name` as a new array (read with pread: no file pages stay mapped in this process)."""
+        info = self.info(name)
+        if info.dtype not in _ST_DTYPES:
+            raise TypeError(f"checkpoint: tensor {name!r} has dtype {info.dtype}, which this loader "
+                            f"does not read (readable: {sorted(_ST_DTYPES)})")
+        out = np.empty(info.shape, _ST_DTYPES[info.dtype])
+        self.read_into(name, out)
+        return out
+
     def layers(self) -> tuple[list[int], list[int]]:
         """(layer indices with any tensor, layer indices with a MoE router `gate.weight`)."""
         held, moe = set(), set()
@@ -399,7 +411,7 @@ def _scale_value_problem(ckpt: SafetensorsCheckpoint, name: str, pow2: bool, pro
     """Appends the problem with the values of scale tensor `name`, if any: E8M0 bytes 0 (2^-127,
     below fp32's normal range) and 255 (NaN); F32/BF16 scales that are not positive finite, or
     (`pow2`: MX formats, whose GEMMs read UE8M0) not powers of two."""
-    s, dt = ckpt.read(name), ckpt.info(name).dtype
+    s, dt = ckpt.read_copy(name), ckpt.info(name).dtype
     if s.dtype == np.uint8:
         bad = int(np.count_nonzero((s == 0) | (s == 255)))
         msg = (f"{name}: {bad} scale byte(s) are 0 or 255 (E8M0 2^-127 / NaN are not usable scales; "
@@ -580,11 +592,11 @@ def _stack_experts(ckpt, plan: _Plan, config: MoEConfig, naming: Naming, which: 
             ckpt.read_into(pp.weight, values[e, r0:r0 + rows])  # the one host copy (F16/F32 -> bf16 cast)
             if fmt == "fp8_block":
                 rb = rows // BLOCK  # quantized recipes: I is a multiple of 128, blocks do not straddle
-                scale[e, r0 // BLOCK:r0 // BLOCK + rb] = _scale_to_f32(ckpt.read(pp.scale))
+                scale[e, r0 // BLOCK:r0 // BLOCK + rb] = _scale_to_f32(ckpt.read_copy(pp.scale))
             elif fmt == "fp8_per_tensor":
-                scale[e, j] = _scale_to_f32(ckpt.read(pp.scale)).reshape(())
+                scale[e, j] = _scale_to_f32(ckpt.read_copy(pp.scale)).reshape(())
             elif fmt in ("mxfp8", "mxfp4"):  # values checked by _classify
-                scale[e, r0:r0 + rows] = _scale_to_f32(ckpt.read(pp.scale))
+                scale[e, r0:r0 + rows] = _scale_to_f32(ckpt.read_copy(pp.scale))
             r0 += rows
     return values, scale
 
@@ -612,12 +624,12 @@ def _to_checkpoint_form(values, scale, fmt, recipe, n_split, k):
 def _read_shared_projection(ckpt: SafetensorsCheckpoint, fmt: str, pp: _ProjPlan
                             ) -> tuple[np.ndarray, np.ndarray | None, str]:
     """One shared-expert projection as stored: (values (N, Kv) — int8 packed e2m1 for mxfp4 —,
-    scale as exact f32 (None for bf16), checkpoint format). Host copies, never views of the file
+    scale as exact f32 (None for bf16), checkpoint format). Host copies, never views of a file
     map (jax may alias host memory)."""
-    w = np.array(ckpt.read(pp.weight))
+    w = ckpt.read_copy(pp.weight)
     if fmt == "mxfp4":
         w = w.view(np.int8)
-    s = None if pp.scale is None else _scale_to_f32(ckpt.read(pp.scale))
+    s = None if pp.scale is None else _scale_to_f32(ckpt.read_copy(pp.scale))
     return w, s, fmt
 
 
@@ -730,7 +742,7 @@ def load_moe_layer(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckpo
         n_before = len(problems)
         _check_small(ckpt, tid, (config.vocab_size, config.top_k), _INT, problems, required=True)
         if len(problems) == n_before:  # well-formed: its ids must name experts (routing gathers them)
-            ids = ckpt.read(tid)
+            ids = ckpt.read_copy(tid)
             bad = int(np.count_nonzero((ids < 0) | (ids >= e)))
             if bad:
                 problems.append(f"{tid}: {bad} expert id(s) outside [0, {e}) (values "
@@ -767,11 +779,11 @@ def load_moe_layer(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckpo
         shared_w13, shared_w2 = jnp.concatenate([g, u], axis=0), d
     use_bias = config.use_correction_bias and not config.hash_routing
     params = MoEParams(
-        gate_weight=jnp.asarray(np.array(ckpt.read(f"{prefix}gate.weight"), np.float32)),
+        gate_weight=jnp.asarray(np.array(ckpt.read_copy(f"{prefix}gate.weight"), np.float32)),
         w13=w13, w2=w2, w13_scale=s13, w2_scale=s2,
-        e_score_correction_bias=jnp.asarray(np.array(ckpt.read(bias), np.float32)) if use_bias else None,
+        e_score_correction_bias=jnp.asarray(np.array(ckpt.read_copy(bias), np.float32)) if use_bias else None,
         shared_w13=shared_w13, shared_w2=shared_w2,
-        tid2eid=jnp.asarray(np.array(ckpt.read(tid), np.int32)) if config.hash_routing else None,
+        tid2eid=jnp.asarray(np.array(ckpt.read_copy(tid), np.int32)) if config.hash_routing else None,
     )
     check_params(params, config)
     return config, (prepare_params(params, config, arch) if prepare else params)
