@@ -381,7 +381,7 @@ def test_load_without_a_config(tmp_path):
     assert_checkpoint_form(p, want)
     p1 = load_moe_params(tmp_path, layer=1, prepare=False)  # the hash layer: no bias asked for
     assert_checkpoint_form(p1, want1)
-    moe = MoE.from_pretrained(tmp_path, layer=5, arch=90)
+    moe = MoE.from_pretrained(tmp_path, layer=5, arch=90, backend="reference")
     assert moe.config == config.scaled(arch=90)
     x = jnp.asarray(np.random.default_rng(7).normal(0, 1, (M, H)), jnp.bfloat16)
     y = np.asarray(moe(x).astype(jnp.float32))
@@ -479,3 +479,29 @@ def test_explicit_prefix_detects_v4_leaves(tmp_path):
     write_st(tmp_path / "m.safetensors", t)
     p = load_moe_params(tmp_path, v4_config(), prefix="backbone.layers.5.ffn.", prepare=False)
     assert_checkpoint_form(p, want)
+
+
+def test_index_and_header_that_disagree(tmp_path):
+    t, _ = build_layer("v4", fmt="mxfp4")
+    write_st(tmp_path / "a.safetensors", t)
+    weight_map = {k: "a.safetensors" for k in t}
+    weight_map["layers.5.ffn.experts.0.w1.weight"] = "b.safetensors"
+    write_st(tmp_path / "b.safetensors", {"other": np.zeros(3, np.float32)})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match="model.safetensors.index.json places tensor "
+                                         "'layers.5.ffn.experts.0.w1.weight' in .*b.safetensors, whose "
+                                         "header does not have it"):
+        load_moe_params(tmp_path, v4_config(), layer=5)
+
+
+def test_two_namings_for_one_layer_and_prefix_without_config(tmp_path):
+    t, _ = build_layer("v4", fmt="mxfp4")
+    t3, _ = build_layer("v3", fmt="mxfp4")
+    write_st(tmp_path / "m.safetensors", {**t, **t3})
+    msg = err(lambda: load_moe_params(tmp_path, v4_config(), layer=5))
+    assert ("tensors of layer 5 under more than one naming (model.layers.5.mlp., layers.5.ffn.); "
+            "pass prefix= to pick one") in msg
+    load_moe_params(tmp_path, v4_config(), prefix="layers.5.ffn.", prepare=False)
+    (tmp_path / "config.json").write_text(json.dumps(small_json("v4")))
+    with pytest.raises(ValueError, match="config: required with prefix="):
+        load_moe_params(tmp_path, prefix="layers.5.ffn.")
