@@ -17,7 +17,8 @@ is a ValueError naming it):
                and L % moe_layer_freq == 0, else dense
     V4         mlp_layer_types ("hash_moe" | "moe" per layer; transformers' form) or, in the
                release's form, num_hidden_layers + num_hash_layers (the first ones are hash_moe);
-               expert_dtype (fp4 -> mxfp4, fp8 -> fp8_block, bf16) for the routed experts
+               expert_dtype (fp4 -> mxfp4, fp8 -> fp8_block, bf16; top level or in
+               quantization_config) for the routed experts; without it, quantization_config decides
 
 A hash-MoE layer routes by `tid2eid[token]` and has no correction bias. A V4 file is one with
 `model_type` "deepseek_v4", `mlp_layer_types`, `num_hash_layers` or `expert_dtype`.
@@ -58,6 +59,7 @@ def read_config_json(path: str | os.PathLike | Mapping[str, Any]) -> dict[str, A
 
 
 def is_v4(cfg: Mapping[str, Any]) -> bool:
+    """A DeepSeek-V4 config.json (module docstring)."""
     return (cfg.get("model_type") == "deepseek_v4" or "mlp_layer_types" in cfg
             or "num_hash_layers" in cfg or "expert_dtype" in cfg)
 
@@ -115,13 +117,16 @@ def describe_kinds(kinds: tuple[str, ...]) -> str:
 
 
 def _recipe(cfg: Mapping[str, Any]) -> str:
-    """The routed experts' checkpoint recipe."""
-    if is_v4(cfg) and cfg.get("expert_dtype") is not None:
-        dt = cfg["expert_dtype"]
+    """The routed experts' checkpoint recipe: V4's expert_dtype (top level, or inside
+    quantization_config), else the FP8 quantization_config, else bf16."""
+    q = cfg.get("quantization_config")
+    dt = cfg.get("expert_dtype")
+    if dt is None and isinstance(q, dict):
+        dt = q.get("expert_dtype")
+    if is_v4(cfg) and dt is not None:
         if dt not in _EXPERT_DTYPES:
             raise ValueError(f"config.json: expert_dtype must be one of {sorted(_EXPERT_DTYPES)}, got {dt!r}")
         return _EXPERT_DTYPES[dt]
-    q = cfg.get("quantization_config")
     if q is None:
         return "bf16"
     if not isinstance(q, dict):

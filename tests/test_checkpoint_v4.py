@@ -326,6 +326,12 @@ def test_released_configs_match_the_presets(tmp_path):
     assert MoEConfig.from_pretrained(v4_json(), layer=0) == MoEConfig.deepseek_v4(hash_routing=True)
     assert MoEConfig.from_pretrained(v4_json(), layer=3) == MoEConfig.deepseek_v4()
     assert MoEConfig.from_pretrained(v4_json(), layer=3, arch=100).arch == 100
+    base = MoEConfig.from_pretrained(v4_json(expert_dtype=None), layer=3)  # Flash-Base: FP8 experts
+    assert base.recipe == "fp8_block"
+    nested = v4_json(expert_dtype=None)
+    nested["quantization_config"]["expert_dtype"] = "fp4"
+    assert MoEConfig.from_pretrained(nested, layer=3).recipe == "mxfp4"
+    assert MoEConfig.from_pretrained(v3_json(quantization_config=None), layer=3).recipe == "bf16"
 
 
 def test_layer_kinds():
