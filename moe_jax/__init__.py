@@ -15,6 +15,7 @@ from moe_jax.dispatch import (LAYOUTS, ContigDispatch, MaskedDispatch, choose_la
                               default_masked_m_pad, dispatch_contig, dispatch_masked, expected_m,
                               masked_peak_bytes)
 from moe_jax.experts import expert_core_contig, expert_core_masked
+from moe_jax.hf_config import layer_kinds
 from moe_jax.layer import STAGES, moe_forward, resolve_layout, routed_experts, shared_experts, stage_backends
 from moe_jax.params import MoEParams, check_params, check_shared, init_params, prepare_params
 from moe_jax.routing import route, router_logits, score, select_experts
@@ -23,7 +24,7 @@ from moe_jax.validate import check_x
 __all__ = [
     "LAYOUTS", "STAGES", "ContigDispatch", "MaskedDispatch", "MoEConfig", "MoEParams", "check_params",
     "check_shared", "check_x", "choose_layout", "contig_capacity", "default_masked_m_pad", "dispatch_contig",
-    "dispatch_masked", "expected_m", "expert_core_contig", "expert_core_masked", "init_params",
+    "dispatch_masked", "expected_m", "expert_core_contig", "expert_core_masked", "init_params", "layer_kinds",
     "masked_peak_bytes", "moe_forward", "prepare_params", "resolve_layout", "route", "routed_experts",
     "router_logits", "score", "select_experts", "shared_experts", "stage_backends",
 ]

@@ -131,15 +131,28 @@ class MoEConfig:
         """DeepSeek-V4: 256 experts, top-6, sqrtsoftplus + correction bias without grouping,
         weights renormalized, scaling 1.5, swiglu_limit 10 on routed and shared experts, one shared
         expert, MXFP4 experts (W4A8), H 4096, I 2048. Pass `hash_routing=True` for the first,
-        hash-routed layers (vocab 129280)."""
+        hash-routed layers (vocab 129280; routed by tid2eid, no correction bias)."""
+        hashed = overrides.get("hash_routing", False)
         base = dict(
             num_experts=256, top_k=6, hidden_size=4096, intermediate_size=2048, n_shared_experts=1,
-            scoring="sqrtsoftplus", use_correction_bias=True, use_grouped_topk=False,
+            scoring="sqrtsoftplus", use_correction_bias=not hashed, use_grouped_topk=False,
             norm_topk_prob=True, routed_scaling_factor=1.5,
             activation=ActivationSpec(kind="silu", swiglu_limit=10.0), recipe="mxfp4", vocab_size=129280,
         )
         base.update(overrides)
         return cls(**base)
+
+    @classmethod
+    def from_pretrained(cls, path_or_config_json, *, layer: int, **overrides) -> "MoEConfig":
+        """Layer `layer`'s config from a checkpoint's `config.json` (moe_jax/hf_config.py):
+        path_or_config_json is the checkpoint directory, the config.json file, or its parsed dict.
+        overrides set the fields config.json does not decide (arch, layout, ...) or replace any,
+        e.g. `recipe="mxfp8"` for bf16 experts. A dense layer is a ValueError listing the kinds."""
+        from moe_jax.hf_config import moe_config_kwargs
+
+        kwargs = moe_config_kwargs(path_or_config_json, layer)
+        kwargs.update(overrides)
+        return cls(**kwargs)
 
 
 def _fit_routing(fields: dict, overrides: dict) -> dict[str, int]:

@@ -1,6 +1,7 @@
 """`MoE`: the layer as a Flax nnx module (needs the `nn` extra: flax).
 
     moe = MoE(config, rngs=nnx.Rngs(0))                        # random weights, GEMM form
+    moe = MoE.from_pretrained("/ckpt/DeepSeek-V4", layer=5)   # config from config.json
     moe = MoE.from_checkpoint("/ckpt", config, layer=3)       # DeepSeek-style safetensors
     y = nnx.jit(lambda m, x: m(x))(moe, x)                    # x: (M, H) bf16 -> (M, H) bf16
 
@@ -174,6 +175,19 @@ class MoE(nnx.Module):
 
         params = load_moe_params(checkpoint, config, layer=layer, prefix=prefix,
                                  expert_range=expert_range, prepare=kwargs.get("prepare", True))
+        return cls(config, params=params, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, checkpoint: str | os.PathLike | Sequence, *, layer: int,
+                        arch: int | None = None, config: MoEConfig | None = None,
+                        expert_range: tuple[int, int] | None = None, **kwargs) -> "MoE":
+        """Layer `layer` of a DeepSeek-V3/V4 checkpoint directory, config and all: the MoEConfig
+        comes from its config.json (`arch` sets MoEConfig.arch; `config` instead is checked against
+        config.json), the tensor naming is detected (`load_moe_layer`); kwargs as in `MoE(...)`."""
+        from moe_jax.checkpoint import load_moe_layer
+
+        config, params = load_moe_layer(checkpoint, layer=layer, config=config, arch=arch,
+                                        expert_range=expert_range, prepare=kwargs.get("prepare", True))
         return cls(config, params=params, **kwargs)
 
     # -- the layer -------------------------------------------------------------------------------

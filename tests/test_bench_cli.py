@@ -92,7 +92,8 @@ def test_layer_without_flags_on_cpu_runs_scaled_shapes_quickly_and_honestly(tmp_
                                                      "--backends"]),
                                           ("gemm", ["--json", "--plot", "--markdown", "--quick"]),
                                           ("triton", ["--json", "--no-sweep", "--reps", "--routing-only"]),
-                                          ("parallel", ["--json", "--backend", "--model", "--tokens"])])
+                                          ("parallel", ["--json", "--backend", "--model", "--tokens"]),
+                                          ("load", ["--json", "--small", "--dir", "--keep", "--ep"])])
 def test_subcommand_help(capsys, sub, options):
     with pytest.raises(SystemExit) as e:
         main([sub, "--help"])
@@ -105,7 +106,7 @@ def test_top_level_help_lists_subcommands(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     out = capsys.readouterr().out
-    assert e.value.code == 0 and all(sub in out for sub in ("gemm", "layer", "triton", "parallel"))
+    assert e.value.code == 0 and all(sub in out for sub in ("gemm", "layer", "triton", "parallel", "load"))
 
 
 @pytest.mark.parametrize("sub", ["gemm", "triton"])
