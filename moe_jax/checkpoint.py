@@ -31,7 +31,9 @@ Which checkpoint format serves which `config.recipe` (anything else is an error,
     mxfp8 <- mxfp8, bf16 (quantized here, weight path D);  mxfp4 <- mxfp4
 
 The shared expert may come in any of the five formats; it is dequantized to bf16 (the layer runs it
-as a dense bf16 MLP). The returned `MoEParams` is in GEMM form for `arch` (`prepare=True`) or in
+as a dense bf16 MLP), except with `shared_fp8=True`, which keeps an fp8_block (or fp8_per_tensor,
+as 128x128 pseudo blocks) shared expert as e4m3 values + block scales, run through the dense FP8
+GEMM (moe_jax/shared.py); its other formats are still dequantized to bf16. The returned `MoEParams` is in GEMM form for `arch` (`prepare=True`) or in
 checkpoint form (`prepare=False`, e.g. to shard before preparing).
 
 Reading: the safetensors header (8-byte little-endian length, then JSON) is parsed here and every
@@ -464,10 +466,34 @@ def _dequantize_shared(ckpt, fmt: str, pp: _ProjPlan, n: int, k: int):
     return layouts.dequantize_fp8_per_block(jnp.asarray(w), jnp.asarray(s), BLOCK, jnp.bfloat16)
 
 
+def _fp8_shared(ckpt, plan: _Plan, h: int, i_s: int) -> dict:
+    """An fp8_block / fp8_per_tensor shared expert kept as FP8: {shared_w13 (2*I_s, H) e4m3,
+    shared_w13_scale (2*I_s/128, ceil(H/128)) f32, shared_w2 (H, I_s) e4m3, shared_w2_scale} in
+    checkpoint form (MoEParams fields); {} when its projections are not all FP8 with block scales."""
+    import jax.numpy as jnp
+
+    import layouts
+
+    if not all(plan.shared[p][0] in ("fp8_block", "fp8_per_tensor") for p in _proj_shapes(h, i_s)):
+        return {}
+    if i_s % BLOCK:  # gate and up blocks would share scale rows once stacked
+        raise ValueError(f"shared_fp8: the shared intermediate size must be a multiple of {BLOCK}, got {i_s}")
+    out = {}
+    for p, (n, k) in _proj_shapes(h, i_s).items():
+        fmt, pp = plan.shared[p]
+        s = jnp.asarray(np.array(ckpt.read(pp.scale), np.float32))
+        if fmt == "fp8_per_tensor":
+            s = layouts.expand_per_tensor_scale(s.reshape(()), n, k, BLOCK)
+        out[p] = (jnp.asarray(np.array(ckpt.read(pp.weight))), s)
+    (g, gs), (u, us), (d, ds) = (out[p] for p in ("gate_proj", "up_proj", "down_proj"))
+    return dict(shared_w13=jnp.concatenate([g, u]), shared_w13_scale=jnp.concatenate([gs, us]),
+                shared_w2=d, shared_w2_scale=ds)
+
+
 def load_moe_params(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckpoint, config: MoEConfig,
                     *, layer: int | None = None, arch: int | None = None,
                     expert_range: tuple[int, int] | None = None, prefix: str | None = None,
-                    prepare: bool = True) -> MoEParams:
+                    prepare: bool = True, shared_fp8: bool = False) -> MoEParams:
     """The MoE layer `layer` of a DeepSeek-style safetensors checkpoint as `MoEParams`.
 
     checkpoint: file, list of files, directory, or an open `SafetensorsCheckpoint`.
@@ -477,8 +503,9 @@ def load_moe_params(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckp
     mxfp8 -> D). expert_range: (start, stop) global expert ids held by this rank (EP); only those
     experts are read; the router, bias and shared expert are whole.
     prepare: True -> GEMM form for `arch` (`prepare_params`); False -> checkpoint form.
+    shared_fp8: True keeps an FP8 (fp8_block / fp8_per_tensor) shared expert as FP8 (module docstring).
     Returns MoEParams with w13 (E_local, 2I, K[/2]), w2 (E_local, H, I[/2]) and scales; the router
-    weight and correction bias in f32, the shared expert in bf16, tid2eid in int32.
+    weight and correction bias in f32, the shared expert in bf16 (or FP8, shared_fp8), tid2eid in int32.
     Raises CheckpointError (a ValueError) listing every missing, mis-shaped or mis-typed tensor,
     a format the recipe cannot be loaded from, or invalid scale values; ValueError for a target
     arch that cannot run the recipe or a bad expert_range.
@@ -548,17 +575,20 @@ def load_moe_params(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckp
     w2, s2 = _to_checkpoint_form(*_stack_experts(ckpt, plan, config, "w2"), plan.fmt,
                                  config.recipe, (h,), i)
     shared_w13 = shared_w2 = None
+    shared_fp8_parts = {}
     if config.n_shared_experts:
         i_s = config.shared_intermediate_size
-        g, u, d = (_dequantize_shared(ckpt, *plan.shared[p], *shp)
-                   for p, shp in _proj_shapes(h, i_s).items())
-        shared_w13, shared_w2 = jnp.concatenate([g, u], axis=0), d
+        shared_fp8_parts = _fp8_shared(ckpt, plan, h, i_s) if shared_fp8 else {}
+        if not shared_fp8_parts:
+            g, u, d = (_dequantize_shared(ckpt, *plan.shared[p], *shp)
+                       for p, shp in _proj_shapes(h, i_s).items())
+            shared_w13, shared_w2 = jnp.concatenate([g, u], axis=0), d
     params = MoEParams(
         gate_weight=jnp.asarray(np.array(ckpt.read(f"{prefix}gate.weight"), np.float32)),
         w13=w13, w2=w2, w13_scale=s13, w2_scale=s2,
         e_score_correction_bias=(jnp.asarray(np.array(ckpt.read(bias), np.float32))
                                  if config.use_correction_bias else None),
-        shared_w13=shared_w13, shared_w2=shared_w2,
+        **(shared_fp8_parts or dict(shared_w13=shared_w13, shared_w2=shared_w2)),
         tid2eid=jnp.asarray(np.array(ckpt.read(tid), np.int32)) if config.hash_routing else None,
     )
     check_params(params, config)

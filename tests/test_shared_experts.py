@@ -308,3 +308,57 @@ def test_gpu_fp8_shared_runs_deep_gemm_and_matches_reference():
         yu = g(x, p, config=cfg, layout=layout, backend="auto").astype(jnp.float32)
         yf = g(x, pf, config=cf, layout=layout, backend="auto").astype(jnp.float32)
         assert _row_rel(yf, yu).max() < 2e-2
+
+
+# -- checkpoint ----------------------------------------------------------------------------------
+
+def _write_safetensors(path, tensors: dict) -> None:
+    """Minimal safetensors file: 8-byte LE header length, JSON header, raw little-endian data."""
+    import json
+    import struct
+
+    names = {np.dtype(np.float32): "F32", np.dtype(E4M3): "F8_E4M3", np.dtype(ml_dtypes.bfloat16): "BF16"}
+    header, blobs, off = {}, [], 0
+    for name, a in tensors.items():
+        a = np.ascontiguousarray(a)
+        header[name] = dict(dtype=names[a.dtype], shape=list(a.shape), data_offsets=[off, off + a.nbytes])
+        blobs.append(a.tobytes())
+        off += a.nbytes
+    h = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def test_checkpoint_keeps_fp8_shared_expert_fp8(tmp_path):
+    from moe_jax.checkpoint import load_moe_params
+
+    cfg = _cfg()
+    p = init_params(jax.random.key(9), cfg, shared_recipe="fp8_block")
+    i, pre = cfg.intermediate_size, "model.layers.0.mlp."
+    t = {pre + "gate.weight": np.asarray(p.gate_weight, np.float32),
+         pre + "gate.e_score_correction_bias": np.asarray(p.e_score_correction_bias, np.float32)}
+
+    def put(name, w, s):
+        t[pre + name + ".weight"], t[pre + name + ".weight_scale_inv"] = np.asarray(w), np.asarray(s)
+
+    for e in range(cfg.num_experts):
+        put(f"experts.{e}.gate_proj", p.w13[e, :i], p.w13_scale[e, :1])
+        put(f"experts.{e}.up_proj", p.w13[e, i:], p.w13_scale[e, 1:])
+        put(f"experts.{e}.down_proj", p.w2[e], p.w2_scale[e])
+    put("shared_experts.gate_proj", p.shared_w13[:i], p.shared_w13_scale[:1])
+    put("shared_experts.up_proj", p.shared_w13[i:], p.shared_w13_scale[1:])
+    put("shared_experts.down_proj", p.shared_w2, p.shared_w2_scale)
+    _write_safetensors(tmp_path / "m.safetensors", t)
+    got = load_moe_params(tmp_path / "m.safetensors", cfg, layer=0, prepare=False, shared_fp8=True)
+    assert got.shared_recipe == "fp8_block"
+    for name in ("shared_w13", "shared_w2", "shared_w13_scale", "shared_w2_scale"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)).view(np.uint8),
+                                      np.asarray(getattr(p, name)).view(np.uint8))
+    x = _x(11, 256)
+    np.testing.assert_array_equal(np.asarray(moe_forward(x, got, cfg).astype(jnp.float32)),
+                                  np.asarray(moe_forward(x, p, cfg).astype(jnp.float32)))
+    bf = load_moe_params(tmp_path / "m.safetensors", cfg, layer=0, prepare=False)  # the default: bf16
+    assert bf.shared_recipe == "bf16" and bf.shared_w13_scale is None
+    fused = load_moe_params(tmp_path / "m.safetensors", dataclasses.replace(cfg, fuse_shared_experts=True),
+                            layer=0, shared_fp8=True)
+    assert fused.fused_shared == 1 and fused.w13.shape[0] == cfg.num_experts + 1
