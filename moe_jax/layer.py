@@ -178,7 +178,8 @@ def shared_experts(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dt
     op `custom_calls.gemm_nt` with 1x128 activation quantization, like the routed FP8 path.
     x: (..., H) -> (..., H) out_dtype (None -> x.dtype); zeros when config.n_shared_experts == 0.
     Its intermediate size is read from params (may be a tensor-parallel shard). backend: as in
-    `moe_forward` (stages "gemm" and "activation" apply; the bf16 MLP always runs on XLA)."""
+    `moe_forward` (FP8: stages "permute" (the input quantization), "gemm" and "activation"; the bf16
+    MLP always runs on XLA)."""
     x2, lead = flatten_tokens(x, config)
     if params.fused_shared:
         raise ValueError(f"params: the shared experts are fused into the routed experts "
@@ -187,7 +188,7 @@ def shared_experts(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dt
         check_shared(params, config)
     be = stage_backends(backend)
     out = shared_mlp(x2, params, config, out_dtype=x.dtype if out_dtype is None else jnp.dtype(out_dtype),
-                     gemm_backend=be["gemm"], act_backend=be["activation"])
+                     gemm_backend=be["gemm"], act_backend=be["activation"], permute_backend=be["permute"])
     return out.reshape(*lead, -1)
 
 
@@ -219,7 +220,7 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
     routed = _routed(x2, topk_ids, topk_weights, gemm_params, config, sizes, expert_offset=0,
                      layout=layout, backend=be, out_dtype=jnp.float32, routed_scaling_factor=rsf)
     shared = shared_mlp(x2, gemm_params, config, out_dtype=jnp.float32, gemm_backend=be["gemm"],
-                        act_backend=be["activation"])
+                        act_backend=be["activation"], permute_backend=be["permute"])
     return (routed + shared).astype(x.dtype).reshape(*lead, -1)
 
 

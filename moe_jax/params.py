@@ -16,7 +16,7 @@ rows then up rows), either bf16 (no scales; the layer runs it as a dense bf16 ML
 (ceil(2*I_s/128), ceil(H/128))` / `shared_w2_scale (ceil(H/128), ceil(I_s/128))` f32 in checkpoint
 form and the rhs scale of `layouts.gemm_format("fp8_block", arch)` (without its group axis) in GEMM
 form (the same blocks on arch 90; UE8M0 packed on arch 100), run through the dense GEMM
-`custom_calls.gemm_nt` (moe_jax/shared_experts.py).
+`custom_calls.gemm_nt` (moe_jax/shared.py).
 
 GEMM form (after `prepare_params(params, config)`): the rhs operands of
 `get_recipe(config.recipe).gemm_format(arch)` (`layouts.gemm_format`):

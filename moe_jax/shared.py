@@ -5,7 +5,8 @@ accumulation, bf16 rounding between the stages like the routed bf16 path (XLA do
 
 FP8 shared experts ("fp8_block": e4m3 weights with 128x128 block scales), as the routed FP8 path
 runs its GEMMs:
-    x (M, H) --1x128 quantization--> e4m3 + scale image --gemm_nt(shared_w13)--> gateup (M, 2I_s) bf16
+    x (M, H) --permute_contig with every token in place (the routed path's 1x128 quantization)-->
+      e4m3 + scale image --gemm_nt(shared_w13)--> gateup (M, 2I_s) bf16
       --activation_quant_contig (the routed experts' activation, clamps included, and the 1x128
         quantization of GEMM2's input)--> e4m3 + scale image --gemm_nt(shared_w2)--> (M, H) bf16
 `custom_calls.gemm_nt` is the dense GEMM op: its reference dequantizes both operands and multiplies
@@ -21,19 +22,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from custom_calls import activation_quant_contig, gated_activation, gemm_nt, quantize_activation
+from custom_calls import activation_quant_contig, gated_activation, gemm_nt, permute_contig
 from layouts import store_as
 from moe_jax.config import MoEConfig
 from moe_jax.params import SHARED_FP8, MoEParams, prepare_shared
 
 
 def shared_mlp(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dtype, gemm_backend=None,
-               act_backend=None) -> jax.Array:
+               act_backend=None, permute_backend=None) -> jax.Array:
     """The shared-expert MLP on checked inputs: x (M, H) float -> (M, H) out_dtype; zeros without a
     shared expert (or with the shared experts fused into the routed ones). FP8 shared weights in
     checkpoint form are brought to the GEMM form of config.gemm_arch here (prepare once instead:
-    `prepare_params`). gemm_backend / act_backend: backend names of the dense GEMMs and of the
-    activation + quantization between them (FP8 only)."""
+    `prepare_params`). gemm_backend / act_backend / permute_backend: backend names of the dense
+    GEMMs, the activation + quantization between them and the input quantization (FP8 only)."""
     if not config.n_shared_experts or params.fused_shared:
         return jnp.zeros(x.shape, out_dtype)
     if params.shared_recipe != SHARED_FP8:
@@ -41,7 +42,8 @@ def shared_mlp(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dtype,
     arch = params.gemm_arch if params.is_prepared else config.gemm_arch
     p = params if params.is_prepared else params.replace(**prepare_shared(params, arch))
     return fp8_mlp(x, p.shared_w13, p.shared_w13_scale, p.shared_w2, p.shared_w2_scale, config, arch=arch,
-                   gemm_backend=gemm_backend, act_backend=act_backend).astype(out_dtype)
+                   gemm_backend=gemm_backend, act_backend=act_backend,
+                   permute_backend=permute_backend).astype(out_dtype)
 
 
 def _bf16_mlp(x, w13, w2, config: MoEConfig) -> jax.Array:
@@ -54,10 +56,13 @@ def _bf16_mlp(x, w13, w2, config: MoEConfig) -> jax.Array:
 
 
 def fp8_mlp(x: jax.Array, w13: jax.Array, w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array,
-            config: MoEConfig, *, arch: int, gemm_backend=None, act_backend=None) -> jax.Array:
+            config: MoEConfig, *, arch: int, gemm_backend=None, act_backend=None,
+            permute_backend=None) -> jax.Array:
     """x (M, H) float; w13 (2I_s, H) e4m3, w2 (H, I_s) e4m3 with their GEMM-form scales for `arch`
     -> (M, H) bf16 (module docstring for the stages)."""
-    q, q_scale = quantize_activation(x, SHARED_FP8, arch)
+    m = x.shape[0]
+    in_place = jnp.arange(m, dtype=jnp.int32)[:, None]  # token t -> row t: quantization only
+    q, q_scale = permute_contig(x, in_place, num_rows=m, recipe=SHARED_FP8, arch=arch, backend=permute_backend)
     gateup = gemm_nt(q, w13, lhs_scale=q_scale, rhs_scale=w13_scale, recipe=SHARED_FP8, arch=arch,
                      backend=gemm_backend)
     a, a_scale = activation_quant_contig(gateup, act=config.activation, recipe=SHARED_FP8, arch=arch,
