@@ -254,6 +254,37 @@ def test_bad_fusion_is_named():
         prepare_params(half, dataclasses.replace(cfg2, fuse_shared_experts=True))
 
 
+@pytest.mark.parametrize("pattern", ["tp", "dp_ep"])
+def test_sharded_patterns_run_fp8_shared_expert(pattern):
+    """The replicated FP8 shared expert (values + scales) in the parallel patterns, as on one device."""
+    from jax.sharding import Mesh
+
+    from moe_jax.parallel import ParallelConfig, shard_params, sharded_moe_forward
+
+    cfg = _cfg(intermediate_size=256)  # I/tp a multiple of the 128-wide FP8 blocks
+    p = init_params(jax.random.key(10), cfg, shared_recipe="fp8_block")
+    x = _x(16, 256)
+    ref = np.asarray(moe_forward(x, p, cfg).astype(jnp.float32))
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "mp"))
+    pc = ParallelConfig(pattern, ("mp",) if pattern == "tp" else ("dp", "mp"))
+    y = jax.jit(sharded_moe_forward, static_argnames=("config", "mesh", "pc"))(
+        x, shard_params(p, cfg, mesh, pc), config=cfg, mesh=mesh, pc=pc)
+    np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), ref, rtol=2 ** -6,
+                               atol=2 ** -6 * np.abs(ref).max())
+
+
+def test_sharded_patterns_refuse_fusion():
+    from jax.sharding import Mesh
+
+    from moe_jax.parallel import ParallelConfig, sharded_moe_forward
+
+    cf = _cfg(fuse_shared_experts=True)
+    p = prepare_params(init_params(jax.random.key(7), cf, shared_recipe="fp8_block"), cf)
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("dp", "mp"))
+    with pytest.raises(ValueError, match=r"config\.fuse_shared_experts: single-device moe_forward only"):
+        sharded_moe_forward(_x(8, 256), p, cf, mesh, ParallelConfig("tp", ("mp",)))
+
+
 def test_gemm_nt_bad_inputs_are_named():
     from layouts import gemm_format
 
