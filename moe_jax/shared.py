@@ -1,7 +1,8 @@
 """The shared experts' dense MLP: bf16, or FP8 through the dense FP8 GEMM.
 
 bf16 shared experts (`MoEParams.shared_recipe == "bf16"`): bf16 operands, fp32 products and
-accumulation, bf16 rounding between the stages like the routed bf16 path (XLA dots).
+accumulation, bf16 rounding between the stages like the routed bf16 path (XLA dots on bf16
+operands with fp32 accumulation).
 
 FP8 shared experts ("fp8_block": e4m3 weights with 128x128 block scales), as the routed FP8 path
 runs its GEMMs:
@@ -47,12 +48,19 @@ def shared_mlp(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dtype,
 
 
 def _bf16_mlp(x, w13, w2, config: MoEConfig) -> jax.Array:
-    """x (M, H), w13 (2I_s, H), w2 (H, I_s) float -> (M, H) f32."""
-    hi = jax.lax.Precision.HIGHEST
-    xb = store_as(x, jnp.bfloat16).astype(jnp.float32)
-    gateup = store_as(jnp.einsum("mh,nh->mn", xb, w13.astype(jnp.float32), precision=hi), jnp.bfloat16)
-    a = store_as(gated_activation(gateup, config.activation), jnp.bfloat16)
-    return jnp.einsum("mi,hi->mh", a.astype(jnp.float32), w2.astype(jnp.float32), precision=hi)
+    """x (M, H), w13 (2I_s, H), w2 (H, I_s) float -> (M, H) f32. Operands rounded to bf16 (x, the
+    activation) multiply with fp32 accumulation: with bf16 weights on bf16 operands (a bf16 x bf16
+    product is exact in fp32, so only the summation order can differ from an fp32 GEMM, at the
+    tensor-core rate), other weight dtypes in fp32 at HIGHEST precision."""
+    def dot(spec, a_bf16, w):
+        if w.dtype == jnp.bfloat16:
+            return jnp.einsum(spec, a_bf16, w, preferred_element_type=jnp.float32)
+        return jnp.einsum(spec, a_bf16.astype(jnp.float32), w.astype(jnp.float32),
+                          precision=jax.lax.Precision.HIGHEST)
+
+    gateup = store_as(dot("mh,nh->mn", x.astype(jnp.bfloat16), w13), jnp.bfloat16)
+    a = gated_activation(gateup, config.activation).astype(jnp.bfloat16)
+    return dot("mi,hi->mh", a, w2)
 
 
 def fp8_mlp(x: jax.Array, w13: jax.Array, w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array,

@@ -393,3 +393,18 @@ def test_checkpoint_keeps_fp8_shared_expert_fp8(tmp_path):
     fused = load_moe_params(tmp_path / "m.safetensors", dataclasses.replace(cfg, fuse_shared_experts=True),
                             layer=0, shared_fp8=True)
     assert fused.fused_shared == 1 and fused.w13.shape[0] == cfg.num_experts + 1
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_flax_module_holds_fp8_shared_expert(fuse):
+    pytest.importorskip("flax")
+    from moe_jax.nn import MoE
+
+    cfg = _cfg(fuse_shared_experts=fuse)
+    p = prepare_params(init_params(jax.random.key(12), cfg, shared_recipe="fp8_block"), cfg)
+    module = MoE.from_params(p, cfg)
+    got = module.moe_params()
+    assert got.fused_shared == p.fused_shared and got.shared_recipe == p.shared_recipe
+    x = _x(9, 256)
+    np.testing.assert_array_equal(np.asarray(module(x).astype(jnp.float32)),
+                                  np.asarray(moe_forward(x, p, cfg).astype(jnp.float32)))
