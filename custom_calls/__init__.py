@@ -11,6 +11,7 @@ from custom_calls.backends import (AUTO, REFERENCE, Implementation, OpSpec, auto
                                    backends, declare_op, get_default_backend, known_backends, op_spec,
                                    register, register_lazy, resolve, set_environment, static_supports,
                                    unavailable_reason, use_backend)
+from custom_calls.dense_gemm import gemm_nt
 from custom_calls.dispatch_map import dispatch_map_contig, dispatch_map_masked
 from custom_calls.expert_rank import rank_within_expert
 from custom_calls.grouped_gemm import (dequantize_lhs, dequantize_rhs, m_grouped_gemm_contig,
@@ -23,7 +24,7 @@ __all__ = [
     "AUTO", "REFERENCE", "ActivationSpec", "Implementation", "OpSpec", "activation_quant_contig",
     "activation_quant_masked", "auto_order", "backend_stages", "backends", "declare_op",
     "dequantize_lhs", "dequantize_rhs", "dispatch_map_contig", "dispatch_map_masked", "gated_activation",
-    "get_default_backend", "known_backends",
+    "gemm_nt", "get_default_backend", "known_backends",
     "m_grouped_gemm_contig", "m_grouped_gemm_masked", "op_spec", "permute_contig", "permute_masked",
     "quantize_activation", "rank_within_expert", "register", "register_lazy", "resolve",
     "route_topk", "scatter_rows", "set_environment", "static_supports", "unavailable_reason", "unpermute",

@@ -4,8 +4,9 @@
     params = prepare_params(init_params(jax.random.key(0), config), config)
     y = jax.jit(moe_forward, static_argnames=("config",))(x, params, config=config)
 
-Stages, one file each: config, params, routing, dispatch, experts (the expert MLP), layer
-(routed/shared experts and moe_forward); the ops themselves live in `custom_calls`.
+Stages, one file each: config, params, routing, dispatch, experts (the expert MLP), shared (the
+shared experts' dense MLP, bf16 or FP8), layer (routed/shared experts and moe_forward); the ops
+themselves live in `custom_calls`.
 """
 
 __version__ = "0.1.0"  # the package version (pyproject.toml reads it from here)

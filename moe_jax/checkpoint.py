@@ -43,8 +43,11 @@ Which checkpoint format serves which `config.recipe` (anything else is an error,
     bf16 <- bf16;  fp8_block <- fp8_block, fp8_per_tensor (expanded to 128x128 pseudo blocks);
     mxfp8 <- mxfp8, bf16 (quantized here, weight path D);  mxfp4 <- mxfp4
 
-The shared expert may come in any of the five formats; it is dequantized to bf16 (the layer runs it
-as a dense bf16 MLP). The returned `MoEParams` is in GEMM form for `arch` (`prepare=True`) or in
+The shared expert may come in any of the five formats. One stored as FP8 with 128x128 block (or
+per-tensor, expanded to pseudo blocks) scales stays FP8, as it ships, and runs through the dense
+FP8 GEMM (moe_jax/shared.py), when its intermediate size is a multiple of 128; any other is
+dequantized to bf16 (a dense bf16 MLP). `shared_fp8=True` requires FP8, `False` always dequantizes.
+The returned `MoEParams` is in GEMM form for `arch` (`prepare=True`) or in
 checkpoint form (`prepare=False`, e.g. to shard before preparing).
 
 The config: a checkpoint directory's `config.json` (moe_jax/hf_config.py) gives the layer's
@@ -651,6 +654,39 @@ def _dequantize_shared(values: np.ndarray, scale: np.ndarray | None, fmt: str, n
     return layouts.dequantize_fp8_per_block(w, s, BLOCK, jnp.bfloat16)
 
 
+def _fp8_shared(ckpt, plan: "_Plan", h: int, i_s: int, required: bool) -> dict:
+    """An fp8_block / fp8_per_tensor shared expert kept as FP8: {shared_w13 (2*I_s, H) e4m3,
+    shared_w13_scale (2*I_s/128, ceil(H/128)) f32, shared_w2 (H, I_s) e4m3, shared_w2_scale} in
+    checkpoint form (MoEParams fields). {} when its projections are not all FP8 with block scales
+    or I_s is not a multiple of 128 (gate and up blocks would share scale rows once stacked),
+    unless `required`, which makes those an error."""
+    import jax.numpy as jnp
+
+    import layouts
+
+    fmts = {p: plan.shared[p][0] for p in _proj_shapes(h, i_s)}
+    if not all(f in ("fp8_block", "fp8_per_tensor") for f in fmts.values()):
+        if required:
+            raise ValueError(f"shared_fp8=True: the shared expert is stored as {sorted(set(fmts.values()))}, "
+                             "not FP8 with block or per-tensor scales")
+        return {}
+    if i_s % BLOCK:
+        if required:
+            raise ValueError(f"shared_fp8=True: the shared intermediate size must be a multiple of {BLOCK}, "
+                             f"got {i_s}")
+        return {}
+    out = {}
+    for p, (n, k) in _proj_shapes(h, i_s).items():
+        values, scale, fmt = _read_shared_projection(ckpt, *plan.shared[p])
+        s = jnp.asarray(scale)
+        if fmt == "fp8_per_tensor":
+            s = layouts.expand_per_tensor_scale(s.reshape(()), n, k, BLOCK)
+        out[p] = (jnp.asarray(values), s)
+    (g, gs), (u, us), (d, ds) = (out[p] for p in ("gate_proj", "up_proj", "down_proj"))
+    return dict(shared_w13=jnp.concatenate([g, u]), shared_w13_scale=jnp.concatenate([gs, us]),
+                shared_w2=d, shared_w2_scale=ds)
+
+
 def read_checkpoint_config(ckpt: SafetensorsCheckpoint) -> dict | None:
     """The checkpoint directory's config.json as a dict, or None when there is none."""
     if ckpt.directory is None or not (ckpt.directory / hf_config.CONFIG_FILE).is_file():
@@ -690,7 +726,7 @@ def _layer_config(ckpt, config, layer, arch, cfg_json) -> MoEConfig:
 def load_moe_layer(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckpoint, *,
                    layer: int | None = None, config: MoEConfig | None = None, arch: int | None = None,
                    expert_range: tuple[int, int] | None = None, prefix: str | None = None,
-                   prepare: bool = True) -> tuple[MoEConfig, MoEParams]:
+                   prepare: bool = True, shared_fp8: bool | None = None) -> tuple[MoEConfig, MoEParams]:
     """(config, params) of MoE layer `layer`: the config from the checkpoint directory's
     config.json when `config` is None (`arch` then sets MoEConfig.arch), else `config` checked
     against it. Arguments and errors as in `load_moe_params`."""
@@ -772,17 +808,21 @@ def load_moe_layer(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckpo
     w2, s2 = _to_checkpoint_form(*_stack_experts(ckpt, plan, config, naming, "w2"), plan.fmt,
                                  config.recipe, (h,), i)
     shared_w13 = shared_w2 = None
+    shared_fp8_parts = {}
     if config.n_shared_experts:
         i_s = config.shared_intermediate_size
-        g, u, d = (_dequantize_shared(*_read_shared_projection(ckpt, *plan.shared[p]), *shp)
-                   for p, shp in _proj_shapes(h, i_s).items())
-        shared_w13, shared_w2 = jnp.concatenate([g, u], axis=0), d
+        shared_fp8_parts = ({} if shared_fp8 is False
+                            else _fp8_shared(ckpt, plan, h, i_s, required=shared_fp8 is True))
+        if not shared_fp8_parts:
+            g, u, d = (_dequantize_shared(*_read_shared_projection(ckpt, *plan.shared[p]), *shp)
+                       for p, shp in _proj_shapes(h, i_s).items())
+            shared_w13, shared_w2 = jnp.concatenate([g, u], axis=0), d
     use_bias = config.use_correction_bias and not config.hash_routing
     params = MoEParams(
         gate_weight=jnp.asarray(np.array(ckpt.read_copy(f"{prefix}gate.weight"), np.float32)),
         w13=w13, w2=w2, w13_scale=s13, w2_scale=s2,
         e_score_correction_bias=jnp.asarray(np.array(ckpt.read_copy(bias), np.float32)) if use_bias else None,
-        shared_w13=shared_w13, shared_w2=shared_w2,
+        **(shared_fp8_parts or dict(shared_w13=shared_w13, shared_w2=shared_w2)),
         tid2eid=jnp.asarray(np.array(ckpt.read_copy(tid), np.int32)) if config.hash_routing else None,
     )
     check_params(params, config)
@@ -792,7 +832,7 @@ def load_moe_layer(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckpo
 def load_moe_params(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckpoint,
                     config: MoEConfig | None = None, *, layer: int | None = None, arch: int | None = None,
                     expert_range: tuple[int, int] | None = None, prefix: str | None = None,
-                    prepare: bool = True) -> MoEParams:
+                    prepare: bool = True, shared_fp8: bool | None = None) -> MoEParams:
     """The MoE layer `layer` of a DeepSeek-V3/V4 safetensors checkpoint as `MoEParams`.
 
     checkpoint: file, list of files, directory, or an open `SafetensorsCheckpoint`.
@@ -804,8 +844,11 @@ def load_moe_params(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckp
     mxfp8 -> D). expert_range: (start, stop) global expert ids held by this rank (EP); only those
     experts are read; the router, bias and shared expert are whole.
     prepare: True -> GEMM form for `arch` (`prepare_params`); False -> checkpoint form.
+    shared_fp8: None (default) keeps a shared expert stored as FP8 with block (or per-tensor) scales
+    in FP8, as it ships, when its intermediate size is a multiple of 128, and dequantizes any other
+    to bf16; True requires FP8 (an error otherwise); False always dequantizes to bf16.
     Returns MoEParams with w13 (E_local, 2I, K[/2]), w2 (E_local, H, I[/2]) and scales; the router
-    weight and correction bias in f32, the shared expert in bf16, tid2eid in int32.
+    weight and correction bias in f32, the shared expert in bf16 or FP8 (shared_fp8), tid2eid in int32.
     Raises CheckpointError (a ValueError) listing every missing, mis-shaped or mis-typed tensor,
     a format the recipe cannot be loaded from, invalid scale values, a layer that is dense or not in
     the files (with the layer kinds and the layers held), or a config field config.json contradicts;
@@ -814,4 +857,4 @@ def load_moe_params(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckp
     if config is not None and not isinstance(config, MoEConfig):
         raise TypeError(f"config: expected MoEConfig or None, got {type(config).__name__}")
     return load_moe_layer(checkpoint, layer=layer, config=config, arch=arch, expert_range=expert_range,
-                          prefix=prefix, prepare=prepare)[1]
+                          prefix=prefix, prepare=prepare, shared_fp8=shared_fp8)[1]

@@ -46,6 +46,13 @@ class MoEConfig:
     `masked_m_pad` (static rows per masked slab; None -> round_up(M, 256)),
     `masked_memory_budget_bytes` (auto layout: masked only if its estimated peak fits; None ->
     contig, the choice that needs no memory query).
+
+    Shared experts (`n_shared_experts` of them, one dense MLP of intermediate size
+    I * n_shared_experts): bf16 or FP8 as the params hold them (`MoEParams.shared_recipe`).
+    `fuse_shared_experts` runs them inside the routed grouped GEMMs instead (as SGLang's
+    shared-expert fusion does): `prepare_params` appends them as experts E..E+n_s-1 and every token
+    routes to each of them with net weight exactly 1 (moe_jax/layer.py); it needs the shared expert
+    in the routed GEMM recipe and single-device `moe_forward` (the sharded patterns refuse it).
     """
 
     num_experts: int
@@ -69,6 +76,7 @@ class MoEConfig:
     alignment: int = 128
     masked_m_pad: int | None = None
     masked_memory_budget_bytes: int | None = None
+    fuse_shared_experts: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.activation, str):
@@ -185,6 +193,10 @@ def _validate(c: MoEConfig) -> None:
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"MoEConfig.{name} must be a positive int, got {v!r}")
     _check(c.n_shared_experts >= 0, f"MoEConfig.n_shared_experts must be >= 0, got {c.n_shared_experts}")
+    _check(isinstance(c.fuse_shared_experts, bool),
+           f"MoEConfig.fuse_shared_experts must be a bool, got {c.fuse_shared_experts!r}")
+    _check(not c.fuse_shared_experts or c.n_shared_experts >= 1,
+           f"MoEConfig.fuse_shared_experts needs n_shared_experts >= 1, got {c.n_shared_experts}")
     _check(c.recipe in RECIPES, f"MoEConfig.recipe must be one of {RECIPES}, got {c.recipe!r}")
     _check(c.scoring in SCORINGS, f"MoEConfig.scoring must be one of {SCORINGS}, got {c.scoring!r}")
     _check(isinstance(c.activation, ActivationSpec),

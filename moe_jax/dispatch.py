@@ -9,12 +9,14 @@ sum_e ceil(c_e / a) = sum_e floor((c_e + a - 1) / a) <= floor((R + n(a-1)) / a) 
 which is attained (n-1 experts with one row, one with the rest) and grows with n, so
     M_cap = a * (n + floor((R - n) / a)),  n = min(E_local, R)
 is the smallest bound that can never overflow (the seed's "block x (non-empty experts + blocks of
-the remaining rows)"). It holds for any ids, duplicates included.
+the remaining rows)"). It holds for any ids, duplicates included. With shared-expert fusion the
+route list is (M, k + n_s) over E_local + n_s experts, and the same formula with those sizes is the
+bound (every token sends one route to each shared expert: each shared segment holds exactly M rows).
 
 Masked capacity: m_pad rows per expert slab, a multiple of 128, default round_up(M, 256) (the
 seed's rule). Routes of one token go to distinct experts (route() guarantees it), so no slab gets
 more than M rows: m_pad >= M can never overflow, and a smaller static m_pad is rejected at trace
-time. Should a caller pass ids with duplicates in a token's row, routes past m_pad are dropped and
+time. A fused shared expert's slab holds exactly M rows (one route per token), within the same bound. Should a caller pass ids with duplicates in a token's row, routes past m_pad are dropped and
 COUNTED in `MaskedDispatch.num_dropped`, and `routed_experts` returns NaN rows for the tokens that
 lost a route: reported, never silent.
 """

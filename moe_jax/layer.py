@@ -1,6 +1,15 @@
 """The whole layer: route -> dispatch/permute -> expert MLP -> un-permute, plus the shared experts
 and the tail rule (routed + shared).
 
+Shared-expert fusion (`config.fuse_shared_experts`, params prepared with it: `MoEParams.fused_shared`
+= n_s experts appended after the E_local routed ones): `moe_forward` appends n_s routes to every
+token, to experts E_local..E_local+n_s-1, with weight 1.0, and multiplies the routed weights by
+`routed_scaling_factor` BEFORE the un-permute, which then scales by 1: the shared experts' net
+weight is exactly 1 (a weight of 1/routed_scaling_factor, scaled after the sum, would not be in
+floating point), and each routed product rounds once more in fp32 than in the unfused order. The
+dispatch sizes its buffers from the widened route list (M, k + n_s) and the E_local + n_s experts,
+so the static capacities of moe_jax/dispatch.py hold unchanged.
+
 Backends: `backend` is a name applied to every stage ("reference", "auto"), the name of an
 accelerated backend that implements some stages (a bare name runs the stages the registry says it
 implements — `custom_calls.backend_stages`: "deep_gemm" the GEMMs, "triton" the routing
@@ -21,15 +30,16 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from custom_calls import (AUTO, REFERENCE, backend_stages, gated_activation, known_backends, permute_contig,
-                          permute_masked, unpermute)
-from layouts import get_recipe, store_as
+from custom_calls import (AUTO, REFERENCE, backend_stages, known_backends, permute_contig, permute_masked,
+                          unpermute)
+from layouts import get_recipe
 from moe_jax.config import MoEConfig
 from moe_jax.dispatch import (LAYOUTS, choose_layout, default_masked_m_pad, dispatch_contig,
                               dispatch_masked, local_expert_ids)
 from moe_jax.experts import expert_core_contig, expert_core_masked
 from moe_jax.params import MoEParams, check_params, check_shared, prepare_params
 from moe_jax.routing import check_router, route_tokens
+from moe_jax.shared import shared_mlp
 from moe_jax.validate import check_token_ids, flatten_routes, flatten_tokens
 
 # The layer's stages in data-flow order; every registered op names one of them (or none).
@@ -119,9 +129,13 @@ def _checked_params(params: MoEParams, config: MoEConfig) -> tuple[MoEParams, tu
 
 
 def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, layout, backend,
-            out_dtype) -> jax.Array:
-    """`routed_experts` on checked inputs: x (M, H), ids/weights (M, k), GEMM-form params."""
-    e_loc, i_loc = sizes
+            out_dtype, routed_scaling_factor=None) -> jax.Array:
+    """`routed_experts` on checked inputs: x (M, H), ids/weights (M, k), GEMM-form params (all
+    w13 groups dispatched, fused shared experts included); routed_scaling_factor None ->
+    config's."""
+    _, i_loc = sizes
+    e_loc = int(params.w13.shape[0])
+    rsf = config.routed_scaling_factor if routed_scaling_factor is None else routed_scaling_factor
     m = x.shape[0]
     be = stage_backends(backend)
     recipe, arch, act = params.gemm_recipe, params.gemm_arch, config.activation
@@ -137,14 +151,15 @@ def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, 
     else:
         m_pad = config.masked_m_pad if config.masked_m_pad is not None else default_masked_m_pad(m)
         disp = dispatch_masked(topk_ids, num_local_experts=e_loc, m_pad=m_pad,
-                               num_experts_global=config.num_experts, expert_offset=expert_offset,
+                               num_experts_global=config.num_experts + params.fused_shared,
+                               expert_offset=expert_offset,
                                backend=be["dispatch"])
         lhs, lhs_scale = permute_masked(x, disp.src2dst, num_groups=e_loc, m_pad=m_pad,
                                         recipe=recipe, arch=arch, backend=be["permute"])
         d = expert_core_masked(lhs, lhs_scale, disp, params, act, gemm_backend=be["gemm"],
                                act_backend=be["activation"]).reshape(e_loc * m_pad, -1)
     out = unpermute(d, disp.src2dst, topk_weights.astype(jnp.float32),
-                    routed_scaling_factor=config.routed_scaling_factor, out_dtype=out_dtype,
+                    routed_scaling_factor=rsf, out_dtype=out_dtype,
                     backend=be["unpermute"])
     if layout == "masked":
         # a route held here but dropped for lack of slab rows (only possible when a caller repeats
@@ -155,29 +170,26 @@ def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, 
     return out
 
 
-def shared_experts(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dtype=None) -> jax.Array:
-    """Shared-expert MLP, same activation (clamps included) as the routed experts, bf16 weights,
-    fp32 accumulation, bf16 rounding between the stages like the routed bf16 path.
+def shared_experts(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dtype=None,
+                   backend="reference") -> jax.Array:
+    """Shared-expert MLP, same activation (clamps included) as the routed experts
+    (moe_jax/shared.py): bf16 weights as a dense bf16 MLP (fp32 accumulation, bf16 rounding between
+    the stages like the routed bf16 path); FP8 weights ("fp8_block") through the dense FP8 GEMM
+    op `custom_calls.gemm_nt` with 1x128 activation quantization, like the routed FP8 path.
     x: (..., H) -> (..., H) out_dtype (None -> x.dtype); zeros when config.n_shared_experts == 0.
-    Its intermediate size is read from params (may be a tensor-parallel shard)."""
+    Its intermediate size is read from params (may be a tensor-parallel shard). backend: as in
+    `moe_forward` (FP8: stages "permute" (the input quantization), "gemm" and "activation"; the bf16
+    MLP always runs on XLA)."""
     x2, lead = flatten_tokens(x, config)
+    if params.fused_shared:
+        raise ValueError(f"params: the shared experts are fused into the routed experts "
+                         f"(params.fused_shared={params.fused_shared}); moe_forward runs them")
     if config.n_shared_experts:
         check_shared(params, config)
-    out = _shared(x2, params, config, x.dtype if out_dtype is None else jnp.dtype(out_dtype))
+    be = stage_backends(backend)
+    out = shared_mlp(x2, params, config, out_dtype=x.dtype if out_dtype is None else jnp.dtype(out_dtype),
+                     gemm_backend=be["gemm"], act_backend=be["activation"], permute_backend=be["permute"])
     return out.reshape(*lead, -1)
-
-
-def _shared(x, params, config, out_dtype) -> jax.Array:
-    """`shared_experts` on checked inputs: x (M, H) -> (M, H) out_dtype."""
-    if not config.n_shared_experts:
-        return jnp.zeros(x.shape, out_dtype)
-    w13, w2 = params.shared_w13, params.shared_w2
-    hi = jax.lax.Precision.HIGHEST
-    xb = store_as(x, jnp.bfloat16).astype(jnp.float32)
-    gateup = store_as(jnp.einsum("mh,nh->mn", xb, w13.astype(jnp.float32), precision=hi), jnp.bfloat16)
-    a = store_as(gated_activation(gateup, config.activation), jnp.bfloat16)
-    y = jnp.einsum("mi,hi->mh", a.astype(jnp.float32), w2.astype(jnp.float32), precision=hi)
-    return y.astype(out_dtype)
 
 
 def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
@@ -190,7 +202,7 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
     `jax.jit(moe_forward, static_argnames=("config", "layout", "backend"))`.
     Pass `prepare_params(params, config)` to keep the load-time conversion out of the call."""
     x2, lead = flatten_tokens(x, config)
-    if params.w13.shape[0] != config.num_experts:
+    if params.num_local_experts != config.num_experts:
         # a shard of the experts would silently run as experts 0..E_local-1
         raise ValueError(f"params.w13: moe_forward needs all {config.num_experts} experts, got "
                          f"{params.w13.shape[0]}; for an expert shard call routed_experts(..., "
@@ -200,7 +212,27 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
     gemm_params, sizes = _checked_params(params, config)
     be = stage_backends(backend)
     topk_ids, topk_weights = route_tokens(x2, params, config, tok, be["route"])
+    rsf = None
+    if gemm_params.fused_shared:
+        topk_ids, topk_weights, rsf = fuse_shared_routes(topk_ids, topk_weights, config.routed_scaling_factor,
+                                                         num_routed=config.num_experts,
+                                                         num_shared=gemm_params.fused_shared)
     routed = _routed(x2, topk_ids, topk_weights, gemm_params, config, sizes, expert_offset=0,
-                     layout=layout, backend=be, out_dtype=jnp.float32)
-    shared = _shared(x2, params, config, jnp.float32)
+                     layout=layout, backend=be, out_dtype=jnp.float32, routed_scaling_factor=rsf)
+    shared = shared_mlp(x2, gemm_params, config, out_dtype=jnp.float32, gemm_backend=be["gemm"],
+                        act_backend=be["activation"], permute_backend=be["permute"])
     return (routed + shared).astype(x.dtype).reshape(*lead, -1)
+
+
+def fuse_shared_routes(topk_ids: jax.Array, topk_weights: jax.Array, routed_scaling_factor: float, *,
+                       num_routed: int, num_shared: int) -> tuple[jax.Array, jax.Array, float]:
+    """The route list of shared-expert fusion (module docstring): ids (M, k) int32, weights (M, k)
+    f32 -> ids (M, k + n_s) with experts num_routed..num_routed+n_s-1 appended, weights (M, k + n_s)
+    f32 = (routed weights * routed_scaling_factor, 1.0 per shared expert), and the scaling factor
+    the un-permute then applies (1.0)."""
+    m = topk_ids.shape[0]
+    shared_ids = jnp.broadcast_to(num_routed + jnp.arange(num_shared, dtype=jnp.int32), (m, num_shared))
+    ids = jnp.concatenate([topk_ids.astype(jnp.int32), shared_ids], axis=1)
+    weights = jnp.concatenate([topk_weights.astype(jnp.float32) * jnp.float32(routed_scaling_factor),
+                               jnp.ones((m, num_shared), jnp.float32)], axis=1)
+    return ids, weights, 1.0

@@ -11,7 +11,9 @@ intermediate I, shared intermediate I_s; K' = K/2 for int8-packed MXFP4 values:
     w13 (E, 2, I, H') — gate rows [:, 0], up rows [:, 1] (the "TP view" of the parallel package,
         so the intermediate axis can be sharded without splitting gate from up); w13_scale alike
         when its layout has N on axis 1 (checkpoint form, arch-90 GEMM form), else as stored
-    w2 (E, H, I'), w2_scale; shared_w13 (2*I_s, H) bf16, shared_w2 (H, I_s) bf16
+    w2 (E, H, I'), w2_scale; shared_w13 (2*I_s, H), shared_w2 (H, I_s): bf16, or e4m3 with
+        shared_w13_scale / shared_w2_scale (FP8 shared experts, moe_jax/params.py); with
+        config.fuse_shared_experts the shared experts are experts E..E+n_s-1 of w13/w2 instead
     tid2eid (vocab, top_k) int32 — a `Table` variable (not trainable), hash-routed layers only
 Each variable carries an `out_sharding` annotation (`nnx.get_partition_spec(nnx.state(m))`):
 expert arrays on `expert_axis` (axis 0) and `intermediate_axis` (I), everything else replicated.
@@ -129,6 +131,7 @@ class MoE(nnx.Module):
         self.parallel = parallel
         self.gemm_recipe = params.gemm_recipe
         self.gemm_arch = params.gemm_arch
+        self.fused_shared = params.fused_shared
         ea = _axes("expert_axis", expert_axis, ep_default, mesh)
         ia = _axes("intermediate_axis", intermediate_axis, tp_default, mesh)
         self.expert_axis, self.intermediate_axis = ea, ia
@@ -156,6 +159,8 @@ class MoE(nnx.Module):
         self.w2_scale = var(s2, None if s2 is None else ((ea, None, None) if params.scales_packed else (ea, None, ia)))
         self.shared_w13 = var(params.shared_w13, (None, None))
         self.shared_w2 = var(params.shared_w2, (None, None))
+        self.shared_w13_scale = var(params.shared_w13_scale, (None, None))
+        self.shared_w2_scale = var(params.shared_w2_scale, (None, None))
         self.tid2eid = var(params.tid2eid, (None, None), Table)
 
     # -- construction from weights ---------------------------------------------------------------
@@ -206,7 +211,8 @@ class MoE(nnx.Module):
             e_score_correction_bias=get(self.e_score_correction_bias),
             w13_scale=unview(get(self.w13_scale)), w2_scale=get(self.w2_scale),
             shared_w13=get(self.shared_w13), shared_w2=get(self.shared_w2), tid2eid=get(self.tid2eid),
-            gemm_recipe=self.gemm_recipe, gemm_arch=self.gemm_arch,
+            shared_w13_scale=get(self.shared_w13_scale), shared_w2_scale=get(self.shared_w2_scale),
+            gemm_recipe=self.gemm_recipe, gemm_arch=self.gemm_arch, fused_shared=self.fused_shared,
         )
 
     def __call__(self, x: jax.Array, *, token_ids: jax.Array | None = None,
@@ -219,7 +225,7 @@ class MoE(nnx.Module):
                 raise ValueError("num_tokens: only used with a parallel pattern (parallel=...), got an array")
             if return_stats:
                 raise ValueError("return_stats: only used with a parallel pattern (parallel=...), got True")
-            e_loc = self.w13.get_value().shape[0]
+            e_loc = self.w13.get_value().shape[0] - self.fused_shared
             if e_loc != self.config.num_experts:
                 # moe_forward would take the held experts for experts 0..E_local-1: wrong routes
                 raise ValueError(f"w13: the layer needs all {self.config.num_experts} experts, this module "

@@ -8,9 +8,15 @@ Checkpoint form, by recipe (E experts, I intermediate, H hidden):
     mxfp8      w13 e4m3, w13_scale (E, 2I, H/32) f32 powers of two; w2 alike
     mxfp4      w13 (E, 2I, H/2) int8 (two e2m1 per byte), w13_scale (E, 2I, H/32) f32 powers of two
 w13 rows 0..I-1 are the gate projection, I..2I-1 the up projection. The router `gate_weight (E, H)`,
-`e_score_correction_bias (E,)`, the shared expert `shared_w13 (2*I_s, H)` / `shared_w2 (H, I_s)`
-(I_s = I * n_shared_experts, gate rows then up rows) and `tid2eid (vocab, top_k) int32` are not
-quantized (the shared expert is a dense bf16 MLP here).
+`e_score_correction_bias (E,)` and `tid2eid (vocab, top_k) int32` are not quantized.
+
+The shared expert: `shared_w13 (2*I_s, H)` / `shared_w2 (H, I_s)` (I_s = I * n_shared_experts, gate
+rows then up rows), either bf16 (no scales; the layer runs it as a dense bf16 MLP) or FP8 with
+128x128 block scales (`shared_recipe` "fp8_block"): e4m3 values with `shared_w13_scale
+(ceil(2*I_s/128), ceil(H/128))` / `shared_w2_scale (ceil(H/128), ceil(I_s/128))` f32 in checkpoint
+form and the rhs scale of `layouts.gemm_format("fp8_block", arch)` (without its group axis) in GEMM
+form (the same blocks on arch 90; UE8M0 packed on arch 100), run through the dense GEMM
+`custom_calls.gemm_nt` (moe_jax/shared.py).
 
 GEMM form (after `prepare_params(params, config)`): the rhs operands of
 `get_recipe(config.recipe).gemm_format(arch)` (`layouts.gemm_format`):
@@ -22,6 +28,12 @@ GEMM form (after `prepare_params(params, config)`): the rhs operands of
     mxfp4, arch 90       FP4 -> FP8 dequant to fp8_block (path B); the GEMMs then run fp8_block/90
 `params.gemm_recipe` / `params.gemm_arch` (static pytree metadata) say which form the params are in
 (None: checkpoint form).
+
+Shared-expert fusion (`config.fuse_shared_experts`): `prepare_params` appends the n_shared_experts
+shared experts (each of the routed intermediate size) to w13/w2 as experts E_local..E_local+n_s-1
+in GEMM form, sets the shared fields to None and records `fused_shared = n_s` (static metadata).
+Done once at load time because concatenating at call time would copy every expert weight on every
+call. It needs the shared expert in the routed GEMM recipe (else ValueError).
 """
 
 from __future__ import annotations
@@ -37,8 +49,12 @@ import jax.numpy as jnp
 
 import layouts
 from layouts import FLOAT_DTYPES, gemm_format, get_recipe
-from layouts.checks import check_dtype, check_shape
+from layouts.checks import ceil_div, check_dtype, check_shape
 from moe_jax.config import QUANT_SIZE_MULTIPLE, MoEConfig
+
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+SHARED_FP8 = "fp8_block"  # the one quantized shared-expert recipe: 128x128 blocks, dense FP8 GEMM
+SHARED_RECIPES = ("bf16", SHARED_FP8)
 
 
 @dataclass(frozen=True)
@@ -52,8 +68,11 @@ class MoEParams:
     shared_w13: jax.Array | None = None
     shared_w2: jax.Array | None = None
     tid2eid: jax.Array | None = None
+    shared_w13_scale: jax.Array | None = None
+    shared_w2_scale: jax.Array | None = None
     gemm_recipe: str | None = field(default=None, metadata=dict(static=True))
     gemm_arch: int | None = field(default=None, metadata=dict(static=True))
+    fused_shared: int = field(default=0, metadata=dict(static=True))
 
     @property
     def is_prepared(self) -> bool:
@@ -61,7 +80,16 @@ class MoEParams:
 
     @property
     def num_local_experts(self) -> int:
-        return int(self.w13.shape[0])
+        """Routed experts held (the fused shared experts appended to w13 not counted)."""
+        return int(self.w13.shape[0]) - self.fused_shared
+
+    @property
+    def shared_recipe(self) -> str | None:
+        """Recipe of the (unfused) shared expert: "fp8_block" for e4m3 values, "bf16" for float
+        values, None without one."""
+        if self.shared_w13 is None:
+            return None
+        return SHARED_FP8 if self.shared_w13.dtype == E4M3 else "bf16"
 
     @property
     def local_intermediate_size(self) -> int:
@@ -83,8 +111,8 @@ class MoEParams:
 jax.tree_util.register_dataclass(
     MoEParams,
     data_fields=["gate_weight", "w13", "w2", "e_score_correction_bias", "w13_scale", "w2_scale",
-                 "shared_w13", "shared_w2", "tid2eid"],
-    meta_fields=["gemm_recipe", "gemm_arch"],
+                 "shared_w13", "shared_w2", "tid2eid", "shared_w13_scale", "shared_w2_scale"],
+    meta_fields=["gemm_recipe", "gemm_arch", "fused_shared"],
 )
 
 
@@ -102,7 +130,7 @@ def _quantize_checkpoint(w: jax.Array, recipe: str) -> tuple[jax.Array, jax.Arra
 
 
 def init_params(key: jax.Array, config: MoEConfig, *, num_local_experts: int | None = None,
-                tp_size: int = 1) -> MoEParams:
+                tp_size: int = 1, shared_recipe: str = "bf16") -> MoEParams:
     """Random parameters in checkpoint form for `config` (any recipe).
 
     w13 ~ N(0, 1/H), w2 ~ N(0, 1/I), gate_weight ~ N(0, 1/H) f32 (cast it to bf16, as DeepSeek's
@@ -110,7 +138,11 @@ def init_params(key: jax.Array, config: MoEConfig, *, num_local_experts: int | N
     when `config.use_correction_bias`, shared expert bf16 when `n_shared_experts > 0`, and a
     random `tid2eid` with distinct experts per token when `config.hash_routing`.
     `num_local_experts` / `tp_size` make a shard's shapes directly (E_local experts, I/tp).
+    `shared_recipe`: "bf16" or "fp8_block" (the same draws quantized to e4m3 with 128x128 block
+    scales, checkpoint form).
     """
+    if shared_recipe not in SHARED_RECIPES:
+        raise ValueError(f"shared_recipe: expected one of {SHARED_RECIPES}, got {shared_recipe!r}")
     e = config.num_experts
     e_loc = e if num_local_experts is None else num_local_experts
     if not isinstance(e_loc, int) or not 1 <= e_loc <= e:
@@ -133,10 +165,13 @@ def init_params(key: jax.Array, config: MoEConfig, *, num_local_experts: int | N
     w13_q, w13_s = _quantize_checkpoint(z["w13"] * h**-0.5, config.recipe)
     w2_q, w2_s = _quantize_checkpoint(z["w2"] * i**-0.5, config.recipe)
     bias = 0.1 * z["bias"] if config.use_correction_bias else None
-    shared_w13 = shared_w2 = None
+    shared_w13 = shared_w2 = shared_s13 = shared_s2 = None
     if config.n_shared_experts:
         shared_w13 = (z["s13"] * h**-0.5).astype(jnp.bfloat16)
         shared_w2 = (z["s2"] * i_s**-0.5).astype(jnp.bfloat16)
+        if shared_recipe == SHARED_FP8:
+            shared_w13, shared_s13 = _quantize_shared(shared_w13)
+            shared_w2, shared_s2 = _quantize_shared(shared_w2)
     tid2eid = None
     if config.hash_routing:
         # distinct experts per token: the first top_k of a random permutation of E
@@ -146,7 +181,14 @@ def init_params(key: jax.Array, config: MoEConfig, *, num_local_experts: int | N
         gate_weight=z["gate"] * h**-0.5,
         w13=w13_q, w2=w2_q, e_score_correction_bias=bias, w13_scale=w13_s, w2_scale=w2_s,
         shared_w13=shared_w13, shared_w2=shared_w2, tid2eid=tid2eid,
+        shared_w13_scale=shared_s13, shared_w2_scale=shared_s2,
     )
+
+
+def _quantize_shared(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """w: (N, K) float -> e4m3 (N, K), (ceil(N/128), ceil(K/128)) f32 block scales (checkpoint form)."""
+    q, sf = layouts.quantize_fp8_per_block(w[None].astype(jnp.float32), block_size=128)
+    return q[0], sf[0]
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))  # one compiled conversion, not op-by-op
@@ -174,16 +216,80 @@ def prepare_params(params: MoEParams, config: MoEConfig, arch: int | None = None
     w13, s13 = _prepare_weight(params.w13, params.w13_scale, config.recipe, arch)
     w2, s2 = _prepare_weight(params.w2, params.w2_scale, config.recipe, arch)
     gr = rec.gemm_recipe(arch).name
-    return params.replace(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, gemm_recipe=gr, gemm_arch=arch)
+    out = params.replace(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, gemm_recipe=gr, gemm_arch=arch)
+    if config.n_shared_experts and config.fuse_shared_experts:
+        return _fuse_shared(out, params, config, arch)
+    if config.n_shared_experts:
+        return out.replace(**prepare_shared(params, arch))
+    return out
+
+
+def prepare_shared(params: MoEParams, arch: int) -> dict:
+    """The shared-expert fields of checkpoint-form `params` in GEMM form for `arch`, as a dict of
+    MoEParams fields: bf16 unchanged, fp8_block through the load-time path of the routed fp8_block
+    weights (a no-op on arch 90; the UE8M0 requantization on arch 100)."""
+    names = ("shared_w13", "shared_w2")
+    if params.shared_recipe != SHARED_FP8:
+        return {n: getattr(params, n) for n in names}
+    out = {}
+    for n in names:
+        w, sf = _prepare_weight(getattr(params, n)[None], getattr(params, f"{n}_scale")[None], SHARED_FP8, arch)
+        out[n], out[f"{n}_scale"] = w[0], sf[0]
+    return out
+
+
+def _split_shared(params: MoEParams, n_s: int) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array | None]:
+    """Checkpoint-form shared expert (I_s = n_s * I) as n_s experts of the routed shape:
+    w13 (n_s, 2I, H), w2 (n_s, H, I) and their (n_s, blocks...) scales (I a multiple of the 128-row
+    block when quantized, so the blocks split cleanly)."""
+    w13, w2 = params.shared_w13, params.shared_w2
+    s13, s2 = params.shared_w13_scale, params.shared_w2_scale
+
+    def rows(a):  # (2*n_s*r, c) gate rows then up rows -> (n_s, 2r, c): expert j's gate then up rows
+        gate, up = jnp.split(a, 2, axis=0)
+        return jnp.concatenate([gate.reshape(n_s, -1, a.shape[1]), up.reshape(n_s, -1, a.shape[1])], axis=1)
+
+    def cols(a):  # (h, n_s*c) -> (n_s, h, c)
+        return a.reshape(a.shape[0], n_s, -1).transpose(1, 0, 2)
+
+    return rows(w13), None if s13 is None else rows(s13), cols(w2), None if s2 is None else cols(s2)
+
+
+def _fuse_shared(out: MoEParams, params: MoEParams, config: MoEConfig, arch: int) -> MoEParams:
+    """GEMM-form `out` with checkpoint-form params' shared experts appended as experts
+    E_local..E_local+n_s-1 (module docstring)."""
+    n_s = config.n_shared_experts
+    shared = params.shared_recipe
+    if shared != out.gemm_recipe:
+        raise ValueError(f"config.fuse_shared_experts: the shared expert must use the routed experts' GEMM "
+                         f"recipe {out.gemm_recipe!r} (arch {arch}), got a {shared!r} shared expert "
+                         f"(params.shared_w13 dtype {params.shared_w13.dtype.name})")
+    i_loc = out.local_intermediate_size
+    i_s = int(params.shared_w2.shape[1])
+    if i_s != n_s * i_loc:
+        raise ValueError(f"config.fuse_shared_experts: the shared intermediate size must be n_shared_experts "
+                         f"x the routed one ({n_s} x {i_loc} = {n_s * i_loc}), got params.shared_w2 shape "
+                         f"{tuple(params.shared_w2.shape)}")
+    w13, s13, w2, s2 = _split_shared(params, n_s)
+    w13, s13 = _prepare_weight(w13.astype(out.w13.dtype) if s13 is None else w13, s13, shared, arch)
+    w2, s2 = _prepare_weight(w2.astype(out.w2.dtype) if s2 is None else w2, s2, shared, arch)
+
+    def cat(a, b):
+        return None if a is None else jnp.concatenate([a, b], axis=0)
+
+    return out.replace(w13=cat(out.w13, w13), w13_scale=cat(out.w13_scale, s13), w2=cat(out.w2, w2),
+                       w2_scale=cat(out.w2_scale, s2), shared_w13=None, shared_w2=None,
+                       shared_w13_scale=None, shared_w2_scale=None, fused_shared=n_s)
 
 
 # -- validation against a config ------------------------------------------------------------------
 
 def expert_sizes(params: MoEParams, config: MoEConfig) -> tuple[int, int]:
     """(E_local, I_local) held by `params`, validated against `config`."""
-    e_loc = params.w13.shape[0]
+    e_loc = params.num_local_experts
     if not 1 <= e_loc <= config.num_experts:
-        raise ValueError(f"params.w13: expected 1..{config.num_experts} experts on axis 0, got "
+        fused = f" plus {params.fused_shared} fused shared" if params.fused_shared else ""
+        raise ValueError(f"params.w13: expected 1..{config.num_experts} experts{fused} on axis 0, got "
                          f"shape {tuple(params.w13.shape)}")
     i_loc = params.local_intermediate_size
     i = config.intermediate_size
@@ -219,13 +325,15 @@ def check_params(params: MoEParams, config: MoEConfig) -> tuple[int, int]:
         if params.gemm_recipe != expect:
             raise ValueError(f"params: prepared as {params.gemm_recipe!r} for arch {params.gemm_arch}, "
                              f"but config.recipe={config.recipe!r} needs {expect!r}")
-        _check_gemm_form(params, e_loc, i_loc, h)
+        _check_gemm_form(params, e_loc + params.fused_shared, i_loc, h)  # fused shared experts appended
     else:
         _check_checkpoint_form(params, config.recipe, e_loc, i_loc, h)
-    if config.n_shared_experts:
+    _check_fusion(params, config)
+    if config.n_shared_experts and not params.fused_shared:
         check_shared(params, config)
-    elif params.shared_w13 is not None or params.shared_w2 is not None:
-        raise ValueError("params.shared_w13/shared_w2: expected None for config.n_shared_experts=0, got arrays")
+    elif any(getattr(params, n) is not None for n in SHARED_FIELDS):
+        why = "fused shared experts" if params.fused_shared else "config.n_shared_experts=0"
+        raise ValueError(f"params.shared_w13/shared_w2 (and scales): expected None for {why}, got arrays")
     if config.hash_routing:
         if params.tid2eid is None:
             raise ValueError("params.tid2eid: required when config.hash_routing is True, got None")
@@ -237,9 +345,24 @@ def check_params(params: MoEParams, config: MoEConfig) -> tuple[int, int]:
     return e_loc, i_loc
 
 
+SHARED_FIELDS = ("shared_w13", "shared_w2", "shared_w13_scale", "shared_w2_scale")
+
+
+def _check_fusion(params: MoEParams, config: MoEConfig) -> None:
+    """Prepared params are fused exactly when the config asks for it (checkpoint form: never)."""
+    want = config.n_shared_experts if config.fuse_shared_experts and params.is_prepared else 0
+    if params.fused_shared != want:
+        raise ValueError(f"params.fused_shared: expected {want} (config.fuse_shared_experts="
+                         f"{config.fuse_shared_experts}, n_shared_experts={config.n_shared_experts}, "
+                         f"{'prepared' if params.is_prepared else 'checkpoint form'}), got {params.fused_shared}; "
+                         "prepare checkpoint-form params with this config")
+
+
 def check_shared(params: MoEParams, config: MoEConfig) -> int:
     """shared_w13 (2*I_s, H), shared_w2 (H, I_s) with I_s dividing I*n_shared (a tensor-parallel
-    shard, or the whole when the shared expert is replicated); returns I_s."""
+    shard, or the whole when the shared expert is replicated); bf16 (any float dtype, no scales) or
+    e4m3 with block scales, checkpoint form or the GEMM form of `params.gemm_arch` (module
+    docstring); returns I_s."""
     h, full = config.hidden_size, config.shared_intermediate_size
     w13, w2 = params.shared_w13, params.shared_w2
     if w13 is None or w2 is None:
@@ -249,9 +372,29 @@ def check_shared(params: MoEParams, config: MoEConfig) -> int:
                          f"{full} (I * n_shared_experts), got {tuple(w2.shape)}")
     i_s = w2.shape[1]
     check_shape("params.shared_w13", w13, (2 * i_s, h))
-    check_dtype("params.shared_w13", w13, FLOAT_DTYPES)
-    check_dtype("params.shared_w2", w2, FLOAT_DTYPES)
+    if params.shared_recipe != SHARED_FP8:
+        check_dtype("params.shared_w13", w13, FLOAT_DTYPES)
+        check_dtype("params.shared_w2", w2, FLOAT_DTYPES)
+        for name in ("shared_w13_scale", "shared_w2_scale"):
+            if getattr(params, name) is not None:
+                raise ValueError(f"params.{name}: expected None for a bf16 shared expert "
+                                 f"(params.shared_w13 dtype {w13.dtype.name}), got an array")
+        return i_s
+    check_dtype("params.shared_w2", w2, (E4M3,))
+    for name, n, k in (("shared_w13", 2 * i_s, h), ("shared_w2", h, i_s)):
+        shape, dtype, form = shared_scale_form(n, k, params.gemm_arch if params.is_prepared else None)
+        check_shape(f"params.{name}_scale", getattr(params, f"{name}_scale"), shape, form)
+        check_dtype(f"params.{name}_scale", getattr(params, f"{name}_scale"), (dtype,))
     return i_s
+
+
+def shared_scale_form(n: int, k: int, arch: int | None) -> tuple[tuple[int, ...], jnp.dtype, str]:
+    """(shape, dtype, description) of an fp8_block shared weight's scale for (N, K) values:
+    checkpoint form (arch None) or the GEMM form of `arch`."""
+    if arch is None:
+        return (ceil_div(n, 128), ceil_div(k, 128)), jnp.dtype(jnp.float32), "128x128 block scales, checkpoint form"
+    fmt = gemm_format(SHARED_FP8, arch)
+    return fmt.rhs_scale_shape(1, n, k)[1:], fmt.scale_dtype, f"GEMM form of {fmt.describe()}"
 
 
 def _check_expert(name: str, values, scale, value_shape, value_dtypes, scale_shape, scale_dtype) -> None:

@@ -356,3 +356,31 @@ def test_goal_ratios_come_first_and_follow_their_definitions(capsys):
     assert out[2].startswith("  goal prefill") and "1.100 steady wall, 1.050 GPU kernel time" in out[2]
     assert "(goal <= 1.06: not met)" in out[2]
     assert out[3].startswith("  goal decode") and "96.2 % steady wall, – GPU kernel time (goal >= 90 %: met)" in out[3]
+
+
+def test_layer_shared_variants_side_by_side_on_cpu(tmp_path):
+    """`layer --shared bf16,fp8,fused` at the scaled CPU size: one row per variant, the FP8 variants
+    within FP8 rounding of the bf16 one, fused equal to dense FP8 up to bf16 rounding, the shared MLP
+    timed for the dense variants only; a variant name it does not know is refused."""
+    _no_gpu()
+    j = tmp_path / "shared.json"
+    proc = subprocess.run([sys.executable, "-m", "moe_jax.bench", "layer", "--shared", "bf16,fp8,fused",
+                           "--shapes", "decode", "--backends", "reference", "--reps", "1", "--json", str(j)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "== shared experts, decode: 16 tokens, masked" in proc.stdout
+    for label in ("bf16 dense", "fp8 dense", "fp8 fused"):
+        assert label in proc.stdout
+    data = _strict_json(j)
+    assert data["shared"] == ["bf16", "fp8", "fused"] and data["scaled"] is True
+    (res,) = data["results"]
+    rows = res["reference"]
+    for v in ("bf16", "fp8", "fused"):
+        assert "error" not in rows[v] and _positive(rows[v]["layer_us"]), rows[v]
+    assert _positive(rows["bf16"]["shared_us"]) and _positive(rows["fp8"]["shared_us"])
+    assert "shared_us" not in rows["fused"]
+    assert 1e-3 < rows["fp8"]["rel_vs_bf16"] < 0.1 and 1e-3 < rows["fused"]["rel_vs_bf16"] < 0.1
+    assert rows["fused"]["rel_vs_fp8"] < 1e-2
+    bad = subprocess.run([sys.executable, "-m", "moe_jax.bench", "layer", "--shared", "fp4"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--shared: expected a comma list of bf16, fp8, fused, got 'fp4'" in bad.stderr

@@ -318,8 +318,31 @@ def _gemm_cases():
     return cases
 
 
-CASES = {c.id: c for c in (_route_cases() + _rank_cases() + _dispatch_map_cases() + _permute_cases() + _activation_cases()
-                           + _unpermute_cases() + _gemm_cases())}
+def _dense_gemm_cases():
+    m, n, k = 37, 192, 384  # odd rows, N not a multiple of the 128-row weight block
+    cases = []
+    for recipe, arch in FORMATS:
+        fmt = gemm_format(recipe, arch)
+        if fmt.rhs_k_pack != 1:  # gemm_nt takes unpacked weights
+            continue
+
+        def make(rng, fmt=fmt):
+            lhs, lhs_scale = fmt.quantize_lhs(_tokens(rng, m, k))
+            rhs, rhs_scale = _weights(rng, fmt, 1, n, k)
+            return (lhs, rhs[0]), dict(lhs_scale=lhs_scale, rhs_scale=None if rhs_scale is None else rhs_scale[0],
+                                       recipe=fmt.recipe, arch=fmt.arch)
+
+        def cmp(got, ref, args, kwargs):
+            assert got.shape == ref.shape == (m, n) and got.dtype == ref.dtype
+            assert np.isfinite(_np(got).astype(np.float32)).all()  # every element written
+            assert _rel_err(got, ref, np.ones(m, bool)) < 5e-3
+
+        cases.append(Case("gemm_nt", f"{recipe}_{arch}", make, cmp))
+    return cases
+
+
+CASES = {c.id: c for c in (_route_cases() + _rank_cases() + _dispatch_map_cases() + _permute_cases()
+                           + _activation_cases() + _unpermute_cases() + _gemm_cases() + _dense_gemm_cases())}
 
 
 def run_case(case: Case, backend: str) -> str:

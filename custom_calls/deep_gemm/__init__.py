@@ -6,11 +6,12 @@ Run on SM90: grouped contig/masked FP8 1D2D and BF16, dense FP8/BF16 ``gemm_nt``
 SM100 (fp8_block, mxfp8, mxfp4 1D1D): generated and compiled for sm_100a, not run on SM100 hardware.
 Grouped SM90 configs can be autotuned on the device and cached (opt-in: ``TuningPolicy``,
 $MOE_JAX_GEMM_TUNING; autotune.py). Importing this package probes no device and imports no CUDA
-Python binding; it registers the grouped GEMMs as backend 'deep_gemm' of the registry (shape rules,
-environment check, implementations).
+Python binding; it registers the grouped GEMMs and the dense GEMM (op ``gemm_nt``) as backend
+'deep_gemm' of the registry (shape rules, environment check, implementations).
 """
 
 from custom_calls.backends import register as _register, set_environment as _set_environment
+from custom_calls.dense_gemm import OP as _OP_DENSE
 from custom_calls.grouped_gemm import OP_CONTIG as _OP_CONTIG, OP_MASKED as _OP_MASKED
 
 from .autotune import TuningPolicy
@@ -26,6 +27,7 @@ from .warmup import GemmShape, warmup
 
 _register(_OP_CONTIG, BACKEND, _ops.contig_impl, _ops.static_supports_contig)
 _register(_OP_MASKED, BACKEND, _ops.masked_impl, _ops.static_supports_masked)
+_register(_OP_DENSE, BACKEND, _ops.dense_impl, _ops.static_supports_gemm_nt)
 # looked up at call time, so the environment can be replaced (tests, other devices)
 _set_environment(BACKEND, lambda platform, **static: _ops.environment(platform, **static))
 

@@ -170,28 +170,43 @@ def supports_m_grouped_gemm_masked(*, m_pad: int, n: int, k: int, num_groups: in
     return (ok, reason) if not ok else _answer(_environment_reason(arch))
 
 
-def supports_gemm_nt(*, n: int, k: int, recipe: str, arch: int = 90, out_dtype: Any = jnp.bfloat16,
-                     **_unused: Any) -> tuple[bool, str]:
-    """(ok, reason) for the dense ``gemm_nt_fp8`` (recipe 'fp8_block') / ``gemm_nt_bf16`` ('bf16')."""
-    reason = None
+def _dense_reason(n: int, k: int, recipe: str, arch: int, out_dtype: Any = jnp.bfloat16,
+                  lhs_dtype: Any = None, rhs_dtype: Any = None) -> str | None:
     try:
         fmt = gemm_format(recipe, arch)
     except ValueError as e:
-        return False, str(e)
+        return str(e)
     kb = 128 if fmt.is_quantized else 64  # the kernels' BLOCK_K
     if kernel_family(fmt) not in DENSE_KERNELS:
-        reason = f"dense GEMMs are wired for the SM90 FP8 1D2D and BF16 kernels only, got {fmt.describe()}"
-    elif fmt.is_quantized and fmt.weight_block != (128, 128):
-        reason = f"the dense FP8 kernel reads 128x128 weight blocks, got {fmt.describe()}"
-    elif n <= 0 or n % 64:
-        reason = f"N must be a positive multiple of 64, got {n}"
-    elif k <= 0 or k % kb:
-        reason = f"K must be a positive multiple of {kb}, got {k}"
-    elif fmt.is_quantized and jnp.dtype(out_dtype) != jnp.bfloat16:
-        reason = f"the FP8 kernel writes bf16 only, got out_dtype={jnp.dtype(out_dtype).name}"
-    elif jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-        reason = f"out_dtype must be bf16 or f32, got {jnp.dtype(out_dtype).name}"
-    return _answer(reason or _environment_reason(arch))
+        return f"dense GEMMs are wired for the SM90 FP8 1D2D and BF16 kernels only, got {fmt.describe()}"
+    if fmt.is_quantized and fmt.weight_block != (128, 128):
+        return f"the dense FP8 kernel reads 128x128 weight blocks, got {fmt.describe()}"
+    if not fmt.is_quantized:  # the BF16 kernel reads bfloat16 operands only
+        for name, dt in (("lhs", lhs_dtype), ("rhs", rhs_dtype)):
+            if dt is not None and jnp.dtype(dt) != jnp.bfloat16:
+                return f"{name}: the BF16 kernel needs dtype bfloat16, got {jnp.dtype(dt).name}"
+    if n <= 0 or n % 64:
+        return f"N must be a positive multiple of 64, got {n}"
+    if k <= 0 or k % kb:
+        return f"K must be a positive multiple of {kb}, got {k}"
+    if fmt.is_quantized and jnp.dtype(out_dtype) != jnp.bfloat16:
+        return f"the FP8 kernel writes bf16 only, got out_dtype={jnp.dtype(out_dtype).name}"
+    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        return f"out_dtype must be bf16 or f32, got {jnp.dtype(out_dtype).name}"
+    return None
+
+
+def static_supports_gemm_nt(*, m: int, n: int, k: int, recipe: str, arch: int, lhs_dtype: Any = None,
+                            rhs_dtype: Any = None) -> tuple[bool, str]:
+    """The dense GEMM's shape rules alone, for the registry's op ``gemm_nt`` (bf16 output)."""
+    del m  # any row count
+    return _answer(_dense_reason(n, k, recipe, arch, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype))
+
+
+def supports_gemm_nt(*, n: int, k: int, recipe: str, arch: int = 90, out_dtype: Any = jnp.bfloat16,
+                     **_unused: Any) -> tuple[bool, str]:
+    """(ok, reason) for the dense ``gemm_nt_fp8`` (recipe 'fp8_block') / ``gemm_nt_bf16`` ('bf16')."""
+    return _answer(_dense_reason(n, k, recipe, arch, out_dtype) or _environment_reason(arch))
 
 
 def supports_tf32_prenorm_gemm(*, n: int, k: int, num_splits: int = 1, arch: int = 90,
@@ -373,6 +388,18 @@ def gemm_nt_fp8(a: jax.Array, b: jax.Array, *, a_scale: jax.Array, b_scale: jax.
         return jnp.zeros((0, n), jnp.bfloat16)
     kern = dense_kernel(m, n, k, "fp8_block", jnp.bfloat16, _num_sms())
     (out,) = _run(kern, arch, [a, b, a_scale, b_scale], [jax.ShapeDtypeStruct((m, n), jnp.bfloat16)])
+    return out
+
+
+def dense_impl(lhs: jax.Array, rhs: jax.Array, *, lhs_scale: jax.Array | None, rhs_scale: jax.Array | None,
+               recipe: str, arch: int) -> jax.Array:
+    """The registered dense GEMM (op ``gemm_nt``): operands already checked and accepted by ``resolve``."""
+    m, n = lhs.shape[0], rhs.shape[0]
+    if m == 0:
+        return jnp.zeros((0, n), jnp.bfloat16)
+    kern = dense_kernel(m, n, rhs.shape[1], recipe, jnp.bfloat16, _num_sms())
+    operands = [lhs, rhs] if lhs_scale is None else [lhs, rhs, lhs_scale, rhs_scale]
+    (out,) = _run(kern, arch, operands, [jax.ShapeDtypeStruct((m, n), jnp.bfloat16)])
     return out
 
 

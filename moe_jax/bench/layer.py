@@ -36,6 +36,14 @@ no speed-up or roofline figure (it would compare the reference's code with itsel
 Output: the table on stdout; progress (one step per compile) and one JSON line per row on stderr;
 `--json PATH` (every row: times in us, errors, memory in MB, implementations), `--plot PATH` (PNG).
 Exit status 1 when a requested row failed (e.g. an explicit backend that cannot run here).
+
+Shared experts (`--shared bf16,fp8,fused`): instead of the stage table, the whole layer (routing
+included) with one shared expert, side by side: "bf16" the dense bf16 shared MLP, "fp8" the dense
+FP8 shared MLP (e4m3 + 128x128 blocks through the dense GEMM op `gemm_nt`), "fused" the FP8 shared
+expert appended to the routed grouped GEMMs (`MoEConfig.fuse_shared_experts`); prefill and decode
+as above, per backend. Rows: the layer's time, the shared MLP's own time (dense variants), and the
+output's relative difference to the bf16 variant's (the same weights before FP8 quantization) and to
+the fp8 variant's (fused vs dense: the same numerics, so only rounding).
 """
 
 from __future__ import annotations
@@ -483,6 +491,8 @@ def run(args) -> int:
 
     from moe_jax.bench._cli import Progress, check_plot_available, exit_status, write_json
 
+    if args.shared is not None:
+        return run_shared(args)
     check_plot_available(args.plot)
     backends = [b for b in args.backends.split(",") if b]
     if not backends:
@@ -548,6 +558,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PATH", help="write a PNG here: stacked stage times per backend and shape")
     parser.add_argument("--no-error", action="store_true",
                         help="skip the float32 model and the error columns")
+    parser.add_argument("--shared", metavar="LIST",
+                        help=f"comma list of {', '.join(SHARED_VARIANTS)}: compare the layer with its shared expert "
+                             "run that way (dense bf16, dense FP8, FP8 fused into the routed GEMMs) instead of the "
+                             "stage table")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--small", action="store_true",
                       help="scaled shapes: 64 / 16 tokens, 16 experts, H 256, I 128 (the default without a GPU)")
@@ -555,3 +569,130 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="the DeepSeek-V3 sizes even without a GPU (the default on a GPU; minutes and tens of GB "
                            "of memory on a CPU)")
     parser.set_defaults(func=run)
+
+
+# -- shared experts: dense bf16, dense FP8, fused (--shared) ----------------------------------------
+
+SHARED_VARIANTS = ("bf16", "fp8", "fused")
+
+
+def _shared_setup(variant: str, small: bool):
+    """(config, GEMM-form params) of the benchmark layer with one shared expert run as `variant`;
+    the same random draws for every variant (fp8 and fused quantize the bf16 shared weights)."""
+    import dataclasses
+
+    import jax
+
+    from moe_jax.params import init_params, prepare_params
+
+    cfg = dataclasses.replace(_config(small), n_shared_experts=1)
+    params = init_params(jax.random.PRNGKey(0), cfg, shared_recipe="bf16" if variant == "bf16" else "fp8_block")
+    if variant == "fused":
+        cfg = dataclasses.replace(cfg, fuse_shared_experts=True)
+    return cfg, prepare_params(params, cfg)
+
+
+def bench_shared(name: str, m: int, layout: str, variants: list[str], backends: list[str], reps: int, *,
+                 small: bool, progress) -> dict:
+    """One shape: {shape, tokens, layout, platform, <backend>: {<variant>: row}}; row keys: layer_us
+    (routing included), shared_us (dense variants: the shared MLP alone), rel_vs_bf16 / rel_vs_fp8
+    (‖out − out_variant‖ / ‖out_variant‖), implementations (as the stage table's rows), or error."""
+    import jax
+    import jax.numpy as jnp
+
+    from moe_jax.bench._cli import rel_errors
+    from moe_jax.layer import moe_forward, shared_experts
+
+    keys = jax.random.split(jax.random.PRNGKey(1), reps)
+    xs = None
+    result = dict(shape=name, tokens=m, layout=layout, platform=jax.default_backend())
+    for be in backends:
+        rows, outs = {}, {}
+        for v in variants:
+            progress.step(f"shared {name} {be} {v}: parameters, implementations")
+            row: dict = dict(backend=be, variant=v)
+            try:
+                cfg, params = _shared_setup(v, small)
+                if xs is None:
+                    xs = [jax.random.normal(kk, (m, cfg.hidden_size), jnp.bfloat16) for kk in keys]
+                layer = lambda p, x, c=cfg: moe_forward(x, p, c, layout=layout, backend=be)  # noqa: E731
+                row.update(_implementations(be, backends, layer, params, xs[0]))
+                if "same_as" in row:
+                    progress.drop(3)
+                    rows[v] = row
+                    continue
+                slow = be == "reference"
+                kw = dict(rounds=2, chain=1) if slow else dict(chain=8)
+                sets = [(params, x) for x in (xs[:1] if slow else xs)]
+                progress.step(f"shared {name} {be} {v}: layer")
+                row["layer_us"] = time_op(layer, sets, **kw) * 1e6
+                progress.step(f"shared {name} {be} {v}: shared MLP")
+                if v != "fused":
+                    mlp = lambda p, x, c=cfg: shared_experts(x, p, c, backend=be)  # noqa: E731
+                    row["shared_us"] = time_op(mlp, sets, **kw) * 1e6
+                progress.step(f"shared {name} {be} {v}: output")
+                outs[v] = jax.jit(layer)(params, xs[0]).astype(jnp.float32)
+            except Exception as exc:  # e.g. an explicit backend that cannot run here: the row failed
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            rows[v] = row
+            progress.note(json.dumps(dict(shape=name, **row)))
+        for v, out in outs.items():
+            for base in ("bf16", "fp8"):
+                if base in outs and base != v:
+                    rows[v][f"rel_vs_{base}"] = rel_errors(out, outs[base])[0]
+        result[be] = rows
+    return result
+
+
+def print_shared_table(results: list[dict], variants: list[str], backends: list[str], device: str,
+                       scaled: bool) -> None:
+    """The shared-expert comparison on stdout, one line per (shape, backend, variant)."""
+    labels = dict(bf16="bf16 dense", fp8="fp8 dense", fused="fp8 fused")
+    print(f"\ndevice {device}; layer with one shared expert: dense bf16 / dense FP8 (gemm_nt) / FP8 fused into "
+          f"the routed grouped GEMMs" + ("; shapes scaled down (--small)" if scaled else ""))
+    for res in results:
+        print(f"\n== shared experts, {res['shape']}: {res['tokens']} tokens, {res['layout']}")
+        for be in backends:
+            for v in variants:
+                row = res[be][v]
+                head = f"  {_label(row, res['platform']):>10s} {labels[v]:10s}"
+                if "error" in row:
+                    print(f"{head}: FAILED {row['error']}")
+                elif "same_as" in row:
+                    print(f"{head}: the {row['same_as']} row's code, not measured again")
+                else:
+                    rel = ", ".join(f"vs {b} {row[f'rel_vs_{b}']:.2e}" for b in ("bf16", "fp8") if f"rel_vs_{b}" in row)
+                    print(f"{head}: layer {row['layer_us']:10.1f} us"
+                          + (f", shared MLP {row['shared_us']:9.1f} us" if "shared_us" in row else " " * 26)
+                          + (f", rel diff {rel}" if rel else ""))
+
+
+def run_shared(args) -> int:
+    """`--shared`: the shared-expert comparison (module docstring)."""
+    import jax
+
+    from moe_jax.bench._cli import Progress, exit_status, write_json
+
+    variants = [v for v in args.shared.split(",") if v]
+    if not variants or set(variants) - set(SHARED_VARIANTS):
+        raise SystemExit(f"--shared: expected a comma list of {', '.join(SHARED_VARIANTS)}, got {args.shared!r}")
+    if args.plot:
+        raise SystemExit("--plot: the stage plot is not drawn with --shared")
+    backends = [b for b in args.backends.split(",") if b]
+    shapes = [s for s in (args.shapes or ",".join(DEFAULT_SHAPES_NO_GPU)).split(",") if s]
+    if set(shapes) - set(SHAPES) or not shapes or not backends:
+        raise SystemExit(f"--shapes/--backends: expected names of {', '.join(SHAPES)} and backend names, got "
+                         f"{args.shapes!r} / {args.backends!r}")
+    small = _small_shapes(args, jax.default_backend())
+    plan = [(s, SHAPES[s][2] if small else SHAPES[s][0], SHAPES[s][1]) for s in SHAPES if s in shapes]
+    progress = Progress("layer --shared", total=len(plan) * len(backends) * len(variants) * 4)
+    results = [bench_shared(name, m, layout, variants, backends, args.reps, small=small, progress=progress)
+               for name, m, layout in plan]
+    progress.close()
+    device = str(jax.devices()[0].device_kind)
+    print_shared_table(results, variants, backends, device, small)
+    if args.json:
+        write_json(args.json, dict(device=device, jax=jax.__version__, backends=backends, shared=variants,
+                                   scaled=small, results=results))
+    return exit_status([f"{r['shape']} {be} {v}" for r in results for be in backends for v in variants
+                        if "error" in r[be][v]])

@@ -51,7 +51,7 @@ def _spec(axes: tuple[str, ...]):
 def _routed_only(params: MoEParams, config: MoEConfig) -> tuple[MoEParams, MoEConfig]:
     """The routed call sees no shared expert: under TP its shards would be expected I-sharded, and
     the shared expert is replicated (TP1) and added after the reduction."""
-    return (params.replace(shared_w13=None, shared_w2=None),
+    return (params.replace(shared_w13=None, shared_w2=None, shared_w13_scale=None, shared_w2_scale=None),
             dataclasses.replace(config, n_shared_experts=0))
 
 
@@ -99,7 +99,7 @@ def _tp_moe(x, token_ids, valid, params, config, pc: ParallelConfig, *, layout, 
     p, cfg = _routed_only(params, config)
     part = routed_experts(x, ids, w, p, cfg, layout=layout, backend=backend, out_dtype=jnp.float32)
     routed = jax.lax.psum(part.astype(pc.reduce_dtype), axis_name(pc.moe_axes)).astype(jnp.float32)
-    return routed + shared_experts(x, params, config, out_dtype=jnp.float32)
+    return routed + shared_experts(x, params, config, out_dtype=jnp.float32, backend=backend)
 
 
 def _gathered_tp_moe(x, token_ids, valid, params, config, pc: ParallelConfig, *, layout, backend,
@@ -130,10 +130,11 @@ def _gathered_tp_moe(x, token_ids, valid, params, config, pc: ParallelConfig, *,
     routed = jax.lax.psum_scatter(part.astype(pc.reduce_dtype), moe, scatter_dimension=0,
                                   tiled=True).astype(jnp.float32)
     if pc.shared_on_local_tokens:  # 1/n of the rows: the rank's own, before the gather
-        shared = shared_experts(x, params, config, out_dtype=jnp.float32)
+        shared = shared_experts(x, params, config, out_dtype=jnp.float32, backend=backend)
     else:
-        shared = jax.lax.dynamic_slice_in_dim(shared_experts(xg, params, config, out_dtype=jnp.float32),
-                                              axis_index(pc.moe_axes) * m, m, axis=0)
+        shared = jax.lax.dynamic_slice_in_dim(
+            shared_experts(xg, params, config, out_dtype=jnp.float32, backend=backend),
+            axis_index(pc.moe_axes) * m, m, axis=0)
     return routed + shared
 
 
@@ -157,7 +158,8 @@ def _ep_pattern(x, token_ids, n_valid, params, config, pc: ParallelConfig, sizes
     ids = jnp.where(valid[:, None], ids, -1)  # padding rows are never sent
     routed, dropped = _ep(x, ids, w, params, config, pc, group, impl=impl, layout=layout,
                           backend=backend)
-    y = jnp.where(valid[:, None], routed + shared_experts(x, params, config, out_dtype=jnp.float32), 0)
+    shared = shared_experts(x, params, config, out_dtype=jnp.float32, backend=backend)
+    y = jnp.where(valid[:, None], routed + shared, 0)
     if pc.pattern == "tp_ep":
         y = jax.lax.all_gather(y.astype(x.dtype), axis_name(pc.attn_tp_axes), axis=0, tiled=True)[:m]
     return y, dropped
@@ -258,6 +260,9 @@ def sharded_moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, mesh
     check_auto_axes(mesh)
     if not isinstance(pc, ParallelConfig):
         raise TypeError(f"pc: expected ParallelConfig, got {type(pc).__name__}")
+    if config.fuse_shared_experts:  # the appended experts would take other ranks' ids / I-shards
+        raise ValueError("config.fuse_shared_experts: single-device moe_forward only; the parallel patterns "
+                         "run the shared expert unfused (replicated, added after the routed reduction)")
     mesh_axes = tuple(mesh.axis_names)
     sizes = {"moe": axes_size(mesh, pc.moe_axes), "attn_tp": axes_size(mesh, pc.attn_tp_axes)}
     tok_axes = pc.token_axes(mesh_axes)

@@ -115,7 +115,7 @@ def param_specs(params: MoEParams, pc: ParallelConfig) -> MoEParams:
 
     fields = {f: spec(f, getattr(params, f)) for f in
               ("gate_weight", "w13", "w2", "e_score_correction_bias", "w13_scale", "w2_scale",
-               "shared_w13", "shared_w2", "tid2eid")}
+               "shared_w13", "shared_w2", "tid2eid", "shared_w13_scale", "shared_w2_scale")}
     return params.replace(**fields)
 
 

@@ -1,0 +1,73 @@
+"""Dense GEMM `gemm_nt`: D = A . B^T for one weight matrix ("nt": A (M, K) K-major, B (N, K)
+K-major), bf16 output: the shared expert's GEMMs.
+
+Operand formats: `layouts.gemm_format(recipe, arch)` with one group (the rhs scale is the grouped
+GEMM's rhs scale without its leading axis). The reference dequantizes both operands as the format
+states, multiplies in fp32 and rounds to bf16, as the grouped GEMM references do.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from custom_calls.backends import declare_op, resolve
+from layouts import GemmFormat, gemm_format, store_as
+from layouts.checks import check_dtype, check_rank, check_shape
+
+OP = "gemm_nt"
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _reference(lhs, rhs, *, lhs_scale, rhs_scale, recipe, arch):
+    fmt = gemm_format(recipe, arch)
+    a = fmt.dequantize_lhs(lhs, lhs_scale)  # (M, K)
+    b = fmt.dequantize_rhs(rhs[None], None if rhs_scale is None else rhs_scale[None])[0]  # (N, K)
+    d = jnp.einsum("mk,nk->mn", a, b, precision=_HI, preferred_element_type=jnp.float32)
+    return store_as(d, jnp.bfloat16)
+
+
+# jitted: one fused computation per static configuration, also when called eagerly
+declare_op(OP, stage="gemm", static_args=("m", "n", "k", "recipe", "arch", "lhs_dtype", "rhs_dtype"),
+           reference=jax.jit(_reference, static_argnames=("recipe", "arch")))
+
+
+def check_gemm_nt(lhs, rhs, lhs_scale, rhs_scale, fmt: GemmFormat) -> tuple[int, int, int]:
+    """Trace-time checks of a dense GEMM call against `fmt`; returns (M, N, K). Errors name the
+    argument, the expected and the actual value."""
+    check_rank("lhs", lhs, 2, "(M, K)")
+    check_rank("rhs", rhs, 2, "(N, K)")
+    m, k = lhs.shape
+    n = rhs.shape[0]
+    if rhs.shape[1] != fmt.rhs_width(k):
+        raise ValueError(f"rhs: expected shape (N, {fmt.rhs_width(k)}) to match lhs {tuple(lhs.shape)}, "
+                         f"got {tuple(rhs.shape)}")
+    check_dtype("lhs", lhs, fmt.lhs_dtypes)
+    check_dtype("rhs", rhs, fmt.rhs_dtypes)
+    if not fmt.is_quantized:
+        if lhs_scale is not None or rhs_scale is not None:
+            raise ValueError(f"lhs_scale/rhs_scale: recipe {fmt.recipe!r} takes no scales, got an array")
+        return m, n, k
+    check_shape("lhs_scale", lhs_scale, fmt.lhs_scale_shape(m, k), fmt.describe())
+    check_dtype("lhs_scale", lhs_scale, (fmt.scale_dtype,))
+    check_shape("rhs_scale", rhs_scale, fmt.rhs_scale_shape(1, n, k)[1:], fmt.describe())
+    check_dtype("rhs_scale", rhs_scale, (fmt.scale_dtype,))
+    return m, n, k
+
+
+def gemm_nt(lhs: jax.Array, rhs: jax.Array, *, lhs_scale: jax.Array | None = None,
+            rhs_scale: jax.Array | None = None, recipe: str, arch: int,
+            backend: str | None = None) -> jax.Array:
+    """Dense GEMM D = lhs . rhs^T.
+
+    lhs: (M, K) bf16 | e4m3 (+ its scale image `lhs_scale`, `GemmFormat.lhs_scale_shape(M, K)`);
+    rhs: (N, K) bf16 | e4m3 (+ `rhs_scale`, `GemmFormat.rhs_scale_shape(1, N, K)` without the
+    leading 1: (ceil(N/128), ceil(K/128)) f32 blocks for fp8_block on arch 90) -> (M, N) bf16.
+    """
+    fmt = gemm_format(recipe, arch)
+    if fmt.rhs_k_pack != 1:
+        raise ValueError(f"recipe: gemm_nt takes unpacked weights (bf16 or e4m3 values), got {fmt.describe()}")
+    m, n, k = check_gemm_nt(lhs, rhs, lhs_scale, rhs_scale, fmt)
+    impl = resolve(OP, backend, m=m, n=n, k=k, recipe=recipe, arch=arch, lhs_dtype=lhs.dtype,
+                   rhs_dtype=rhs.dtype)
+    return impl.impl(lhs, rhs, lhs_scale=lhs_scale, rhs_scale=rhs_scale, recipe=recipe, arch=arch)
