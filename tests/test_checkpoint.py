@@ -267,9 +267,18 @@ def test_fp8_block_checkpoint_form_is_bit_exact_and_forward_matches(tmp_path):
         np.testing.assert_array_equal(np.asarray(p.w2_scale[e]), ds)
     np.testing.assert_array_equal(np.asarray(p.gate_weight), t[P + "gate.weight"].astype(np.float32))
     np.testing.assert_array_equal(np.asarray(p.e_score_correction_bias), t[P + "gate.e_score_correction_bias"])
-    # shared expert: dequantized to bf16 (gate rows then up rows)
+    # shared expert: kept FP8 as it ships (e4m3 bytes and block scales, gate rows then up rows)
+    sg, su, sd = (t[f"{P}shared_experts.{n}_proj.weight"] for n in ("gate", "up", "down"))
+    np.testing.assert_array_equal(np.asarray(p.shared_w13).view(np.uint8), np.concatenate([sg, su]).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(p.shared_w2).view(np.uint8), sd.view(np.uint8))
+    sgs, sus, sds = (t[f"{P}shared_experts.{n}_proj.weight_scale_inv"] for n in ("gate", "up", "down"))
+    np.testing.assert_array_equal(np.asarray(p.shared_w13_scale), np.concatenate([sgs, sus]))
+    np.testing.assert_array_equal(np.asarray(p.shared_w2_scale), sds)
+    # ... or dequantized to bf16 on request
+    p16 = load_moe_params(save(tmp_path, t), cfg, layer=3, prepare=False, shared_fp8=False)
+    assert p16.shared_w13_scale is None and p16.shared_w2_scale is None
     sh = np.concatenate([deq["shared_experts.gate_proj"], deq["shared_experts.up_proj"]])
-    np.testing.assert_array_equal(np.asarray(p.shared_w13.astype(jnp.float32)),
+    np.testing.assert_array_equal(np.asarray(p16.shared_w13.astype(jnp.float32)),
                                   sh.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32))
     for arch in (90, 100):
         c = config("fp8_block", arch=arch)

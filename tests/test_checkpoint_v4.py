@@ -109,15 +109,17 @@ def build_layer(naming="v4", layer=5, fmt="mxfp4", scale_kind="F8_E8M0", shared_
     want["w2"] = np.stack(vals[d])
     want["w13_scale"] = np.concatenate([np.stack(scs[g]), np.stack(scs[u])], axis=1)
     want["w2_scale"] = np.stack(scs[d])
-    deq = {}
+    deq, sq, ss = {}, {}, {}
     for p, (n, k) in zip(projs, shapes):  # shared expert: FP8 with block scales
-        q = fp8_values(r, n, k)
-        stored, s = block_scales(r, n, k, shared_scale)
-        t[f"{pre}shared_experts.{p}.weight"], t[f"{pre}shared_experts.{p}{suffix}"] = q, stored
-        full = np.repeat(np.repeat(s, 128, 0), 128, 1)[:n, :k]
-        deq[p] = (q.astype(np.float32) * full).astype(ml_dtypes.bfloat16)  # one f32 product, then bf16
-    want["shared_w13"] = np.concatenate([deq[g], deq[u]], axis=0)
-    want["shared_w2"] = deq[d]
+        sq[p] = fp8_values(r, n, k)
+        stored, ss[p] = block_scales(r, n, k, shared_scale)
+        t[f"{pre}shared_experts.{p}.weight"], t[f"{pre}shared_experts.{p}{suffix}"] = sq[p], stored
+        full = np.repeat(np.repeat(ss[p], 128, 0), 128, 1)[:n, :k]
+        deq[p] = (sq[p].astype(np.float32) * full).astype(ml_dtypes.bfloat16)  # one f32 product, then bf16
+    # kept FP8 as it ships (the loader's default), and its bf16 dequantization (shared_fp8=False)
+    want["shared_w13"], want["shared_w2"] = np.concatenate([sq[g], sq[u]], axis=0), sq[d]
+    want["shared_w13_scale"], want["shared_w2_scale"] = np.concatenate([ss[g], ss[u]], axis=0), ss[d]
+    want["shared_w13_bf16"], want["shared_w2_bf16"] = np.concatenate([deq[g], deq[u]], axis=0), deq[d]
     return t, want
 
 
@@ -133,6 +135,7 @@ def direct_params(want, config) -> MoEParams:
                      w13_scale=j(want["w13_scale"]), w2_scale=j(want["w2_scale"]),
                      e_score_correction_bias=j(want["bias"]) if "bias" in want else None,
                      shared_w13=j(want["shared_w13"]), shared_w2=j(want["shared_w2"]),
+                     shared_w13_scale=j(want["shared_w13_scale"]), shared_w2_scale=j(want["shared_w2_scale"]),
                      tid2eid=j(want["tid2eid"]) if "tid2eid" in want else None)
 
 
@@ -150,6 +153,8 @@ def assert_checkpoint_form(p: MoEParams, want):
     assert_bits(p.gate_weight, want["gate_weight"])
     assert_bits(p.shared_w13, want["shared_w13"])
     assert_bits(p.shared_w2, want["shared_w2"])
+    assert_bits(p.shared_w13_scale, want["shared_w13_scale"])
+    assert_bits(p.shared_w2_scale, want["shared_w2_scale"])
     if "bias" in want:
         assert_bits(p.e_score_correction_bias, want["bias"])
     else:

@@ -388,7 +388,11 @@ def test_checkpoint_keeps_fp8_shared_expert_fp8(tmp_path):
     x = _x(11, 256)
     np.testing.assert_array_equal(np.asarray(moe_forward(x, got, cfg).astype(jnp.float32)),
                                   np.asarray(moe_forward(x, p, cfg).astype(jnp.float32)))
-    bf = load_moe_params(tmp_path / "m.safetensors", cfg, layer=0, prepare=False)  # the default: bf16
+    default = load_moe_params(tmp_path / "m.safetensors", cfg, layer=0, prepare=False)  # as it ships: FP8
+    assert default.shared_recipe == "fp8_block"
+    np.testing.assert_array_equal(np.asarray(default.shared_w13).view(np.uint8),
+                                  np.asarray(p.shared_w13).view(np.uint8))
+    bf = load_moe_params(tmp_path / "m.safetensors", cfg, layer=0, prepare=False, shared_fp8=False)
     assert bf.shared_recipe == "bf16" and bf.shared_w13_scale is None
     fused = load_moe_params(tmp_path / "m.safetensors", dataclasses.replace(cfg, fuse_shared_experts=True),
                             layer=0, shared_fp8=True)
