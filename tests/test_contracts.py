@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -22,7 +23,7 @@ from jax.experimental import checkify
 
 import custom_calls as cc
 import moe_jax as mj
-from custom_calls import ActivationSpec, contracts
+from custom_calls import ActivationSpec
 from layouts import gemm_format
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -143,7 +144,7 @@ def test_m_indices_violations_are_named(row, value, message):
     assert _error(_gemm_contig, lhs, rhs, jnp.asarray(mi), ls, rs) is None
     mi[row] = value
     msg = _error(_gemm_contig, lhs, rhs, jnp.asarray(mi), ls, rs)
-    assert msg is not None and __import__("re").search(message, msg), msg
+    assert msg is not None and re.search(message, msg), msg
     with pytest.raises(checkify.JaxRuntimeError, match=message):
         cc.checked(_gemm_contig)(lhs, rhs, jnp.asarray(mi), ls, rs)
 
