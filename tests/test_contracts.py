@@ -22,9 +22,11 @@ import pytest
 from jax.experimental import checkify
 
 import custom_calls as cc
+import layouts
 import moe_jax as mj
 from custom_calls import ActivationSpec
 from layouts import gemm_format
+from moe_jax.params import _quantize_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_conformance import np_canonical_m_indices, np_canonical_src2dst  # noqa: E402
@@ -112,9 +114,6 @@ def _gemm_operands(rng, recipe="fp8_block", arch=90, g=3, m_cap=512, n=128, k=25
     x = jnp.asarray(rng.standard_normal((m_cap, k)), jnp.bfloat16)
     lhs, lhs_scale = fmt.quantize_lhs(x)
     w = jnp.asarray(rng.standard_normal((g, n, k)) * 0.05, jnp.float32)
-    import layouts
-    from moe_jax.params import _quantize_checkpoint
-
     values, scale = _quantize_checkpoint(w, recipe)
     rhs, rhs_scale = layouts.prepare_expert_weights(values, scale, recipe=recipe, arch=arch)
     return lhs, lhs_scale, rhs, rhs_scale
