@@ -11,6 +11,7 @@ from custom_calls.backends import (AUTO, REFERENCE, Implementation, OpSpec, auto
                                    backends, declare_op, get_default_backend, known_backends, op_spec,
                                    register, register_lazy, resolve, set_environment, static_supports,
                                    unavailable_reason, use_backend)
+from custom_calls.contracts import canonical_m_indices, canonical_masked_m, canonical_src2dst, checked
 from custom_calls.dense_gemm import gemm_nt
 from custom_calls.dispatch_map import dispatch_map_contig, dispatch_map_masked
 from custom_calls.expert_rank import rank_within_expert
@@ -22,7 +23,8 @@ from custom_calls.unpermute import unpermute
 
 __all__ = [
     "AUTO", "REFERENCE", "ActivationSpec", "Implementation", "OpSpec", "activation_quant_contig",
-    "activation_quant_masked", "auto_order", "backend_stages", "backends", "declare_op",
+    "activation_quant_masked", "auto_order", "backend_stages", "backends", "canonical_m_indices",
+    "canonical_masked_m", "canonical_src2dst", "checked", "declare_op",
     "dequantize_lhs", "dequantize_rhs", "dispatch_map_contig", "dispatch_map_masked", "gated_activation",
     "gemm_nt", "get_default_backend", "known_backends",
     "m_grouped_gemm_contig", "m_grouped_gemm_masked", "op_spec", "permute_contig", "permute_masked",

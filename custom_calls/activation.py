@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from layouts import FLOAT_DTYPES, GemmFormat, gemm_format, store_as
 from layouts.checks import check_dtype, check_rank, check_shape
+from custom_calls import contracts
 from custom_calls.backends import declare_op, resolve
 
 OP_CONTIG = "activation_quant_contig"
@@ -132,15 +133,20 @@ def activation_quant_contig(gateup: jax.Array, *, act: ActivationSpec, recipe: s
 
 
 def activation_quant_masked(gateup: jax.Array, masked_m: jax.Array, *, act: ActivationSpec,
-                            recipe: str, arch: int, backend: str | None = None
-                            ) -> tuple[jax.Array, jax.Array | None]:
-    """Varlen form: gateup (G, m_pad, 2I) bf16, masked_m (G,) int32 -> (a (G, m_pad, I),
-    a_scale (G, ...) image | None). Only rows < masked_m[g] are defined (the reference zeroes the rest)."""
+                            recipe: str, arch: int, backend: str | None = None,
+                            debug_checks: bool = False) -> tuple[jax.Array, jax.Array | None]:
+    """Varlen form: gateup (G, m_pad, 2I) bf16, masked_m (G,) int32 (clamped to [0, m_pad] for
+    every backend) -> (a (G, m_pad, I), a_scale (G, ...) image | None). Only rows < masked_m[g]
+    are defined (the reference zeroes the rest). debug_checks: report masked_m outside
+    [0, m_pad] (`contracts.checked`)."""
     check_rank("gateup", gateup, 3, "(G, m_pad, 2I)")
     _check(gateup, act, recipe, arch)
     g, m_pad, two_i = gateup.shape
     check_shape("masked_m", masked_m, (g,))
     check_dtype("masked_m", masked_m, (jnp.int32,))
+    if debug_checks:
+        contracts.check_masked_m(masked_m, m_pad)
+    masked_m = contracts.canonical_masked_m(masked_m, m_pad)
     impl = resolve(OP_MASKED, backend, num_groups=g, m_pad=m_pad, two_i=two_i, act=act,
                    recipe=recipe, arch=arch, dtype=gateup.dtype)
     return impl.impl(gateup, masked_m, act=act, recipe=recipe, arch=arch)

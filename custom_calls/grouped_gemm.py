@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from layouts import GemmFormat, gemm_format, store_as
 from layouts.checks import check_dtype, check_rank, check_shape, check_static_int
+from custom_calls import contracts
 from custom_calls.backends import declare_op, resolve
 
 OP_CONTIG = "m_grouped_gemm_contig"
@@ -51,9 +52,9 @@ def _contig_reference(lhs, rhs, m_indices, *, lhs_scale, rhs_scale, recipe, arch
 
     d = jax.lax.map(one_block, (a.reshape(nb, alignment, k), jnp.clip(block_expert, 0, b.shape[0] - 1)))
     d = d.reshape(m_cap, -1)
-    # m_indices that break the block contract (two experts in one block, i.e. segments not aligned
-    # as `alignment` says) or name no expert of rhs would be multiplied with the wrong expert: such
-    # rows become NaN instead
+    # the public op canonicalizes m_indices first (custom_calls/contracts.py); called directly, m_indices
+    # that break the block contract (two experts in one block) or name no expert of rhs would be
+    # multiplied with the wrong expert: such rows become NaN instead
     wrong = (m_indices >= 0) & ((m_indices != jnp.repeat(block_expert, alignment))
                                 | (m_indices >= b.shape[0]))
     d = jnp.where(wrong[:, None], jnp.nan, d)
@@ -106,22 +107,38 @@ def check_masked(lhs, rhs, masked_m, expected_m, lhs_scale, rhs_scale, fmt: Gemm
     return g, m_pad, k, n
 
 
+def _check_weights(rhs, rhs_scale) -> None:
+    """Checked mode: non-finite weights (float rhs) or weight scales, reported by expert."""
+    if jnp.issubdtype(rhs.dtype, jnp.floating):
+        contracts.check_finite_rows("rhs", rhs, "experts")
+    if rhs_scale is not None:
+        contracts.check_finite_scales("rhs_scale", rhs_scale, "experts")
+
+
 def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, *,
                           lhs_scale: jax.Array | None = None, rhs_scale: jax.Array | None = None,
                           recipe: str, arch: int, alignment: int = 128,
-                          backend: str | None = None) -> jax.Array:
+                          backend: str | None = None, debug_checks: bool = False) -> jax.Array:
     """Contiguous grouped GEMM: D[r] = lhs[r] . rhs[m_indices[r]]^T.
 
     lhs: (M_cap, K) bf16 | e4m3; rhs: (G, N, K) [(G, N, K//2) int8 for mxfp4]; scales as
     `layouts.gemm_format(recipe, arch)` states; m_indices: (M_cap,) int32 expert of each row,
     -1 = padding row -> (M_cap, N) bf16.
-    M_cap is a multiple of `alignment` and every expert segment starts at a multiple of it (one
-    expert per block of `alignment` rows, as the GEMM kernels read it); the reference returns NaN
-    rows where m_indices breaks that rule or names no expert (>= G). Padding rows of D are 0 (the
-    permute writes zero lhs rows; the reference also zeroes them).
+    M_cap is a multiple of `alignment`; each block of `alignment` rows holds one expert's rows
+    from its first row on, then -1 padding (the GEMM kernels take a block's expert from its first
+    row). A block that breaks this or names no expert (< -1, >= G) is padding for every backend
+    (`contracts.canonical_m_indices`). Padding rows of D are 0 when lhs's padding rows are 0 (the
+    permute writes zero rows there) and the expert's weights and scales are finite; an accelerated
+    kernel computes them from lhs, so a non-finite weight scale of the block's expert makes them
+    NaN there (rows no route reads). debug_checks: report violations and non-finite weights
+    (`contracts.checked`).
     """
     fmt = gemm_format(recipe, arch)
     m_cap, k, g, n = check_contig(lhs, rhs, m_indices, lhs_scale, rhs_scale, fmt, alignment)
+    if debug_checks:
+        contracts.check_m_indices(m_indices, g, alignment)
+        _check_weights(rhs, rhs_scale)
+    m_indices = contracts.canonical_m_indices(m_indices, g, alignment)
     impl = resolve(OP_CONTIG, backend, m_cap=m_cap, n=n, k=k, num_groups=g, recipe=recipe,
                    arch=arch, alignment=alignment, lhs_dtype=lhs.dtype, rhs_dtype=rhs.dtype)
     return impl.impl(lhs, rhs, m_indices, lhs_scale=lhs_scale, rhs_scale=rhs_scale, recipe=recipe,
@@ -130,17 +147,23 @@ def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, 
 
 def m_grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *, expected_m: int,
                           lhs_scale: jax.Array | None = None, rhs_scale: jax.Array | None = None,
-                          recipe: str, arch: int, backend: str | None = None) -> jax.Array:
+                          recipe: str, arch: int, backend: str | None = None,
+                          debug_checks: bool = False) -> jax.Array:
     """Masked grouped GEMM: D[g, r] = lhs[g, r] . rhs[g]^T for r < masked_m[g].
 
     lhs: (G, m_pad, K) bf16 | e4m3, m_pad a multiple of 128; rhs: (G, N, K) [(G, N, K//2) int8 for
     mxfp4]; scales as `layouts.gemm_format(recipe, arch)` states; masked_m: (G,) int32 real rows
-    per slab; expected_m: static tuning hint (ceil(M*top_k / E_global)) -> (G, m_pad, N) bf16.
-    Rows >= masked_m[g] are UNSPECIFIED for accelerated implementations (the reference writes
-    zeros); consumers never read them.
+    per slab, clamped to [0, m_pad] for every backend; expected_m: static tuning hint
+    (ceil(M*top_k / E_global)) -> (G, m_pad, N) bf16. Rows >= masked_m[g] are UNSPECIFIED for
+    accelerated implementations (the reference writes zeros); consumers never read them.
+    debug_checks: report masked_m outside [0, m_pad] and non-finite weights (`contracts.checked`).
     """
     fmt = gemm_format(recipe, arch)
     g, m_pad, k, n = check_masked(lhs, rhs, masked_m, expected_m, lhs_scale, rhs_scale, fmt)
+    if debug_checks:
+        contracts.check_masked_m(masked_m, m_pad)
+        _check_weights(rhs, rhs_scale)
+    masked_m = contracts.canonical_masked_m(masked_m, m_pad)
     impl = resolve(OP_MASKED, backend, num_groups=g, m_pad=m_pad, n=n, k=k, expected_m=expected_m,
                    recipe=recipe, arch=arch, lhs_dtype=lhs.dtype, rhs_dtype=rhs.dtype)
     return impl.impl(lhs, rhs, masked_m, expected_m=expected_m, lhs_scale=lhs_scale,

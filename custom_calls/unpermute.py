@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from layouts import FLOAT_DTYPES
 from layouts.checks import check_dtype, check_rank
+from custom_calls import contracts
 from custom_calls.backends import declare_op, resolve
 
 OP = "unpermute"
@@ -19,7 +20,8 @@ def _reference(d, src2dst, topk_weights, *, routed_scaling_factor, out_dtype):
     # a -1 route must contribute exactly nothing, even if its gathered row holds inf/nan
     rows = jnp.where((src2dst >= 0)[..., None], rows, 0.0)
     out = jnp.einsum("mkh,mk->mh", rows, w, precision=jax.lax.Precision.HIGHEST)
-    # a row index past d would read a clamped, unrelated row: the token becomes NaN instead
+    # the public op drops such routes first (custom_calls/contracts.py); called directly, a row index
+    # past d would read a clamped, unrelated row: the token becomes NaN instead
     beyond = jnp.any(src2dst >= d.shape[0], axis=1)
     out = jnp.where(beyond[:, None], jnp.nan, out)
     return (out * jnp.float32(routed_scaling_factor)).astype(out_dtype)
@@ -31,11 +33,12 @@ declare_op(OP, stage="unpermute", static_args=("num_rows", "hidden", "num_tokens
 
 def unpermute(d: jax.Array, src2dst: jax.Array, topk_weights: jax.Array, *,
               routed_scaling_factor: float = 1.0, out_dtype=jnp.bfloat16,
-              backend: str | None = None) -> jax.Array:
+              backend: str | None = None, debug_checks: bool = False) -> jax.Array:
     """d: (R, H) GEMM2 output rows (masked slabs flattened to (G*m_pad, H)), src2dst: (M, k) int32
     (-1 = route not here), topk_weights: (M, k) f32
-    -> (M, H) out_dtype: out[m] = scaling * sum_j w[m, j] * d[src2dst[m, j]], accumulated in fp32
-    (the reference returns a NaN row for a token with src2dst >= R)."""
+    -> (M, H) out_dtype: out[m] = scaling * sum_j w[m, j] * d[src2dst[m, j]], accumulated in fp32.
+    Every backend drops a route outside [-1, R) (`contracts.canonical_src2dst`). debug_checks:
+    report such routes and non-finite weights by token (`contracts.checked`)."""
     check_rank("d", d, 2, "(R, H)")
     check_dtype("d", d, FLOAT_DTYPES)
     check_rank("src2dst", src2dst, 2, "(M, top_k)")
@@ -44,6 +47,10 @@ def unpermute(d: jax.Array, src2dst: jax.Array, topk_weights: jax.Array, *,
         raise ValueError(f"topk_weights: expected shape {tuple(src2dst.shape)} (as src2dst), got "
                          f"{tuple(topk_weights.shape)}")
     check_dtype("topk_weights", topk_weights, FLOAT_DTYPES)
+    if debug_checks:
+        contracts.check_src2dst(src2dst, d.shape[0], distinct=False)
+        contracts.check_finite_rows("topk_weights", topk_weights, "tokens")
+    src2dst = contracts.canonical_src2dst(src2dst, d.shape[0], distinct=False)
     out_dtype = jnp.dtype(out_dtype)
     impl = resolve(OP, backend, num_rows=d.shape[0], hidden=d.shape[1], num_tokens=src2dst.shape[0],
                    top_k=src2dst.shape[1], out_dtype=out_dtype)

@@ -21,6 +21,10 @@ trace time.
 
 Every public function here takes tokens with any leading dims, `x: (..., H)`, checks its inputs once
 and returns the same leading shape.
+
+Checked mode: `debug_checks=True` (a static argument) reports non-finite tokens by index and turns
+on the ops' checks of their index contracts (m_indices, masked_m, src2dst; `custom_calls.contracts`);
+run the function under `custom_calls.checked`. Off (the default), no check is traced.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from custom_calls import (AUTO, REFERENCE, backend_stages, known_backends, permute_contig, permute_masked,
-                          unpermute)
+from custom_calls import (AUTO, REFERENCE, backend_stages, contracts, known_backends, permute_contig,
+                          permute_masked, unpermute)
 from layouts import get_recipe
 from moe_jax.config import MoEConfig
 from moe_jax.dispatch import (LAYOUTS, choose_layout, default_masked_m_pad, dispatch_contig,
@@ -98,7 +102,7 @@ def resolve_layout(layout: str, config: MoEConfig, *, num_tokens: int, num_local
 
 def routed_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, params: MoEParams,
                    config: MoEConfig, *, expert_offset=0, layout: str = "auto",
-                   backend="reference", out_dtype=None) -> jax.Array:
+                   backend="reference", out_dtype=None, debug_checks: bool = False) -> jax.Array:
     """Routed branch for the experts held in `params`.
 
     x: (..., H) float; topk_ids: (..., k) int32 GLOBAL expert ids (-1 = excluded row/route);
@@ -108,13 +112,16 @@ def routed_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, p
     E_local under shard_map); other ids contribute nothing. The intermediate size is read from
     params (I_local may be a tensor-parallel shard of config.intermediate_size; the result is then
     a partial sum). Checkpoint-form params are converted with `prepare_params` on every call:
-    prepare once and pass the result.
+    prepare once and pass the result. debug_checks: checked mode (module docstring).
     """
     x2, lead = flatten_tokens(x, config)
     ids, weights = flatten_routes(topk_ids, topk_weights, lead, config)
     params, sizes = _checked_params(params, config)
+    if debug_checks:
+        contracts.check_finite_rows("x", x2, "tokens")
     out = _routed(x2, ids, weights, params, config, sizes, expert_offset=expert_offset, layout=layout,
-                  backend=backend, out_dtype=x.dtype if out_dtype is None else jnp.dtype(out_dtype))
+                  backend=backend, out_dtype=x.dtype if out_dtype is None else jnp.dtype(out_dtype),
+                  debug_checks=debug_checks)
     return out.reshape(*lead, -1)
 
 
@@ -129,7 +136,7 @@ def _checked_params(params: MoEParams, config: MoEConfig) -> tuple[MoEParams, tu
 
 
 def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, layout, backend,
-            out_dtype, routed_scaling_factor=None) -> jax.Array:
+            out_dtype, routed_scaling_factor=None, debug_checks: bool = False) -> jax.Array:
     """`routed_experts` on checked inputs: x (M, H), ids/weights (M, k), GEMM-form params (all
     w13 groups dispatched, fused shared experts included); routed_scaling_factor None ->
     config's."""
@@ -145,9 +152,9 @@ def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, 
         disp = dispatch_contig(topk_ids, num_local_experts=e_loc, alignment=config.alignment,
                                expert_offset=expert_offset, backend=be["dispatch"])
         lhs, lhs_scale = permute_contig(x, disp.src2dst, num_rows=disp.num_rows_cap, recipe=recipe,
-                                        arch=arch, backend=be["permute"])
+                                        arch=arch, backend=be["permute"], debug_checks=debug_checks)
         d = expert_core_contig(lhs, lhs_scale, disp, params, act, gemm_backend=be["gemm"],
-                               act_backend=be["activation"])
+                               act_backend=be["activation"], debug_checks=debug_checks)
     else:
         m_pad = config.masked_m_pad if config.masked_m_pad is not None else default_masked_m_pad(m)
         disp = dispatch_masked(topk_ids, num_local_experts=e_loc, m_pad=m_pad,
@@ -155,12 +162,14 @@ def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, 
                                expert_offset=expert_offset,
                                backend=be["dispatch"])
         lhs, lhs_scale = permute_masked(x, disp.src2dst, num_groups=e_loc, m_pad=m_pad,
-                                        recipe=recipe, arch=arch, backend=be["permute"])
+                                        recipe=recipe, arch=arch, backend=be["permute"],
+                                        debug_checks=debug_checks)
         d = expert_core_masked(lhs, lhs_scale, disp, params, act, gemm_backend=be["gemm"],
-                               act_backend=be["activation"]).reshape(e_loc * m_pad, -1)
+                               act_backend=be["activation"],
+                               debug_checks=debug_checks).reshape(e_loc * m_pad, -1)
     out = unpermute(d, disp.src2dst, topk_weights.astype(jnp.float32),
                     routed_scaling_factor=rsf, out_dtype=out_dtype,
-                    backend=be["unpermute"])
+                    backend=be["unpermute"], debug_checks=debug_checks)
     if layout == "masked":
         # a route held here but dropped for lack of slab rows (only possible when a caller repeats
         # an expert within a token's row) poisons that token's output: reported, never silent
@@ -194,13 +203,14 @@ def shared_experts(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dt
 
 def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
                 token_ids: jax.Array | None = None, layout: str = "auto",
-                backend="reference") -> jax.Array:
+                backend="reference", debug_checks: bool = False) -> jax.Array:
     """The MoE layer: route -> routed_experts + shared_experts (tail rule: the routed output
     already carries routed_scaling_factor; the two are added in fp32 and cast once).
     x: (..., H) float (bf16 typical) -> (..., H) x.dtype; token_ids (...) int for hash-routed
     layers. jit-able with `config` (and layout/backend) static:
     `jax.jit(moe_forward, static_argnames=("config", "layout", "backend"))`.
-    Pass `prepare_params(params, config)` to keep the load-time conversion out of the call."""
+    Pass `prepare_params(params, config)` to keep the load-time conversion out of the call.
+    debug_checks (static): checked mode, run under `custom_calls.checked` (module docstring)."""
     x2, lead = flatten_tokens(x, config)
     if params.num_local_experts != config.num_experts:
         # a shard of the experts would silently run as experts 0..E_local-1
@@ -211,6 +221,8 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
     check_router(params, config)
     gemm_params, sizes = _checked_params(params, config)
     be = stage_backends(backend)
+    if debug_checks:
+        contracts.check_finite_rows("x", x2, "tokens")
     topk_ids, topk_weights = route_tokens(x2, params, config, tok, be["route"])
     rsf = None
     if gemm_params.fused_shared:
@@ -218,7 +230,8 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
                                                          num_routed=config.num_experts,
                                                          num_shared=gemm_params.fused_shared)
     routed = _routed(x2, topk_ids, topk_weights, gemm_params, config, sizes, expert_offset=0,
-                     layout=layout, backend=be, out_dtype=jnp.float32, routed_scaling_factor=rsf)
+                     layout=layout, backend=be, out_dtype=jnp.float32, routed_scaling_factor=rsf,
+                     debug_checks=debug_checks)
     shared = shared_mlp(x2, gemm_params, config, out_dtype=jnp.float32, gemm_backend=be["gemm"],
                         act_backend=be["activation"], permute_backend=be["permute"])
     return (routed + shared).astype(x.dtype).reshape(*lead, -1)

@@ -9,7 +9,8 @@ runs here under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the v
 set before triton is imported). A new backend is tested by registering it.
 
 Bad inputs are checked for every backend too: the public op functions reject them before any
-backend is resolved, with the argument's name.
+backend is resolved, with the argument's name. Inputs that break an op's index contract
+("violations" cases) must give every backend the reference's result.
 """
 
 from __future__ import annotations
@@ -292,7 +293,10 @@ def _gemm_cases():
 
         def make_contig(rng, fmt=fmt):
             _, rows, m_indices = _contig_src2dst(rng, 40, 3, g)
-            lhs, lhs_scale = fmt.quantize_lhs(_tokens(rng, rows, k))
+            # lhs padding rows are zero, as the permute writes them: the padding output rows are then
+            # 0 on every backend (docs/ARCHITECTURE.md, "Contracts and checked mode")
+            x = jnp.where((m_indices >= 0)[:, None], _tokens(rng, rows, k), 0)
+            lhs, lhs_scale = fmt.quantize_lhs(x)
             rhs, rhs_scale = _weights(rng, fmt, g, n, k)
             return (lhs, rhs, m_indices), dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, recipe=fmt.recipe,
                                                arch=fmt.arch)
@@ -341,8 +345,156 @@ def _dense_gemm_cases():
     return cases
 
 
+# ------------------------------------------------------------------------------ violations
+# Inputs that break an op's index contract: every backend must produce what the reference produces
+# (the public ops canonicalize the index arrays, custom_calls/contracts.py). The models here are
+# independent numpy restatements of the documented rules.
+
+def np_canonical_m_indices(mi: np.ndarray, g: int, align: int) -> np.ndarray:
+    """A block stays when it is all -1 or one id in [0, g) from its first row on, then -1s."""
+    out = mi.copy()
+    for b0 in range(0, mi.shape[0], align):
+        blk = mi[b0:b0 + align]
+        e = blk[0]
+        real = int(np.sum(blk != -1))
+        ok = (np.all(blk == -1) or (0 <= e < g and np.all(blk[:real] == e) and np.all(blk[real:] == -1)))
+        if not ok:
+            out[b0:b0 + align] = -1
+    return out
+
+
+def np_canonical_src2dst(s2d: np.ndarray, num_rows: int, distinct: bool) -> np.ndarray:
+    """Entries outside [-1, num_rows) -> -1; with distinct, a row named again later -> -1."""
+    out = np.where((s2d >= 0) & (s2d < num_rows), s2d, -1).reshape(-1)
+    if distinct:
+        seen = set()
+        for i, v in enumerate(out):
+            if v >= 0 and v in seen:
+                out[i] = -1
+            seen.add(int(v))
+    return out.reshape(s2d.shape)
+
+
+def _break_src2dst(rng, s2d, num_rows):
+    """Out-of-range entries (past the end, below -1) and a row named twice."""
+    s = np.array(_np(s2d))
+    live = np.argwhere(s >= 0)
+    picks = live[rng.permutation(len(live))[:4]]
+    s[tuple(picks[0])] = num_rows + 3
+    s[tuple(picks[1])] = -4
+    s[tuple(picks[2])] = s[tuple(picks[3])]  # a duplicate row
+    return jnp.asarray(s)
+
+
+def _violation_cases():
+    cases = []
+    m, h, k, e, m_pad = 21, 640, 3, 5, 128
+    for recipe, arch in (("fp8_block", 90), ("bf16", 90)):
+        fmt = gemm_format(recipe, arch)
+
+        def make_permute(rng, recipe=recipe, arch=arch):
+            s2d, rows, _ = _contig_src2dst(rng, m, k, e)
+            return (_tokens(rng, m, h), _break_src2dst(rng, s2d, rows)), dict(num_rows=rows, recipe=recipe,
+                                                                               arch=arch)
+
+        def cmp_permute(got, ref, args, kwargs, fmt=fmt):
+            if not fmt.is_quantized:
+                return _exact(got, ref)
+            _values_agree(got[0], ref[0], 0.99)
+            _images_agree(got[1], ref[1], fmt)
+
+        cases.append(Case("permute_contig", f"violations_{recipe}_{arch}", make_permute, cmp_permute))
+
+    def make_permute_masked(rng):
+        s2d, _ = _masked_src2dst(rng, m, k, e, m_pad)
+        return ((_tokens(rng, m, h), _break_src2dst(rng, s2d, e * m_pad)),
+                dict(num_groups=e, m_pad=m_pad, recipe="fp8_block", arch=100))
+
+    def cmp_permute_masked(got, ref, args, kwargs):
+        s = np_canonical_src2dst(_np(args[1]), e * m_pad, True)
+        rows = np.unique(s[s >= 0])  # the others are unspecified
+        _values_agree(got[0].reshape(-1, h), ref[0].reshape(-1, h), 1.0, rows)
+        _images_agree(got[1], ref[1], gemm_format("fp8_block", 100))
+
+    cases.append(Case("permute_masked", "violations_fp8_block_100", make_permute_masked, cmp_permute_masked))
+
+    def make_unpermute(rng):
+        r, hh, mm, kk = 300, 264, 40, 4
+        d = jnp.asarray(rng.standard_normal((r, hh)), jnp.bfloat16)
+        s2d = rng.permutation(r)[: mm * kk].reshape(mm, kk).astype(np.int32)
+        s2d[:3, 1] = [r, r + 1000, -9]
+        return (d, jnp.asarray(s2d), jnp.asarray(rng.random((mm, kk)), jnp.float32)), dict(out_dtype=jnp.float32)
+
+    def cmp_unpermute(got, ref, args, *_):
+        s = np_canonical_src2dst(_np(args[1]), args[0].shape[0], False)
+        want = np.einsum("mkh,mk->mh", _np(args[0]).astype(np.float64)[np.maximum(s, 0)],
+                         np.where(s >= 0, _np(args[2]), 0.0))
+        for out in (got, ref):  # both the documented result, so both agree
+            np.testing.assert_allclose(_np(out), want, rtol=1e-5, atol=1e-5)
+
+    cases.append(Case("unpermute", "violations", make_unpermute, cmp_unpermute))
+
+    inter, slabs = 256, 3
+
+    def make_act_masked(rng):
+        masked_m = jnp.asarray([-3, m_pad + 50, 17], jnp.int32)
+        gateup = jnp.asarray(rng.standard_normal((slabs, m_pad, 2 * inter)) * 3, jnp.bfloat16)
+        return (gateup, masked_m), dict(act=_ACTS["silu"], recipe="fp8_block", arch=90)
+
+    def cmp_act_masked(got, ref, args, kwargs):
+        real = (np.arange(m_pad)[None, :] < np.clip(_np(args[1]), 0, m_pad)[:, None]).reshape(-1)
+        _values_agree(got[0].reshape(-1, inter), ref[0].reshape(-1, inter), 0.99, real)
+
+    cases.append(Case("activation_quant_masked", "violations_fp8_block_90", make_act_masked, cmp_act_masked))
+
+    g, n, kk = 3, 256, 384
+    for recipe, arch in (("fp8_block", 90), ("bf16", 90), ("mxfp8", 100)):
+        fmt = gemm_format(recipe, arch)
+
+        def make_contig(rng, fmt=fmt):
+            mi = np.full(8 * 128, -1, np.int32)
+            mi[0:128] = 0  # well formed: full, partial, and the same expert again
+            mi[128:200] = 2
+            mi[256:300] = 0
+            mi[384:450] = 1
+            mi[420] = 2  # two experts in one block
+            mi[512:520] = g  # no such expert
+            mi[640:650], mi[650:660] = -1, 1  # padding before the rows
+            mi[768:800] = -6  # padding spelled < -1
+            mi[896:1000] = 2
+            canon = np_canonical_m_indices(mi, g, 128)
+            # lhs rows are zero where the canonical id is -1, as the permute writes them (docs/ARCHITECTURE.md)
+            x = jnp.where(jnp.asarray(canon >= 0)[:, None], _tokens(rng, mi.shape[0], kk), 0)
+            lhs, lhs_scale = fmt.quantize_lhs(x)
+            rhs, rhs_scale = _weights(rng, fmt, g, n, kk)
+            return (lhs, rhs, jnp.asarray(mi)), dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, recipe=fmt.recipe,
+                                                     arch=fmt.arch)
+
+        def cmp_contig(got, ref, args, kwargs):
+            rows = np_canonical_m_indices(_np(args[2]), g, 128) >= 0
+            assert _rel_err(got, ref, rows) < 5e-3
+            assert (_np(got)[~rows].astype(np.float32) == 0).all() and (_np(ref)[~rows].astype(np.float32) == 0).all()
+
+        cases.append(Case("m_grouped_gemm_contig", f"violations_{recipe}_{arch}", make_contig, cmp_contig))
+
+    def make_masked(rng):
+        fmt = gemm_format("fp8_block", 90)
+        lhs, lhs_scale = fmt.quantize_lhs(_tokens(rng, g * m_pad, kk).reshape(g, m_pad, kk))
+        rhs, rhs_scale = _weights(rng, fmt, g, n, kk)
+        return (lhs, rhs, jnp.asarray([-5, m_pad + 1, 40], jnp.int32)), dict(
+            expected_m=24, lhs_scale=lhs_scale, rhs_scale=rhs_scale, recipe="fp8_block", arch=90)
+
+    def cmp_masked(got, ref, args, kwargs):
+        real = (np.arange(m_pad)[None, :] < np.clip(_np(args[2]), 0, m_pad)[:, None]).reshape(-1)
+        assert _rel_err(got.reshape(-1, n), ref.reshape(-1, n), real) < 5e-3
+
+    cases.append(Case("m_grouped_gemm_masked", "violations_fp8_block_90", make_masked, cmp_masked))
+    return cases
+
+
 CASES = {c.id: c for c in (_route_cases() + _rank_cases() + _dispatch_map_cases() + _permute_cases()
-                           + _activation_cases() + _unpermute_cases() + _gemm_cases() + _dense_gemm_cases())}
+                           + _activation_cases() + _unpermute_cases() + _gemm_cases() + _dense_gemm_cases()
+                           + _violation_cases())}
 
 
 def run_case(case: Case, backend: str) -> str:

@@ -322,19 +322,28 @@ def captured_launch(monkeypatch):
     return calls
 
 
-def test_contig_expert_ids_reach_the_kernel_clamped_to_the_groups(captured_launch):
-    # The FP8 kernel offsets its raw B-scale pointer by the id: an id >= G would read past rhs_scale
-    # (those rows are unspecified; the reference marks them NaN).
-    g, m_cap, n, k = 3, 256, 128, 256
+def test_contig_expert_ids_reach_the_kernel_canonical(captured_launch):
+    # The FP8 kernel offsets its raw B-scale pointer by a block's first id (an id >= G would read
+    # past rhs_scale) and takes the whole block's expert from it: every block that is not one id in
+    # [0, G) followed by -1 padding reaches the kernel as all -1 (custom_calls/contracts.py).
+    g, m_cap, n, k = 3, 768, 128, 256
     rng = np.random.default_rng(0)
-    ids = rng.integers(-4, g + 4, m_cap).astype(np.int32)
-    ids[:3] = [-7, g, 1 << 30]
+    ids = np.full(m_cap, -1, np.int32)
+    ids[0:128] = 1  # full block
+    ids[128:140] = 2  # expert then padding
+    ids[256:300] = 0
+    ids[290] = 2  # two experts in a block
+    ids[384:400] = g  # no such expert
+    ids[512:520] = -7  # padding spelled < -1
+    ids[640:650] = rng.integers(-4, g + 4, 10)
+    ids[640] = 1 << 30
     lhs = jnp.asarray(rng.standard_normal((m_cap, k)), jnp.float8_e4m3fn)
     rhs = jnp.asarray(rng.standard_normal((g, n, k)), jnp.float8_e4m3fn)
     ops.m_grouped_gemm_contig(lhs, rhs, jnp.asarray(ids), lhs_scale=jnp.ones((k // 128, m_cap), jnp.float32),
                               rhs_scale=jnp.ones((g, 1, k // 128), jnp.float32), recipe="fp8_block", arch=90)
     (_, inputs), = captured_launch
-    want = np.where(ids < 0, -1, np.minimum(ids, g - 1))
+    want = np.full(m_cap, -1, np.int32)
+    want[0:128], want[128:140] = 1, 2
     assert np.array_equal(inputs[4], want)
 
 

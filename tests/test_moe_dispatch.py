@@ -191,6 +191,7 @@ def test_unpermute_reads_only_routed_rows():
     d[unread] = np.nan
     d[unread[:1]] = np.inf
     w = np.asarray(jax.random.uniform(jax.random.key(13), (m, k), jnp.float32, 0.1, 1.0))
+    s2d0 = s2d.copy()
     y = np.asarray(cc.unpermute(jnp.asarray(d), jnp.asarray(s2d), jnp.asarray(w),
                                 routed_scaling_factor=1.5, out_dtype=jnp.float32))
     expect = np.zeros((m, h))
@@ -199,10 +200,14 @@ def test_unpermute_reads_only_routed_rows():
             expect[t] += float(w[t, j]) * d[s2d[t, j]].astype(np.float64)
     np.testing.assert_allclose(y, expect * 1.5, rtol=1e-6, atol=1e-6)
     assert np.all(y[2] == 0)
-    # a row index past d (a broken src2dst) poisons that token only, never reads a clamped row
-    s2d[7, 0] = r
+    # a row index past d or below -1 (a broken src2dst) drops that route only, never reads a clamped row
+    y0 = np.asarray(cc.unpermute(jnp.asarray(d), jnp.asarray(s2d), jnp.asarray(w), out_dtype=jnp.float32))
+    s2d[7, 0], s2d[8, 1] = r, -5
     y = np.asarray(cc.unpermute(jnp.asarray(d), jnp.asarray(s2d), jnp.asarray(w), out_dtype=jnp.float32))
-    np.testing.assert_array_equal(np.nonzero(np.isnan(y).any(1))[0], [7])
+    for t, j in ((7, 0), (8, 1)):
+        np.testing.assert_allclose(y[t], y0[t] - float(w[t, j]) * d[s2d0[t, j]], rtol=1e-5, atol=1e-5)
+    others = np.setdiff1d(np.arange(m), [7, 8])
+    np.testing.assert_array_equal(y[others], y0[others])
 
 
 def test_bad_permute_and_unpermute_inputs():

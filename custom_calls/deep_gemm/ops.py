@@ -10,14 +10,16 @@ trust what ``resolve`` accepted; ``m_grouped_gemm_*`` here are the checked forms
 Operand formats: ``layouts.gemm_format(recipe, arch)``.
 
 Output contracts:
-* contig: rows whose ``m_indices`` is -1 are computed from lhs's rows there (or stored as zeros by
-  the FP8 kernel when a whole 64-row slice is padding); with zero lhs padding rows, which the permute
-  op guarantees, they come out 0. No extra pass zeroes them. Rows whose id is >= G are unspecified
-  (the reference marks them NaN); ``m_indices`` is clamped to [-1, G-1] on the device before the
-  launch because the FP8 kernel offsets its raw B-scale pointer by the id, so an id >= G would read
-  past ``rhs_scale``.
-* masked: rows >= masked_m[g] are unspecified. ``masked_m`` is clamped to [0, m_pad] on the device
-  before the launch, so an out-of-range count can never make the kernel touch another group's slab.
+* contig: the kernels take a block's expert from its first row's id. ``m_indices`` reaches them
+  canonicalized (``custom_calls.contracts.canonical_m_indices``: a block that is not one expert id
+  in [0, G) followed by -1 padding is all -1), so no id >= G is ever read (the FP8 kernel offsets
+  its raw B-scale pointer by it) and every backend treats a broken block as padding. Rows whose id
+  is -1 are computed from lhs's rows there (or stored as zeros by the FP8 kernel when a whole
+  64-row slice starts with -1); with zero lhs padding rows, which the permute op guarantees, they
+  come out 0 (NaN where the block's expert has a non-finite weight scale). No extra pass zeroes them.
+* masked: rows >= masked_m[g] are unspecified. ``masked_m`` reaches the kernel clamped to [0, m_pad]
+  (``custom_calls.contracts.canonical_masked_m``), so an out-of-range count can never make the
+  kernel touch another group's slab.
 * SM100 (arch 100): instantiations are generated and compiled for sm_100a and their launch geometry
   is unit-tested, but this project has not run them on SM100 hardware; on an SM100 device they run
   only with MOE_JAX_DEEP_GEMM_SM100=1.
@@ -32,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from custom_calls.contracts import canonical_m_indices, canonical_masked_m
 from custom_calls.grouped_gemm import check_contig, check_masked
 from layouts import GemmFormat, SUPPORTED_ARCHS, gemm_format
 from layouts.checks import check_dtype, check_rank, check_shape, check_static_int
@@ -289,28 +292,28 @@ def _operands(lhs, rhs, lhs_scale, rhs_scale, layout_arr):
 
 def contig_impl(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, *, lhs_scale: jax.Array | None,
                 rhs_scale: jax.Array | None, recipe: str, arch: int, alignment: int) -> jax.Array:
-    """The registered contig GEMM: operands already checked and accepted by ``resolve``."""
+    """The registered contig GEMM: operands already checked and accepted by ``resolve``, m_indices
+    canonicalized (``canonical_m_indices``)."""
     m_cap, k = lhs.shape
     g, n = rhs.shape[:2]
     if m_cap == 0:
         return jnp.zeros((0, n), jnp.bfloat16)
     kern = grouped_kernel("contig", m_cap, n, k, g, recipe, arch, _num_sms())
-    groups = jnp.clip(m_indices, -1, g - 1)
-    (out,) = _run(kern, arch, _operands(lhs, rhs, lhs_scale, rhs_scale, groups),
+    (out,) = _run(kern, arch, _operands(lhs, rhs, lhs_scale, rhs_scale, m_indices),
                   [jax.ShapeDtypeStruct((m_cap, n), jnp.bfloat16)])
     return out
 
 
 def masked_impl(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *, expected_m: int,
                 lhs_scale: jax.Array | None, rhs_scale: jax.Array | None, recipe: str, arch: int) -> jax.Array:
-    """The registered masked GEMM: operands already checked and accepted by ``resolve``."""
+    """The registered masked GEMM: operands already checked and accepted by ``resolve``, masked_m
+    clamped to [0, m_pad] (``canonical_masked_m``)."""
     g, m_pad, k = lhs.shape
     n = rhs.shape[1]
     if m_pad == 0:
         return jnp.zeros((g, 0, n), jnp.bfloat16)
     kern = grouped_kernel("masked", m_pad, n, k, g, recipe, arch, _num_sms(), expected_m=expected_m)
-    counts = jnp.clip(masked_m, 0, m_pad)
-    (out,) = _run(kern, arch, _operands(lhs, rhs, lhs_scale, rhs_scale, counts),
+    (out,) = _run(kern, arch, _operands(lhs, rhs, lhs_scale, rhs_scale, masked_m),
                   [jax.ShapeDtypeStruct((g, m_pad, n), jnp.bfloat16)])
     return out
 
@@ -323,7 +326,8 @@ def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, 
 
     lhs: (M_cap, K) e4m3 | bf16, M_cap % 128 == 0, every expert segment starting at a multiple of 128;
     rhs: (G, N, K) e4m3 | bf16 [(G, N, K//2) int8 e2m1 pairs for mxfp4]; m_indices: (M_cap,) int32,
-    -1 = padding; scales as ``layouts.gemm_format(recipe, arch)`` states -> (M_cap, N) bf16.
+    -1 = padding (canonicalized as ``custom_calls.m_grouped_gemm_contig`` does); scales as
+    ``layouts.gemm_format(recipe, arch)`` states -> (M_cap, N) bf16.
     """
     _check_backend(backend)
     fmt = gemm_format(recipe, arch)
@@ -331,8 +335,8 @@ def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, 
     _raise_unless(supports_m_grouped_gemm_contig(m_cap=m_cap, n=n, k=k, num_groups=g, recipe=recipe,
                                                  arch=arch, alignment=alignment, lhs_dtype=lhs.dtype,
                                                  rhs_dtype=rhs.dtype))
-    return contig_impl(lhs, rhs, m_indices, lhs_scale=lhs_scale, rhs_scale=rhs_scale, recipe=recipe,
-                       arch=arch, alignment=alignment)
+    return contig_impl(lhs, rhs, canonical_m_indices(m_indices, g, alignment), lhs_scale=lhs_scale,
+                       rhs_scale=rhs_scale, recipe=recipe, arch=arch, alignment=alignment)
 
 
 def m_grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *, expected_m: int,
@@ -351,8 +355,8 @@ def m_grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *
     _raise_unless(supports_m_grouped_gemm_masked(m_pad=m_pad, n=n, k=k, num_groups=g, recipe=recipe,
                                                  arch=arch, expected_m=expected_m, lhs_dtype=lhs.dtype,
                                                  rhs_dtype=rhs.dtype))
-    return masked_impl(lhs, rhs, masked_m, expected_m=expected_m, lhs_scale=lhs_scale,
-                       rhs_scale=rhs_scale, recipe=recipe, arch=arch)
+    return masked_impl(lhs, rhs, canonical_masked_m(masked_m, m_pad), expected_m=expected_m,
+                       lhs_scale=lhs_scale, rhs_scale=rhs_scale, recipe=recipe, arch=arch)
 
 
 def _nt_operands(a: jax.Array, b: jax.Array, a_dtype, b_dtype, names: tuple[str, str] = ("a", "b")

@@ -1,0 +1,221 @@
+"""The ops' index contracts: what a violating input produces (canonicalization, always on) and a
+checked mode that reports the violation by index (`debug_checks=True`, through
+`jax.experimental.checkify`). docs/ARCHITECTURE.md, "Contracts and checked mode", is the summary.
+
+Canonicalization makes every backend produce the same result for a violating input: the public
+op functions rewrite the small index arrays before any implementation sees them, so a kernel
+never reads an index it was not written for and the reference computes the same thing.
+
+* contig `m_indices` (M_cap,): a block of `alignment` rows is well formed when its first row holds
+  an expert id e in [0, G), every other row holds e or -1, and the -1 rows come after the e rows
+  (the GEMM kernels take the expert of a block from its first row), or when it is all -1. Every
+  row of a block that is not well formed becomes -1: the block is padding.
+* `masked_m` (G,): clamped to [0, m_pad].
+* `src2dst` (M, k): an entry outside [-1, num_rows) becomes -1 (the route is dropped); for the
+  permute ops, whose rows must be distinct, a row named again by a later route (flat (token, k)
+  order) is dropped for the later route.
+
+Checked mode (`debug_checks=True` on the ops and the layer) adds `checkify.check`s naming the
+argument, the index and the value, and reports non-finite tokens and weights by index. Such a
+function must run under `checked` (or `checkify.checkify`); with debug_checks=False (the default)
+no check is traced at all. All functions here are pure and jit-able; shapes are static.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+MAX_REPORTED = 8  # indices named in a message; the count says how many there are in all
+
+
+# ------------------------------------------------------------------ canonicalization (always on)
+
+def _blocks(m_indices: jax.Array, alignment: int) -> jax.Array:
+    return m_indices.reshape(m_indices.shape[0] // alignment, alignment)
+
+
+def _block_rules(blk: jax.Array, num_groups: int) -> dict[str, jax.Array]:
+    """blk: (nb, A) int32 -> per-row violation masks (nb, A) bool, one per rule."""
+    first = blk[:, :1]
+    pad = blk == -1
+    out_of_range = (blk < -1) | (blk >= num_groups)
+    differs = ~pad & ~out_of_range & (blk != first)
+    # a real row after a padding row (the -1 rows must be the block's tail)
+    after_pad = jnp.concatenate([jnp.zeros_like(pad[:, :1]), ~pad[:, 1:] & pad[:, :-1]], axis=1)
+    return {"range": out_of_range, "differs": differs, "after_pad": after_pad}
+
+
+def canonical_m_indices(m_indices: jax.Array, num_groups: int, alignment: int) -> jax.Array:
+    """m_indices: (M_cap,) int32, M_cap % alignment == 0 -> (M_cap,) int32 where every block of
+    `alignment` rows that is not well formed (module docstring) is all -1. Work on the index array
+    only: one pass over M_cap int32."""
+    blk = _blocks(m_indices, alignment)
+    rules = _block_rules(blk, num_groups)
+    bad = jnp.any(rules["range"] | rules["differs"] | rules["after_pad"], axis=1, keepdims=True)
+    return jnp.where(bad, -1, blk).reshape(-1)
+
+
+def canonical_masked_m(masked_m: jax.Array, m_pad: int) -> jax.Array:
+    """masked_m: (G,) int32 -> (G,) int32 clamped to [0, m_pad]."""
+    return jnp.clip(masked_m, 0, m_pad)
+
+
+def _first_claims(flat: jax.Array, num_rows: int) -> jax.Array:
+    """flat: (R,) int32 rows in [-1, num_rows) -> (R,) bool: the route is the first (lowest flat
+    index) to name its row; -1 routes are False."""
+    r = flat.shape[0]
+    idx = jnp.arange(r, dtype=jnp.int32)
+    ok = flat >= 0
+    first = jnp.full((num_rows,), r, jnp.int32).at[jnp.where(ok, flat, num_rows)].min(idx, mode="drop")
+    return ok & (first[jnp.clip(flat, 0, max(num_rows - 1, 0))] == idx)
+
+
+def canonical_src2dst(src2dst: jax.Array, num_rows: int, *, distinct: bool) -> jax.Array:
+    """src2dst: (M, k) int32 -> (M, k) int32: entries outside [-1, num_rows) become -1; with
+    `distinct` (the permute ops) a row already named by an earlier route, in flat (token, k)
+    order, becomes -1 for the later one. Work on the (M, k) index array and, with `distinct`, one
+    (num_rows,) int32 scatter."""
+    s = jnp.where((src2dst >= 0) & (src2dst < num_rows), src2dst, -1)
+    if not distinct or s.size == 0 or num_rows == 0:
+        return s
+    flat = s.reshape(-1)
+    return jnp.where(_first_claims(flat, num_rows), flat, -1).reshape(s.shape)
+
+
+# ------------------------------------------------------------------ checked mode (debug_checks=True)
+
+def _first(mask: jax.Array) -> jax.Array:
+    """The flat index of the first True of `mask` (0 when none; only read when there is one)."""
+    return jnp.argmax(mask.reshape(-1)).astype(jnp.int32)
+
+
+def report_indices(bad: jax.Array, message: str) -> None:
+    """bad: (N,) bool. Adds checks that fail when any is True, with `message` followed by the first
+    MAX_REPORTED indices, e.g. "x has non-finite values in tokens [3, 17]" or
+    "... [0, 1, 2, 3, 4, 5, 6, 7] (first 8 of 40)". One check per count, so that the message lists
+    exactly the indices found (a check's message is a static format string)."""
+    n = jnp.sum(bad, dtype=jnp.int32)
+    idx = jnp.nonzero(bad, size=MAX_REPORTED, fill_value=-1)[0].astype(jnp.int32)
+    for count in range(1, MAX_REPORTED + 1):
+        names = [f"i{j}" for j in range(count)]
+        listed = ", ".join("{" + a + "}" for a in names)
+        suffix = " (first {} of {{n}})".format(MAX_REPORTED) if count == MAX_REPORTED else ""
+        pred = (n != count) if count < MAX_REPORTED else (n < count)
+        checkify.check(pred, f"{message} [{listed}]{suffix}", n=n, **{a: idx[j] for j, a in enumerate(names)})
+
+
+def check_m_indices(m_indices: jax.Array, num_groups: int, alignment: int) -> None:
+    """Checks the contig m_indices contract (module docstring), one check per rule, each naming the
+    first violating row, its value and its block."""
+    if m_indices.size == 0:
+        return
+    blk = _blocks(m_indices, alignment)
+    rules = _block_rules(blk, num_groups)
+    flat = m_indices
+    a = alignment
+
+    def where(rule: str) -> dict[str, jax.Array]:
+        r = _first(rules[rule])
+        b = r // a
+        return dict(r=r, v=flat[r], b=b, b0=b * a, b1=b * a + a - 1, e=flat[b * a])
+
+    checkify.check(~jnp.any(rules["range"]),
+                   "m_indices[{r}] = {v} is outside [-1, " + str(num_groups) + ") (alignment block {b}, "
+                   "rows {b0}..{b1})", **where("range"))
+    checkify.check(~jnp.any(rules["after_pad"]),
+                   "m_indices[{r}] = {v} follows padding (-1) inside alignment block {b} (rows {b0}..{b1}); "
+                   "padding rows must come after the expert's rows", **where("after_pad"))
+    checkify.check(~jnp.any(rules["differs"]),
+                   "m_indices[{r}] = {v} differs from m_indices[{b0}] = {e} inside alignment block {b} "
+                   "(rows {b0}..{b1})", **where("differs"))
+
+
+def check_masked_m(masked_m: jax.Array, m_pad: int) -> None:
+    """Checks 0 <= masked_m[g] <= m_pad, naming the first group that is not."""
+    if masked_m.size == 0:
+        return
+    bad = (masked_m < 0) | (masked_m > m_pad)
+    g = _first(bad)
+    checkify.check(~jnp.any(bad), "masked_m[{g}] = {v} is outside [0, m_pad=" + str(m_pad) + "]",
+                   g=g, v=masked_m[g])
+
+
+def check_src2dst(src2dst: jax.Array, num_rows: int, *, distinct: bool) -> None:
+    """Checks every entry of src2dst (M, k) is -1 or a row in [0, num_rows) and, with `distinct`,
+    that no row is named twice; names the first offending (token, k) entry."""
+    if src2dst.size == 0:
+        return
+    k = src2dst.shape[1]
+    flat = src2dst.reshape(-1)
+    bad = (flat < -1) | (flat >= num_rows)
+    i = _first(bad)
+    checkify.check(~jnp.any(bad), "src2dst[{t}, {j}] = {v} is outside [-1, num_rows=" + str(num_rows) + ")",
+                   t=i // k, j=i % k, v=flat[i])
+    if not distinct or num_rows == 0:
+        return
+    inside = jnp.where(bad, -1, flat)
+    again = (inside >= 0) & ~_first_claims(inside, num_rows)
+    i = _first(again)
+    idx = jnp.arange(flat.shape[0], dtype=jnp.int32)
+    earlier = _first((inside == inside[i]) & (idx < i))
+    checkify.check(~jnp.any(again), "src2dst[{t}, {j}] = {v} names the same row as src2dst[{t0}, {j0}] "
+                   "(rows must be distinct)", t=i // k, j=i % k, v=flat[i], t0=earlier // k, j0=earlier % k)
+
+
+def check_finite_rows(name: str, x: jax.Array, what: str = "tokens") -> None:
+    """x: (N, ...) float: reports the leading-axis indices holding a NaN or Inf, e.g.
+    "x has non-finite values in tokens [3, 17]"."""
+    if x.size == 0:
+        return
+    bad = ~jnp.all(jnp.isfinite(x).reshape(x.shape[0], -1), axis=1)
+    report_indices(bad, f"{name} has non-finite values in {what}")
+
+
+def check_finite_scales(name: str, scale: jax.Array, what: str = "experts") -> None:
+    """scale: (G, ...) f32, or int32 words of four UE8M0 bytes (0xFF is NaN): reports the groups
+    of the leading axis holding a non-finite scale."""
+    if scale.size == 0:
+        return
+    if jnp.issubdtype(scale.dtype, jnp.floating):
+        return check_finite_rows(name, scale, what)
+    words = jax.lax.bitcast_convert_type(scale, jnp.uint32)
+    nan_byte = jnp.zeros(words.shape, bool)
+    for shift in (0, 8, 16, 24):
+        nan_byte |= ((words >> shift) & 0xFF) == 0xFF
+    report_indices(jnp.any(nan_byte.reshape(scale.shape[0], -1), axis=1),
+                   f"{name} has non-finite (0xFF UE8M0) values in {what}")
+
+
+# ------------------------------------------------------------------ the user-facing wrapper
+
+def checked(fn: Callable, *, throw: bool = True) -> Callable:
+    """Runs `fn` with its checks functionalized (`checkify.checkify`, user checks, i.e. the
+    `debug_checks=True` ones). throw=True: the wrapper returns fn's result and raises
+    `checkify.JaxRuntimeError` carrying the first failed check's message; throw=False: it returns
+    (error, result), `error.get()` being the message or None. Non-array arguments (recipe names,
+    sizes) are passed through as static values; array arguments are traced."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any):
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        dynamic = [i for i, v in enumerate(leaves) if isinstance(v, jax.Array) or hasattr(v, "__array__")]
+
+        def run(*arrays):
+            full = list(leaves)
+            for i, v in zip(dynamic, arrays):
+                full[i] = v
+            a, kw = jax.tree_util.tree_unflatten(tree, full)
+            return fn(*a, **kw)
+
+        err, out = checkify.checkify(run, errors=checkify.user_checks)(*(leaves[i] for i in dynamic))
+        if throw:
+            err.throw()
+            return out
+        return err, out
+
+    return wrapper
