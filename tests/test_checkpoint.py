@@ -284,7 +284,9 @@ def test_fp8_block_checkpoint_form_is_bit_exact_and_forward_matches(tmp_path):
         c = config("fp8_block", arch=arch)
         q = load_moe_params(save(tmp_path, t), c, layer=3, arch=arch)
         assert (q.gemm_recipe, q.gemm_arch) == ("fp8_block", arch)
-        check_forward(q, c, t, deq, tol=0.08)
+        # the model has unquantized activations; the layer quantizes them for the routed and (FP8,
+        # as shipped) the shared GEMMs: ~4 % per GEMM, worst rows near 8 %
+        check_forward(q, c, t, deq, tol=0.1)
 
 
 def test_fp8_per_tensor_expands_each_projection(tmp_path):
