@@ -686,7 +686,7 @@ def test_command_buffer_launches_match_plain_ones_as_addresses_change(monkeypatc
         compiled[flag] = jax.jit(lambda *args: f(*args), compiler_options=opts).lower(*sample).compile()
     text = compiled["1"].as_text()
     assert launch.FFI_TARGET_CMD_BUFFER in text and launch.FFI_TARGET_CMD_BUFFER not in compiled["0"].as_text()
-    blocks = [b for b in text.split("\n\n") if "command_buffer" in b.splitlines()[0]] if text else []
+    blocks = [b for b in text.split("\n\n") if b.strip() and "command_buffer" in b.strip().splitlines()[0]]
     assert any(launch.FFI_TARGET_CMD_BUFFER in b for b in blocks), "the custom call is not inside a command buffer"
     w = jnp.asarray(rng.standard_normal((g, n, k)), jnp.bfloat16)
     mm = jnp.asarray([5, 128, 0, 77], jnp.int32)

@@ -262,5 +262,6 @@ def test_registry_resolves_deep_gemm(dg):
     import custom_calls
 
     impl = custom_calls.resolve("m_grouped_gemm_contig", "auto", m_cap=256, n=256, k=256, num_groups=2,
-                                recipe="bf16", arch=90, alignment=128)
+                                recipe="bf16", arch=90, alignment=128, lhs_dtype=jnp.bfloat16,
+                                rhs_dtype=jnp.bfloat16)
     assert impl.backend == "deep_gemm"
