@@ -112,16 +112,22 @@ def _check_common(topk_ids: jax.Array, expert_offset, num_local_experts: int) ->
     return offset.astype(jnp.int32)
 
 
+def _run(op: str, topk_ids, expert_offset, num_local_experts: int, backend, **size: int):
+    """Check, resolve and call `op`; `size` is its one layout size (alignment or m_pad)."""
+    offset = _check_common(topk_ids, expert_offset, num_local_experts)
+    ((name, value),) = size.items()
+    check_positive_int(name, value)
+    m, k = topk_ids.shape
+    impl = resolve(op, backend, num_routes=m * k, num_experts=num_local_experts, **size)
+    return impl.impl(topk_ids.astype(jnp.int32), offset, num_local_experts=num_local_experts, **size)
+
+
 def dispatch_map_contig(topk_ids: jax.Array, expert_offset=0, *, num_local_experts: int, alignment: int,
                         backend: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """topk_ids (M, k) global expert ids, expert_offset () int (python or traced) ->
     (src2dst (M, k) int32, m_indices (M_cap,) int32, num_rows () int32, counts (E_local,) int32);
     module docstring for the layout."""
-    offset = _check_common(topk_ids, expert_offset, num_local_experts)
-    check_positive_int("alignment", alignment)
-    m, k = topk_ids.shape
-    impl = resolve(OP_CONTIG, backend, num_routes=m * k, num_experts=num_local_experts, alignment=alignment)
-    return impl.impl(topk_ids.astype(jnp.int32), offset, num_local_experts=num_local_experts, alignment=alignment)
+    return _run(OP_CONTIG, topk_ids, expert_offset, num_local_experts, backend, alignment=alignment)
 
 
 def dispatch_map_masked(topk_ids: jax.Array, expert_offset=0, *, num_local_experts: int, m_pad: int,
@@ -129,8 +135,4 @@ def dispatch_map_masked(topk_ids: jax.Array, expert_offset=0, *, num_local_exper
     """topk_ids (M, k) global expert ids, expert_offset () int (python or traced) ->
     (src2dst (M, k) int32 flat slab row or -1, masked_m (E_local,) int32, num_dropped () int32);
     module docstring for the layout."""
-    offset = _check_common(topk_ids, expert_offset, num_local_experts)
-    check_positive_int("m_pad", m_pad)
-    m, k = topk_ids.shape
-    impl = resolve(OP_MASKED, backend, num_routes=m * k, num_experts=num_local_experts, m_pad=m_pad)
-    return impl.impl(topk_ids.astype(jnp.int32), offset, num_local_experts=num_local_experts, m_pad=m_pad)
+    return _run(OP_MASKED, topk_ids, expert_offset, num_local_experts, backend, m_pad=m_pad)

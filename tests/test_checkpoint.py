@@ -21,7 +21,7 @@ E, H, I, K_TOP, M = 6, 256, 128, 2, 29
 P = "model.layers.3.mlp."
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
 _NAMES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float16): "F16",
-          np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8", np.dtype(np.int32): "I32",
+          np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64",
           np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3"}
 
 

@@ -8,7 +8,6 @@ safetensors library for the rest); expected values come from the written numpy a
 from __future__ import annotations
 
 import json
-import struct
 
 import jax
 import jax.numpy as jnp
@@ -21,29 +20,13 @@ from moe_jax import MoEConfig, MoEParams, layer_kinds, moe_forward
 from moe_jax.checkpoint import (MAX_LISTED, CheckpointError, SafetensorsCheckpoint, load_moe_layer,
                                 load_moe_params, read_safetensors_header)
 from moe_jax.hf_config import moe_config_kwargs
+from test_checkpoint import write_st  # the suites' one safetensors writer
 
 E, H, I, K_TOP, M, VOCAB = 6, 256, 128, 2, 19, 40
 F8 = ml_dtypes.float8_e4m3fn
-NAMES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.int8): "I8",
-         np.dtype(np.uint8): "U8", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64", np.dtype(F8): "F8_E4M3"}
 LEAVES = {"v3": ("model.layers.{L}.mlp.", "gate.e_score_correction_bias", ("gate_proj", "up_proj", "down_proj")),
           "v4": ("layers.{L}.ffn.", "gate.bias", ("w1", "w3", "w2")),
           "v4_hf": ("model.layers.{L}.ffn.", "gate.bias", ("w1", "w3", "w2"))}
-
-
-def write_st(path, tensors: dict) -> None:
-    """Minimal safetensors writer; a value (array, "F8_E8M0") forces the dtype name."""
-    header, blobs, off = {}, [], 0
-    for name, a in tensors.items():
-        a, dt = a if isinstance(a, tuple) else (a, NAMES[np.asarray(a).dtype])
-        b = np.ascontiguousarray(a).tobytes()
-        header[name] = {"dtype": dt, "shape": list(np.shape(a)), "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
 
 
 def e8m0_to_f32(b):
