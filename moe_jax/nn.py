@@ -216,10 +216,14 @@ class MoE(nnx.Module):
         )
 
     def __call__(self, x: jax.Array, *, token_ids: jax.Array | None = None,
-                 num_tokens: jax.Array | None = None, return_stats: bool = False):
-        """x: (M, H) float -> (M, H) x.dtype. token_ids: (M,) int for hash-routed layers.
+                 num_tokens: jax.Array | None = None, return_stats: bool = False, debug_checks: bool = False):
+        """x: (..., H) float -> (..., H) x.dtype. token_ids: (...) int for hash-routed layers.
         num_tokens / return_stats (parallel patterns only): (n_token_shards,) int32 real rows per
-        shard; True -> (y, stats) as in `sharded_moe_forward`."""
+        shard; True -> (y, stats) as in `sharded_moe_forward`. debug_checks (single device): the
+        checked mode of `moe_forward`; call the module under `custom_calls.checked`."""
+        if debug_checks and self.parallel is not None:
+            raise ValueError("debug_checks: the checked mode runs on a single device (parallel=None); "
+                             f"this module uses the parallel pattern {self.parallel.pattern!r}")
         if self.parallel is None:
             if num_tokens is not None:
                 raise ValueError("num_tokens: only used with a parallel pattern (parallel=...), got an array")
@@ -232,7 +236,7 @@ class MoE(nnx.Module):
                                  f"holds {e_loc} (loaded with expert_range); run one EP rank's share "
                                  f"with moe_jax.routed_experts(..., expert_offset=start) on moe_params()")
             return moe_forward(x, self.moe_params(), self.config, token_ids=token_ids,
-                               layout=self.layout, backend=self.backend)
+                               layout=self.layout, backend=self.backend, debug_checks=debug_checks)
         from moe_jax.parallel import sharded_moe_forward
 
         params = self.moe_params(tp_view=not self.parallel.is_ep)

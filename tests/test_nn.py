@@ -181,6 +181,25 @@ def test_batch_seq_hidden_activations_keep_their_shape():
         fwd(moe, x, token_ids=tok.reshape(-1))
 
 
+def test_checked_mode_names_the_non_finite_tokens(mesh):
+    from jax.experimental import checkify
+
+    from custom_calls import checked
+
+    cfg = bf16_config()
+    moe = MoE(cfg, rngs=nnx.Rngs(8))
+    x = x_input()
+    y = checked(lambda v: moe(v, debug_checks=True))(x)  # clean input: no error, the usual output
+    np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(fwd(moe, x).astype(jnp.float32)))
+    bad = x.at[3, 5].set(jnp.nan).at[11, 0].set(jnp.inf)
+    with pytest.raises(checkify.JaxRuntimeError, match=r"x has non-finite values in tokens \[3, 11\]"):
+        checked(lambda v: moe(v, debug_checks=True))(bad)
+    sharded = MoE.from_params(init_params(jax.random.key(1), cfg), cfg, mesh=mesh,
+                              parallel=ParallelConfig("tp", moe_axes="mp"))
+    with pytest.raises(ValueError, match="debug_checks: the checked mode runs on a single device"):
+        sharded(x, debug_checks=True)
+
+
 def test_from_checkpoint(tmp_path):
     from safetensors.numpy import save_file
 
