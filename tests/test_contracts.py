@@ -385,7 +385,7 @@ def test_triton_backend_checked_under_interpreter():
     assert got["unpermute_same"]
 
 
-# ------------------------------------------------------------------ GPU (the lead's H200 runs)
+# ------------------------------------------------------------------ GPU (run on an H200)
 
 
 @pytest.mark.gpu

@@ -384,7 +384,7 @@ def _label(row: dict, platform: str) -> str:
 
 
 def goals(results: list[dict], copy_gbps: float, backend: str = "auto") -> list[dict]:
-    """The issue's two goals per measured shape of `backend` (only where it ran accelerated code):
+    """The layer's two speed goals per measured shape of `backend` (only where it ran accelerated code):
     contig shapes: `moe_forward` including routing / (GEMM1 + GEMM2), goal <= PREFILL_GOAL; masked
     shapes: weights-once roofline / `moe_forward` including routing, goal >= DECODE_GOAL. "wall":
     steady-stream wall time (stages timed alone for the GEMMs); "kernel": GPU kernel time of
