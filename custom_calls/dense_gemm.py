@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from custom_calls.backends import declare_op, resolve
 from layouts import GemmFormat, gemm_format, store_as
-from layouts.checks import check_dtype, check_rank, check_shape
+from layouts.checks import check_rank
 
 OP = "gemm_nt"
 _HI = jax.lax.Precision.HIGHEST
@@ -33,25 +33,10 @@ declare_op(OP, stage="gemm", static_args=("m", "n", "k", "recipe", "arch", "lhs_
 
 
 def check_gemm_nt(lhs, rhs, lhs_scale, rhs_scale, fmt: GemmFormat) -> tuple[int, int, int]:
-    """Trace-time checks of a dense GEMM call against `fmt`; returns (M, N, K). Errors name the
-    argument, the expected and the actual value."""
+    """Trace-time checks of a dense GEMM call against `fmt` (`GemmFormat.check_operands` with one
+    ungrouped weight); returns (M, N, K). Errors name the argument, the expected and the actual value."""
     check_rank("lhs", lhs, 2, "(M, K)")
-    check_rank("rhs", rhs, 2, "(N, K)")
-    m, k = lhs.shape
-    n = rhs.shape[0]
-    if rhs.shape[1] != fmt.rhs_width(k):
-        raise ValueError(f"rhs: expected shape (N, {fmt.rhs_width(k)}) to match lhs {tuple(lhs.shape)}, "
-                         f"got {tuple(rhs.shape)}")
-    check_dtype("lhs", lhs, fmt.lhs_dtypes)
-    check_dtype("rhs", rhs, fmt.rhs_dtypes)
-    if not fmt.is_quantized:
-        if lhs_scale is not None or rhs_scale is not None:
-            raise ValueError(f"lhs_scale/rhs_scale: recipe {fmt.recipe!r} takes no scales, got an array")
-        return m, n, k
-    check_shape("lhs_scale", lhs_scale, fmt.lhs_scale_shape(m, k), fmt.describe())
-    check_dtype("lhs_scale", lhs_scale, (fmt.scale_dtype,))
-    check_shape("rhs_scale", rhs_scale, fmt.rhs_scale_shape(1, n, k)[1:], fmt.describe())
-    check_dtype("rhs_scale", rhs_scale, (fmt.scale_dtype,))
+    m, k, _, n = fmt.check_operands(lhs, rhs, lhs_scale, rhs_scale, grouped=False)
     return m, n, k
 
 

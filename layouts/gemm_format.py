@@ -118,14 +118,23 @@ class GemmFormat:
         return (1, self.act_group), self.weight_block
 
     # -- checks ---------------------------------------------------------------------------------
-    def check_operands(self, lhs, rhs, lhs_scale, rhs_scale, *, batch: tuple[int, ...] = ()
-                       ) -> tuple[int, int, int, int]:
+    def check_operands(self, lhs, rhs, lhs_scale, rhs_scale, *, batch: tuple[int, ...] = (),
+                       grouped: bool = True) -> tuple[int, int, int, int]:
         """Trace-time check of lhs (*batch, rows, K), rhs (G, N, K / rhs_k_pack) and the two scales
-        against this format; returns (rows, K, G, N). Errors name the argument, expected and actual."""
+        against this format; returns (rows, K, G, N). grouped=False: one dense weight, rhs (N, K /
+        rhs_k_pack) and its scale without the leading group axis (G = 1). Errors name the argument,
+        expected and actual."""
         rows, k = lhs.shape[-2:]
-        check_rank("rhs", rhs, 3, "(G, N, K)")
-        g, n, kb = rhs.shape
+        if grouped:
+            check_rank("rhs", rhs, 3, "(G, N, K)")
+            g, n, kb = rhs.shape
+        else:
+            check_rank("rhs", rhs, 2, "(N, K)")
+            (n, kb), g = rhs.shape, 1
         if kb != self.rhs_width(k) or k % self.rhs_k_pack:
+            if not grouped:
+                raise ValueError(f"rhs: expected shape (N, {self.rhs_width(k)}) to match lhs {tuple(lhs.shape)}, "
+                                 f"got {tuple(rhs.shape)}")
             want = f"K//2={k // 2} (int8-packed e2m1)" if self.rhs_k_pack == 2 else f"K={k}"
             raise ValueError(f"rhs: expected last axis {want} to match lhs {tuple(lhs.shape)}, "
                              f"got {tuple(rhs.shape)}")
@@ -137,7 +146,8 @@ class GemmFormat:
             return rows, k, g, n
         check_shape("lhs_scale", lhs_scale, (*batch, *self.lhs_scale_shape(rows, k)), self.describe())
         check_dtype("lhs_scale", lhs_scale, (self.scale_dtype,))
-        check_shape("rhs_scale", rhs_scale, self.rhs_scale_shape(g, n, k), self.describe())
+        rhs_scale_shape = self.rhs_scale_shape(g, n, k)
+        check_shape("rhs_scale", rhs_scale, rhs_scale_shape if grouped else rhs_scale_shape[1:], self.describe())
         check_dtype("rhs_scale", rhs_scale, (self.scale_dtype,))
         return rows, k, g, n
 
