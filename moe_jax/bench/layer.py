@@ -494,16 +494,8 @@ def run(args) -> int:
     if args.shared is not None:
         return run_shared(args)
     check_plot_available(args.plot)
-    backends = [b for b in args.backends.split(",") if b]
-    if not backends:
-        raise SystemExit("--backends: expected a comma list of backend names, got an empty list")
-    small = _small_shapes(args, jax.default_backend())
     default = tuple(SHAPES) if jax.default_backend() == "gpu" else DEFAULT_SHAPES_NO_GPU
-    shapes = [s for s in args.shapes.split(",") if s] if args.shapes is not None else list(default)
-    unknown = set(shapes) - set(SHAPES)
-    if unknown or not shapes:
-        raise SystemExit(f"--shapes: expected a comma list of {', '.join(SHAPES)}, got {args.shapes!r}")
-    plan = [(s, SHAPES[s][2] if small else SHAPES[s][0], SHAPES[s][1]) for s in SHAPES if s in shapes]
+    backends, small, plan = _plan(args, default)
     error = not args.no_error
     progress = Progress("layer", total=len(plan) * (1 + int(error) + STEPS_PER_BACKEND * len(backends)) + 1)
     results = [bench_shape(name, m, layout, backends, args.reps, small=small, error=error, progress=progress)
@@ -519,6 +511,22 @@ def run(args) -> int:
     if args.plot:
         plot(args.plot, results, backends, device)
     return exit_status([f"{res['shape']} {be}" for res in results for be in backends if "error" in res.get(be, {})])
+
+
+def _plan(args, default_shapes: tuple[str, ...]) -> tuple[list[str], bool, list[tuple[str, int, str]]]:
+    """--backends and --shapes (None: `default_shapes`) checked -> (backends, scaled sizes?,
+    [(shape name, tokens, layout)] in `SHAPES` order)."""
+    import jax
+
+    backends = [b for b in args.backends.split(",") if b]
+    if not backends:
+        raise SystemExit("--backends: expected a comma list of backend names, got an empty list")
+    shapes = [s for s in args.shapes.split(",") if s] if args.shapes is not None else list(default_shapes)
+    if set(shapes) - set(SHAPES) or not shapes:
+        raise SystemExit(f"--shapes: expected a comma list of {', '.join(SHAPES)}, got {args.shapes!r}")
+    small = _small_shapes(args, jax.default_backend())
+    return backends, small, [(s, SHAPES[s][2] if small else SHAPES[s][0], SHAPES[s][1]) for s in SHAPES
+                             if s in shapes]
 
 
 def _small_shapes(args, platform: str) -> bool:
@@ -678,13 +686,7 @@ def run_shared(args) -> int:
         raise SystemExit(f"--shared: expected a comma list of {', '.join(SHARED_VARIANTS)}, got {args.shared!r}")
     if args.plot:
         raise SystemExit("--plot: the stage plot is not drawn with --shared")
-    backends = [b for b in args.backends.split(",") if b]
-    shapes = [s for s in (args.shapes or ",".join(DEFAULT_SHAPES_NO_GPU)).split(",") if s]
-    if set(shapes) - set(SHAPES) or not shapes or not backends:
-        raise SystemExit(f"--shapes/--backends: expected names of {', '.join(SHAPES)} and backend names, got "
-                         f"{args.shapes!r} / {args.backends!r}")
-    small = _small_shapes(args, jax.default_backend())
-    plan = [(s, SHAPES[s][2] if small else SHAPES[s][0], SHAPES[s][1]) for s in SHAPES if s in shapes]
+    backends, small, plan = _plan(args, DEFAULT_SHAPES_NO_GPU)
     progress = Progress("layer --shared", total=len(plan) * len(backends) * len(variants) * 4)
     results = [bench_shared(name, m, layout, variants, backends, args.reps, small=small, progress=progress)
                for name, m, layout in plan]
