@@ -170,8 +170,8 @@ def init_params(key: jax.Array, config: MoEConfig, *, num_local_experts: int | N
         shared_w13 = (z["s13"] * h**-0.5).astype(jnp.bfloat16)
         shared_w2 = (z["s2"] * i_s**-0.5).astype(jnp.bfloat16)
         if shared_recipe == SHARED_FP8:
-            shared_w13, shared_s13 = _quantize_shared(shared_w13)
-            shared_w2, shared_s2 = _quantize_shared(shared_w2)
+            shared_w13, shared_s13 = _quantize_checkpoint(shared_w13.astype(jnp.float32), SHARED_FP8)
+            shared_w2, shared_s2 = _quantize_checkpoint(shared_w2.astype(jnp.float32), SHARED_FP8)
     tid2eid = None
     if config.hash_routing:
         # distinct experts per token: the first top_k of a random permutation of E
@@ -183,12 +183,6 @@ def init_params(key: jax.Array, config: MoEConfig, *, num_local_experts: int | N
         shared_w13=shared_w13, shared_w2=shared_w2, tid2eid=tid2eid,
         shared_w13_scale=shared_s13, shared_w2_scale=shared_s2,
     )
-
-
-def _quantize_shared(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """w: (N, K) float -> e4m3 (N, K), (ceil(N/128), ceil(K/128)) f32 block scales (checkpoint form)."""
-    q, sf = layouts.quantize_fp8_per_block(w[None].astype(jnp.float32), block_size=128)
-    return q[0], sf[0]
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))  # one compiled conversion, not op-by-op
