@@ -51,15 +51,6 @@ def expected_m(num_tokens: int, top_k: int, num_experts_global: int) -> int:
     return ceil_div(num_tokens * top_k, num_experts_global)
 
 
-def _check_dispatch_args(topk_ids: jax.Array, num_local_experts: int) -> None:
-    if topk_ids.ndim != 2:
-        raise ValueError(f"topk_ids: expected rank 2 (M, top_k), got shape {tuple(topk_ids.shape)}")
-    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
-        raise TypeError(f"topk_ids: expected an integer dtype, got {topk_ids.dtype}")
-    if not isinstance(num_local_experts, int) or num_local_experts < 1:
-        raise ValueError(f"num_local_experts: expected a positive int, got {num_local_experts!r}")
-
-
 @dataclass(frozen=True)
 class ContigDispatch:
     """src2dst (M, k) int32 row of each route or -1; m_indices (M_cap,) int32 expert per row, -1 =
@@ -102,13 +93,11 @@ def dispatch_contig(topk_ids: jax.Array, *, num_local_experts: int, alignment: i
     a multiple of `alignment`; within a segment routes keep (token, k) order. `backend` builds the
     map (`custom_calls.dispatch_map_contig`: one or two sort-free Triton launches, or the
     reference's argsort); the result does not depend on it."""
-    _check_dispatch_args(topk_ids, num_local_experts)
-    if not isinstance(alignment, int) or alignment < 1:
-        raise ValueError(f"alignment: expected a positive int, got {alignment!r}")
-    m, k = topk_ids.shape
-    cap = contig_capacity(m, k, num_local_experts, alignment)
+    # the dispatch-map op checks topk_ids, num_local_experts and alignment (trace time, once)
     src2dst, m_indices, num_rows, counts = dispatch_map_contig(
         topk_ids, expert_offset, num_local_experts=num_local_experts, alignment=alignment, backend=backend)
+    m, k = topk_ids.shape
+    cap = contig_capacity(m, k, num_local_experts, alignment)
     return ContigDispatch(src2dst=src2dst, m_indices=m_indices, num_rows=num_rows, counts=counts,
                           num_rows_cap=cap, alignment=alignment)
 
@@ -119,16 +108,16 @@ def dispatch_masked(topk_ids: jax.Array, *, num_local_experts: int, m_pad: int,
                     backend: str | None = None) -> MaskedDispatch:
     """topk_ids (M, k) global int ids -> MaskedDispatch with (E_local, m_pad) slabs; `backend` as
     in `dispatch_contig`."""
-    _check_dispatch_args(topk_ids, num_local_experts)
-    m, k = topk_ids.shape
     if not isinstance(m_pad, int) or m_pad < 1 or m_pad % 128:
         raise ValueError(f"m_pad: expected a positive multiple of 128, got {m_pad!r}")
+    # the dispatch-map op checks topk_ids and num_local_experts (trace time, once)
+    src2dst, masked_m, num_dropped = dispatch_map_masked(topk_ids, expert_offset, num_local_experts=num_local_experts,
+                                                         m_pad=m_pad, backend=backend)
+    m, k = topk_ids.shape
     if m_pad < m:
         raise ValueError(f"m_pad={m_pad} is too small for the static worst case: one expert can "
                          f"receive every one of the M={m} tokens (need m_pad >= {m}, e.g. "
                          f"{default_masked_m_pad(m)})")
-    src2dst, masked_m, num_dropped = dispatch_map_masked(topk_ids, expert_offset, num_local_experts=num_local_experts,
-                                                         m_pad=m_pad, backend=backend)
     return MaskedDispatch(src2dst=src2dst, masked_m=masked_m, num_dropped=num_dropped,
                           m_pad=m_pad, expected_m=expected_m(m, k, num_experts_global))
 
