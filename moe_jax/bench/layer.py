@@ -74,6 +74,18 @@ def _config(small: bool = False):
     return cfg
 
 
+def _bench_params(config, shared_recipe: str = "bf16"):
+    """GEMM-form params of the benchmark layer (the same random draws for every call), with the
+    router gate in bf16 as DeepSeek's checkpoints ship it: the router GEMM runs bf16 x bf16 -> f32."""
+    import jax
+    import jax.numpy as jnp
+
+    from moe_jax.params import init_params, prepare_params
+
+    params = prepare_params(init_params(jax.random.PRNGKey(0), config, shared_recipe=shared_recipe), config)
+    return dataclasses.replace(params, gate_weight=params.gate_weight.astype(jnp.bfloat16))
+
+
 def _fp32_model(x, topk_ids, topk_weights, params, config, *, block: int = 128, blocks_per_step: int = 4):
     """Float32 routed output of the layer, from the routed (token, expert) pairs only.
 
@@ -196,7 +208,6 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
     from moe_jax.bench._cli import Progress, run_untuned
     from moe_jax.dispatch import default_masked_m_pad, dispatch_contig, dispatch_masked
     from moe_jax.layer import moe_forward, routed_experts, stage_backend
-    from moe_jax.params import init_params, prepare_params
     from moe_jax.routing import route
 
     own = progress is None
@@ -204,9 +215,7 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
         progress = Progress(name, total=1 + int(error) + STEPS_PER_BACKEND * len(backends))
     progress.step(f"{name}: parameters")
     cfg = _config(small)
-    params = prepare_params(init_params(jax.random.PRNGKey(0), cfg), cfg)
-    # DeepSeek's checkpoints ship the router gate in bf16: the router GEMM then runs bf16 x bf16 -> f32
-    params = dataclasses.replace(params, gate_weight=params.gate_weight.astype(jnp.bfloat16))
+    params = _bench_params(cfg)
     jax.block_until_ready(params.w13)
     e, h = cfg.num_experts, cfg.hidden_size
     recipe, arch, act = params.gemm_recipe, params.gemm_arch, cfg.activation
@@ -587,17 +596,9 @@ SHARED_VARIANTS = ("bf16", "fp8", "fused")
 def _shared_setup(variant: str, small: bool):
     """(config, GEMM-form params) of the benchmark layer with one shared expert run as `variant`;
     the same random draws for every variant (fp8 and fused quantize the bf16 shared weights)."""
-    import dataclasses
-
-    import jax
-
-    from moe_jax.params import init_params, prepare_params
-
-    cfg = dataclasses.replace(_config(small), n_shared_experts=1)
-    params = init_params(jax.random.PRNGKey(0), cfg, shared_recipe="bf16" if variant == "bf16" else "fp8_block")
-    if variant == "fused":
-        cfg = dataclasses.replace(cfg, fuse_shared_experts=True)
-    return cfg, prepare_params(params, cfg)
+    cfg = dataclasses.replace(_config(small), n_shared_experts=1,
+                              fuse_shared_experts=variant == "fused")
+    return cfg, _bench_params(cfg, shared_recipe="bf16" if variant == "bf16" else "fp8_block")
 
 
 def bench_shared(name: str, m: int, layout: str, variants: list[str], backends: list[str], reps: int, *,
