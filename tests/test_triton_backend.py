@@ -249,18 +249,19 @@ def test_kernels_compile_for_sm90_and_sm100(arch):
     from custom_calls.triton.dispatch_map_kernel import map_contig_kernel, map_hist_kernel, map_masked_kernel
 
     map_ptrs = {"ids_ptr": "*i32", "off_ptr": "*i32", "hist_ptr": "*i32", "dst_ptr": "*i32"}
-    # the heuristic tilings at prefill (4096 tokens, two launches) and decode (128 tokens, one launch)
-    prefill = dict(R=32768, E=32, E_PAD=32, SUB=128, SUBS=2, NC=128, HB=128)
-    decode = dict(R=1024, E=32, E_PAD=32, SUB=128, SUBS=8, NC=1, HB=1)
+    # the heuristic tilings at prefill (4096 tokens, two launches) and decode (128 tokens, one launch of 8)
+    prefill = dict(R=32768, E=32, E_PAD=32, SUB=128, SUBS=2, NC=128, HB=128, ONE_LAUNCH=False)
+    decode = dict(R=1024, E=32, E_PAD=32, SUB=128, SUBS=1, NC=8, HB=8, ONE_LAUNCH=True)
     _lean(_compile(map_hist_kernel, {"ids_ptr": "*i32", "off_ptr": "*i32", "hist_ptr": "*i32"},
                    {k: prefill[k] for k in ("R", "E", "E_PAD", "SUB", "SUBS")}, arch, 8))
-    # one program per SM at most (128 chunks, or one): no spills and two 8-warp programs fit per SM
-    for const in (prefill, decode):
+    # no spills; at prefill (128 chunks, about one per SM) two 8-warp programs fit per SM (<= 128
+    # registers); at decode 8 programs of 4 warps are far from filling the GPU
+    for const, warps, max_reg in ((prefill, 8, 128), (decode, 4, 255)):
         for c in (_compile(map_contig_kernel, dict(map_ptrs, mind_ptr="*i32", nrows_ptr="*i32", counts_ptr="*i32"),
-                           dict(const, ALIGN=128, CAP=36864, ROWS_PER_PROGRAM=384, ROW_BLOCK=128), arch, 8),
+                           dict(const, ALIGN=128, CAP=36864, ROWS_PER_PROGRAM=384, ROW_BLOCK=128), arch, warps),
                   _compile(map_masked_kernel, dict(map_ptrs, masked_m_ptr="*i32", dropped_ptr="*i32"),
-                           dict(const, M_PAD=256), arch, 8)):
+                           dict(const, M_PAD=256), arch, warps)):
             res = _resources(c)
-            assert res["stack"] == 0 and res["reg"] <= 128, res
+            assert res["stack"] == 0 and res["reg"] <= max_reg, res
     c = _compile(route_topk_kernel, route_ptrs, dict(M=4096, BLOCK_T=8, **v3), arch)
     assert _resources(c)["stack"] == 0

@@ -97,14 +97,15 @@ def test_heuristic_configs_are_the_measured_defaults():
 
 
 def test_dispatch_map_heuristic_is_one_launch_at_decode():
-    """Up to 4096 routes one chunk (one program, one launch); above, about 128 chunks (two launches)."""
+    """Up to 4096 routes one launch of one sub-block per program (4 warps); above, about 128 chunks
+    (two launches, 8 warps)."""
     dk = _kernel_modules()["dispatch_map"]
     cfg = dk.heuristic_config(128 * 8, 32)  # decode: 128 tokens, top-8, 32 local experts
-    assert cfg == dk.DispatchMapConfig(sub=128, subs=8, num_warps=8) and cfg.sub * cfg.subs >= 128 * 8
-    assert dk.heuristic_config(4096, 256) == dk.DispatchMapConfig(sub=16, subs=256, num_warps=8)
+    assert cfg == dk.DispatchMapConfig(sub=128, subs=1, num_warps=4, one_launch=True)
+    assert dk.heuristic_config(4096, 256) == dk.DispatchMapConfig(sub=16, subs=1, num_warps=4, one_launch=True)
     assert dk.heuristic_config(4096 * 8, 32) == dk.DispatchMapConfig(sub=128, subs=2, num_warps=8)
     assert dk.heuristic_config(16384 * 8, 32) == dk.DispatchMapConfig(sub=128, subs=8, num_warps=8)
-    assert dk.heuristic_config(40, 1000) == dk.DispatchMapConfig(sub=16, subs=3, num_warps=8)
+    assert dk.heuristic_config(40, 1000) == dk.DispatchMapConfig(sub=16, subs=1, num_warps=4, one_launch=True)
 
 
 def test_bad_configs_are_refused_naming_the_field():
@@ -130,6 +131,8 @@ def test_bad_configs_are_refused_naming_the_field():
         k["dispatch_map"].DispatchMapConfig(sub=48, subs=1, num_warps=4)
     with pytest.raises(ValueError, match=r"DispatchMapConfig\.subs: expected a positive int, got 0"):
         k["dispatch_map"].DispatchMapConfig(sub=64, subs=0, num_warps=4)
+    with pytest.raises(ValueError, match=r"DispatchMapConfig\.one_launch: expected a bool, got 1"):
+        k["dispatch_map"].DispatchMapConfig(sub=64, subs=1, num_warps=4, one_launch=1)
     with pytest.raises(ValueError, match=r"dispatch_map: num_experts: at most 1024 local experts, got 1025"):
         k["dispatch_map"].dispatch_map_masked(jnp.zeros((4, 2), jnp.int32), jnp.int32(0), num_local_experts=1025,
                                               m_pad=128)
@@ -733,8 +736,9 @@ def _map_ids(rng, m, k, e, offset, dup=False):
     return ids
 
 
-def _map_case(seed, m, k, e, offset, sub, subs, alignment=None, m_pad=None, dup=False):
-    """One or two launches of the dispatch-map kernels on poisoned buffers; every element checked."""
+def _map_case(seed, m, k, e, offset, sub, subs, alignment=None, m_pad=None, dup=False, one_launch=False):
+    """One or two launches of the dispatch-map kernels on poisoned buffers; every element checked.
+    one_launch: several chunks, each program counting the routes before its own."""
     from custom_calls.triton import dispatch_map_kernel as dk
 
     rng = _rng(seed)
@@ -744,9 +748,10 @@ def _map_case(seed, m, k, e, offset, sub, subs, alignment=None, m_pad=None, dup=
     e_pad = 1 << (e - 1).bit_length()
     nc = ceil_div(r, sub * subs)
     plan = dict(R=r, E=e, E_PAD=e_pad, SUB=sub, SUBS=subs, NC=nc, HB=max(1, min(1 << (nc - 1).bit_length(),
-                                                                                4096 // e_pad)))
+                                                                                4096 // e_pad)),
+                ONE_LAUNCH=nc == 1 or one_launch)
     hist = np.zeros(1, np.int32)
-    if nc > 1:
+    if not plan["ONE_LAUNCH"]:
         hist = np.full((nc, e_pad), -7, np.int32)
         _launch(dk.map_hist_kernel, (nc,), ids, off, hist, **{k_: plan[k_] for k_ in ("R", "E", "E_PAD", "SUB",
                                                                                      "SUBS")})
@@ -774,6 +779,8 @@ def _map_case(seed, m, k, e, offset, sub, subs, alignment=None, m_pad=None, dup=
 
 def case_dispatch_map_contig_one_launch():
     _map_case(70, 37, 6, 5, 3, sub=64, subs=4, alignment=16)  # 222 routes: one program, 4 sub-blocks
+    _map_case(76, 37, 6, 5, 3, sub=32, subs=1, alignment=16, one_launch=True)  # 7 programs, each counting
+    _map_case(77, 129, 8, 20, 0, sub=64, subs=2, alignment=128, one_launch=True)  # 9 chunks of 2 sub-blocks
 
 
 def case_dispatch_map_contig_two_launches():
@@ -784,6 +791,9 @@ def case_dispatch_map_contig_two_launches():
 def case_dispatch_map_masked_one_launch():
     want = _map_case(73, 71, 8, 6, 2, sub=128, subs=5, m_pad=128, dup=True)  # one chunk of 568 routes
     assert want[2] > 0  # routes past m_pad dropped and counted
+    want = _map_case(78, 71, 8, 6, 2, sub=64, subs=1, m_pad=96, dup=True, one_launch=True)  # 9 programs
+    assert want[2] > 0
+    _map_case(79, 128, 8, 32, 0, sub=128, subs=1, m_pad=256, one_launch=True)  # the decode heuristic
 
 
 def case_dispatch_map_masked_two_launches():

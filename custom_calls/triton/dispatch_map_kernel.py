@@ -7,12 +7,15 @@ program; a program walks its chunk in sub-blocks of SUB routes. In a sub-block t
 among the sub-block's routes of its expert; a running per-expert count carries it across
 sub-blocks. Deterministic, no atomics, no sort.
 
-* One chunk (R <= SUB * SUBS, decode sizes): ONE launch. The single program counts every
-  expert's routes in a first walk, derives the segment starts, then places in a second walk.
-* Several chunks (prefill): TWO launches. `map_hist_kernel` writes each chunk's per-expert count
-  (NC, E_PAD); the placement kernel of chunk c sums the rows of chunks < c (its per-expert
-  offsets) and all rows (the totals), then places its routes. Program 0 writes counts / num_rows
-  (contig) or masked_m / num_dropped (masked); every program writes a slice of m_indices.
+* One launch (`DispatchMapConfig.one_launch`, decode sizes): every program counts all routes
+  itself, those before its chunk and in total (the one-hot matrices summed elementwise, reduced
+  once), then places its chunk. The counting is repeated per program, but it is cheap next to a
+  second launch and the chunks are placed in parallel.
+* Two launches (prefill): `map_hist_kernel` writes each chunk's per-expert count (NC, E_PAD); the
+  placement kernel of chunk c sums the rows of chunks < c (its per-expert offsets) and all rows
+  (the totals), then places its routes.
+Program 0 writes counts / num_rows (contig) or masked_m / num_dropped (masked); every program
+writes a slice of m_indices.
 
 m_indices[row] = the expert e with seg_start[e] <= row < seg_start[e] + counts[e] (segments of
 non-empty experts are disjoint), else -1: one [ROW_BLOCK, E_PAD] comparison per block of rows.
@@ -35,34 +38,38 @@ from custom_calls.triton.support import dispatch_map_reason
 from custom_calls.triton.tuning import check_launch, check_powers_of_two, config_or_default
 
 ONE_HOT_ELEMENTS = 4096  # the [SUB, E_PAD] one-hot matrix of a sub-block: 16 per thread on 8 warps, no spills
-SINGLE_LAUNCH_ROUTES = 4096  # up to this many routes the heuristic uses one program, one launch
+SINGLE_LAUNCH_ROUTES = 4096  # up to this many routes the heuristic uses one launch
 PREFILL_PROGRAMS = 128  # above it: about one wave of chunks on an H200 (132 SMs)
 
 
 @dataclasses.dataclass(frozen=True)
 class DispatchMapConfig:
     """Tiling of the dispatch-map kernels: sub routes per sub-block (a power of two), subs sub-blocks
-    per program (a chunk of sub * subs routes; one chunk covering all routes = one launch);
-    num_warps of every launch."""
+    per program (a chunk of sub * subs routes, one program each); num_warps of every launch;
+    one_launch: every program counts the routes before its chunk itself instead of reading the
+    chunk counts of a first launch (a single chunk is always one launch)."""
 
     sub: int
     subs: int
     num_warps: int
+    one_launch: bool = False
 
     def __post_init__(self) -> None:
         check_powers_of_two(self, "sub")
         if isinstance(self.subs, bool) or not isinstance(self.subs, int) or self.subs < 1:
             raise ValueError(f"DispatchMapConfig.subs: expected a positive int, got {self.subs!r}")
+        if not isinstance(self.one_launch, bool):
+            raise ValueError(f"DispatchMapConfig.one_launch: expected a bool, got {self.one_launch!r}")
         check_launch(self)
 
 
 def heuristic_config(num_routes: int, num_experts: int) -> DispatchMapConfig:
-    """The default tiling: sub = ONE_HOT_ELEMENTS / next_pow2(E) routes (16 to 1024), 8 warps; up
-    to SINGLE_LAUNCH_ROUTES routes one program (one launch), else chunks of whole sub-blocks making
-    about PREFILL_PROGRAMS programs (two launches)."""
+    """The default tiling: sub = ONE_HOT_ELEMENTS / next_pow2(E) routes (16 to 1024); up to
+    SINGLE_LAUNCH_ROUTES routes one launch of one sub-block per program on 4 warps, else chunks of
+    whole sub-blocks making about PREFILL_PROGRAMS programs (two launches, 8 warps)."""
     sub = max(16, min(1024, ONE_HOT_ELEMENTS // triton.next_power_of_2(num_experts)))
     if num_routes <= SINGLE_LAUNCH_ROUTES:
-        return DispatchMapConfig(sub=sub, subs=max(1, ceil_div(num_routes, sub)), num_warps=8)
+        return DispatchMapConfig(sub=sub, subs=1, num_warps=4, one_launch=True)
     return DispatchMapConfig(sub=sub, subs=max(1, ceil_div(num_routes, sub * PREFILL_PROGRAMS)), num_warps=8)
 
 
@@ -75,15 +82,20 @@ def _local_expert(ids_ptr, i, R: tl.constexpr, E: tl.constexpr, offset):
 
 
 @triton.jit
-def _count(ids_ptr, offset, first_sub, NSUB, R: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
-           SUB: tl.constexpr):
-    """Routes per local expert [E_PAD] among sub-blocks [first_sub, first_sub + NSUB)."""
-    cols = tl.arange(0, E_PAD)
-    h = tl.zeros((E_PAD,), tl.int32)
-    for s in tl.range(0, NSUB):
-        e = _local_expert(ids_ptr, (first_sub + s) * SUB + tl.arange(0, SUB), R, E, offset)
-        h += tl.sum((tl.expand_dims(e, 1) == tl.expand_dims(cols, 0)).to(tl.int32), axis=0)
-    return h
+def _count(ids_ptr, offset, first, split, STEPS: tl.constexpr, R: tl.constexpr, E: tl.constexpr,
+           E_PAD: tl.constexpr, SUB: tl.constexpr):
+    """Routes per local expert [E_PAD] among the STEPS sub-blocks from route `first`: (those
+    before route `split`, all). The one-hot matrices are summed elementwise and reduced once (no
+    cross-thread work per step)."""
+    cols = tl.expand_dims(tl.arange(0, E_PAD), 0)
+    before = tl.zeros((SUB, E_PAD), tl.int32)
+    every = tl.zeros((SUB, E_PAD), tl.int32)
+    for s in tl.range(0, STEPS):
+        i = first + s * SUB + tl.arange(0, SUB)
+        hot = (tl.expand_dims(_local_expert(ids_ptr, i, R, E, offset), 1) == cols).to(tl.int32)
+        every += hot
+        before += tl.where(tl.expand_dims(i < split, 1), hot, 0)
+    return tl.sum(before, axis=0), tl.sum(every, axis=0)
 
 
 @triton.jit
@@ -127,21 +139,21 @@ def _place(ids_ptr, dst_ptr, offset, base, first_sub, NSUB, R: tl.constexpr, E: 
 def map_hist_kernel(ids_ptr, off_ptr, hist_ptr, R: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                     SUB: tl.constexpr, SUBS: tl.constexpr):
     c = tl.program_id(0)
-    h = _count(ids_ptr, tl.load(off_ptr), c * SUBS, SUBS, R, E, E_PAD, SUB)
+    _, h = _count(ids_ptr, tl.load(off_ptr), c * SUBS * SUB, 0, SUBS, R, E, E_PAD, SUB)
     tl.store(hist_ptr + c * E_PAD + tl.arange(0, E_PAD), h)
 
 
 @triton.jit
 def map_contig_kernel(ids_ptr, off_ptr, hist_ptr, dst_ptr, mind_ptr, nrows_ptr, counts_ptr,
                       R: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, SUB: tl.constexpr,
-                      SUBS: tl.constexpr, NC: tl.constexpr, HB: tl.constexpr, ALIGN: tl.constexpr,
+                      SUBS: tl.constexpr, NC: tl.constexpr, HB: tl.constexpr, ONE_LAUNCH: tl.constexpr,
+                      ALIGN: tl.constexpr,
                       CAP: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, ROW_BLOCK: tl.constexpr):
     c = tl.program_id(0)
     offset = tl.load(off_ptr)
     cols = tl.arange(0, E_PAD)
-    if NC == 1:  # one launch: the program counts its (only) chunk itself
-        total = _count(ids_ptr, offset, 0, SUBS, R, E, E_PAD, SUB)
-        before = tl.zeros((E_PAD,), tl.int32)
+    if ONE_LAUNCH:
+        before, total = _count(ids_ptr, offset, 0, c * SUBS * SUB, (R + SUB - 1) // SUB, R, E, E_PAD, SUB)
     else:
         before, total = _chunk_offsets(hist_ptr, c, NC, E_PAD, HB)
     padded = (total + ALIGN - 1) // ALIGN * ALIGN
@@ -162,15 +174,19 @@ def map_contig_kernel(ids_ptr, off_ptr, hist_ptr, dst_ptr, mind_ptr, nrows_ptr, 
 @triton.jit
 def map_masked_kernel(ids_ptr, off_ptr, hist_ptr, dst_ptr, masked_m_ptr, dropped_ptr,
                       R: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, SUB: tl.constexpr,
-                      SUBS: tl.constexpr, NC: tl.constexpr, HB: tl.constexpr, M_PAD: tl.constexpr):
+                      SUBS: tl.constexpr, NC: tl.constexpr, HB: tl.constexpr, ONE_LAUNCH: tl.constexpr,
+                      M_PAD: tl.constexpr):
     c = tl.program_id(0)
     offset = tl.load(off_ptr)
     cols = tl.arange(0, E_PAD)
-    if NC == 1:  # one launch, one walk: the running counts end as the totals
+    if NC == 1:  # one program, one walk: the running counts end as the totals
         total = _place(ids_ptr, dst_ptr, offset, tl.zeros((E_PAD,), tl.int32), 0, SUBS, R, E, E_PAD, SUB,
                        True, M_PAD)
     else:
-        before, total = _chunk_offsets(hist_ptr, c, NC, E_PAD, HB)
+        if ONE_LAUNCH:
+            before, total = _count(ids_ptr, offset, 0, c * SUBS * SUB, (R + SUB - 1) // SUB, R, E, E_PAD, SUB)
+        else:
+            before, total = _chunk_offsets(hist_ptr, c, NC, E_PAD, HB)
         _place(ids_ptr, dst_ptr, offset, before, c * SUBS, SUBS, R, E, E_PAD, SUB, True, M_PAD)
     first = c == 0
     tl.store(masked_m_ptr + cols, tl.minimum(total, M_PAD), mask=(cols < E) & first)
@@ -182,12 +198,13 @@ def _plan(r: int, e: int, config: DispatchMapConfig) -> dict:
     e_pad = triton.next_power_of_2(e)
     nc = max(1, ceil_div(r, config.sub * config.subs))
     return dict(R=r, E=e, E_PAD=e_pad, SUB=config.sub, SUBS=config.subs, NC=nc,
-                HB=max(1, min(triton.next_power_of_2(nc), ONE_HOT_ELEMENTS // e_pad)))
+                HB=max(1, min(triton.next_power_of_2(nc), ONE_HOT_ELEMENTS // e_pad)),
+                ONE_LAUNCH=nc == 1 or config.one_launch)
 
 
 def _hist(ids, offset, plan: dict, warps: int) -> jax.Array:
     """The chunk counts (NC, E_PAD) of the two-launch path; a 1-element placeholder for one launch."""
-    if plan["NC"] == 1:
+    if plan["ONE_LAUNCH"]:
         return jnp.zeros((1,), jnp.int32)
     (hist,) = triton_call(ids, offset, kernel=map_hist_kernel,
                           out_shape=[jax.ShapeDtypeStruct((plan["NC"], plan["E_PAD"]), jnp.int32)],
