@@ -15,6 +15,13 @@ never reads an index it was not written for and the reference computes the same 
   permute ops, whose rows must be distinct, a row named again by a later route (flat (token, k)
   order) is dropped for the later route.
 
+assume_canonical (permute and un-permute ops): the caller vouches that src2dst already keeps its
+contract, as the dispatcher's src2dst does by construction, and the canonicalization pass (at
+decode a few small kernels, as long as the permute itself) is skipped; the layer passes it. A
+violating src2dst then gives unspecified values in the rows and tokens it names, never an access
+outside a buffer: every implementation masks row indices outside [0, num_rows) (like jax's
+`unique_indices` hint to scatter, a promise the caller keeps, not a check).
+
 Checked mode (`debug_checks=True` on the ops and the layer) adds `checkify.check`s naming the
 argument, the index and the value, and reports non-finite tokens and weights by index. Such a
 function must run under `checked` (or `checkify.checkify`); with debug_checks=False (the default)

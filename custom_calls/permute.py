@@ -50,9 +50,10 @@ declare_op(OP_MASKED, stage="permute",
            reference=jax.jit(_masked_reference, static_argnames=("num_groups", "m_pad", "recipe", "arch")))
 
 
-def _check(x, src2dst, recipe, arch, num_rows: int, debug_checks: bool) -> jax.Array:
+def _check(x, src2dst, recipe, arch, num_rows: int, debug_checks: bool, assume_canonical: bool) -> jax.Array:
     """Trace-time checks; with debug_checks also the src2dst contract and non-finite tokens.
-    Returns src2dst canonicalized (`contracts.canonical_src2dst`, rows distinct)."""
+    Returns src2dst canonicalized (`contracts.canonical_src2dst`, rows distinct), or as given with
+    assume_canonical."""
     gemm_format(recipe, arch)
     check_rank("x", x, 2, "(M, H)")
     check_dtype("x", x, FLOAT_DTYPES)
@@ -63,33 +64,38 @@ def _check(x, src2dst, recipe, arch, num_rows: int, debug_checks: bool) -> jax.A
     if debug_checks:
         contracts.check_finite_rows("x", x, "tokens")
         contracts.check_src2dst(src2dst, num_rows, distinct=True)
+    if assume_canonical:
+        return src2dst
     return contracts.canonical_src2dst(src2dst, num_rows, distinct=True)
 
 
 def permute_contig(x: jax.Array, src2dst: jax.Array, *, num_rows: int, recipe: str, arch: int,
-                   backend: str | None = None, debug_checks: bool = False) -> tuple[jax.Array, jax.Array | None]:
+                   backend: str | None = None, debug_checks: bool = False,
+                   assume_canonical: bool = False) -> tuple[jax.Array, jax.Array | None]:
     """x: (M, H) float, src2dst: (M, k) int32 distinct rows in [0, num_rows) or -1
     -> (lhs (num_rows, H) bf16 | e4m3, lhs_scale image of `layouts.gemm_format(recipe, arch)` | None).
     num_rows = M_cap, the static contig capacity (a multiple of the alignment). Every backend drops
     a route outside [-1, num_rows) and a later route naming an already named row
     (`contracts.canonical_src2dst`). debug_checks: report those and non-finite tokens by index
-    (`contracts.checked`)."""
-    src2dst = _check(x, src2dst, recipe, arch, num_rows, debug_checks)
+    (`contracts.checked`). assume_canonical: src2dst already keeps the contract, as the
+    dispatcher's does; the canonicalization pass is skipped (`contracts`, "assume_canonical")."""
+    src2dst = _check(x, src2dst, recipe, arch, num_rows, debug_checks, assume_canonical)
     impl = resolve(OP_CONTIG, backend, num_tokens=x.shape[0], hidden=x.shape[1],
                    top_k=src2dst.shape[1], num_rows=num_rows, recipe=recipe, arch=arch, dtype=x.dtype)
     return impl.impl(x, src2dst, num_rows=num_rows, recipe=recipe, arch=arch)
 
 
 def permute_masked(x: jax.Array, src2dst: jax.Array, *, num_groups: int, m_pad: int, recipe: str,
-                   arch: int, backend: str | None = None,
-                   debug_checks: bool = False) -> tuple[jax.Array, jax.Array | None]:
+                   arch: int, backend: str | None = None, debug_checks: bool = False,
+                   assume_canonical: bool = False) -> tuple[jax.Array, jax.Array | None]:
     """x: (M, H) float, src2dst: (M, k) int32 distinct flat slab rows g*m_pad + r, or -1
     -> (lhs (G, m_pad, H) bf16 | e4m3, lhs_scale (G, ...) image | None); lhs rows no route lands
     on are unspecified (their scale columns hold the zero row's scale). Violating routes are
-    dropped and reported as in `permute_contig` (num_rows = G * m_pad)."""
+    dropped and reported as in `permute_contig` (num_rows = G * m_pad); assume_canonical as
+    there."""
     if m_pad % 128:
         raise ValueError(f"m_pad: expected a multiple of 128, got {m_pad}")
-    src2dst = _check(x, src2dst, recipe, arch, num_groups * m_pad, debug_checks)
+    src2dst = _check(x, src2dst, recipe, arch, num_groups * m_pad, debug_checks, assume_canonical)
     impl = resolve(OP_MASKED, backend, num_tokens=x.shape[0], hidden=x.shape[1],
                    top_k=src2dst.shape[1], num_groups=num_groups, m_pad=m_pad, recipe=recipe,
                    arch=arch, dtype=x.dtype)

@@ -33,12 +33,16 @@ declare_op(OP, stage="unpermute", static_args=("num_rows", "hidden", "num_tokens
 
 def unpermute(d: jax.Array, src2dst: jax.Array, topk_weights: jax.Array, *,
               routed_scaling_factor: float = 1.0, out_dtype=jnp.bfloat16,
-              backend: str | None = None, debug_checks: bool = False) -> jax.Array:
+              backend: str | None = None, debug_checks: bool = False,
+              assume_canonical: bool = False) -> jax.Array:
     """d: (R, H) GEMM2 output rows (masked slabs flattened to (G*m_pad, H)), src2dst: (M, k) int32
     (-1 = route not here), topk_weights: (M, k) f32
     -> (M, H) out_dtype: out[m] = scaling * sum_j w[m, j] * d[src2dst[m, j]], accumulated in fp32.
     Every backend drops a route outside [-1, R) (`contracts.canonical_src2dst`). debug_checks:
-    report such routes and non-finite weights by token (`contracts.checked`)."""
+    report such routes and non-finite weights by token (`contracts.checked`). assume_canonical:
+    the canonicalization pass is skipped (`contracts`, "assume_canonical"); a route naming a row
+    >= R then makes its token's output NaN on every backend (the layer marks a route it had to
+    drop this way)."""
     check_rank("d", d, 2, "(R, H)")
     check_dtype("d", d, FLOAT_DTYPES)
     check_rank("src2dst", src2dst, 2, "(M, top_k)")
@@ -50,7 +54,8 @@ def unpermute(d: jax.Array, src2dst: jax.Array, topk_weights: jax.Array, *,
     if debug_checks:
         contracts.check_src2dst(src2dst, d.shape[0], distinct=False)
         contracts.check_finite_rows("topk_weights", topk_weights, "tokens")
-    src2dst = contracts.canonical_src2dst(src2dst, d.shape[0], distinct=False)
+    if not assume_canonical:
+        src2dst = contracts.canonical_src2dst(src2dst, d.shape[0], distinct=False)
     out_dtype = jnp.dtype(out_dtype)
     impl = resolve(OP, backend, num_rows=d.shape[0], hidden=d.shape[1], num_tokens=src2dst.shape[0],
                    top_k=src2dst.shape[1], out_dtype=out_dtype)

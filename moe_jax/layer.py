@@ -152,7 +152,8 @@ def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, 
         disp = dispatch_contig(topk_ids, num_local_experts=e_loc, alignment=config.alignment,
                                expert_offset=expert_offset, backend=be["dispatch"])
         lhs, lhs_scale = permute_contig(x, disp.src2dst, num_rows=disp.num_rows_cap, recipe=recipe,
-                                        arch=arch, backend=be["permute"], debug_checks=debug_checks)
+                                        arch=arch, backend=be["permute"], debug_checks=debug_checks,
+                                        assume_canonical=True)
         d = expert_core_contig(lhs, lhs_scale, disp, params, act, gemm_backend=be["gemm"],
                                act_backend=be["activation"], debug_checks=debug_checks)
     else:
@@ -163,19 +164,26 @@ def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, 
                                backend=be["dispatch"])
         lhs, lhs_scale = permute_masked(x, disp.src2dst, num_groups=e_loc, m_pad=m_pad,
                                         recipe=recipe, arch=arch, backend=be["permute"],
-                                        debug_checks=debug_checks)
+                                        debug_checks=debug_checks, assume_canonical=True)
         d = expert_core_masked(lhs, lhs_scale, disp, params, act, gemm_backend=be["gemm"],
                                act_backend=be["activation"],
                                debug_checks=debug_checks).reshape(e_loc * m_pad, -1)
-    out = unpermute(d, disp.src2dst, topk_weights.astype(jnp.float32),
-                    routed_scaling_factor=rsf, out_dtype=out_dtype,
-                    backend=be["unpermute"], debug_checks=debug_checks)
+    src2dst, lost = disp.src2dst, None
     if layout == "masked":
-        # a route held here but dropped for lack of slab rows (only possible when a caller repeats
-        # an expert within a token's row) poisons that token's output: reported, never silent
+        # a route held here but dropped for lack of slab rows (possible when a caller repeats an
+        # expert within a token's row, or m_pad < M) poisons that token's output: reported, never
+        # silent. The route is marked with the row one past d, which the un-permute turns into NaN
+        # for its token (assume_canonical keeps the mark); checked mode, which would report the
+        # mark as a violation, poisons after the un-permute instead.
         held = local_expert_ids(topk_ids, expert_offset, e_loc) < e_loc
-        lost = jnp.any(held & (disp.src2dst < 0), axis=1)
-        out = jnp.where(lost[:, None], jnp.asarray(jnp.nan, out.dtype), out)
+        lost = held & (src2dst < 0)
+        if not debug_checks:
+            src2dst = jnp.where(lost, d.shape[0], src2dst)
+    out = unpermute(d, src2dst, topk_weights.astype(jnp.float32), routed_scaling_factor=rsf,
+                    out_dtype=out_dtype, backend=be["unpermute"], debug_checks=debug_checks,
+                    assume_canonical=True)
+    if debug_checks and lost is not None:
+        out = jnp.where(jnp.any(lost, axis=1)[:, None], jnp.asarray(jnp.nan, out.dtype), out)
     return out
 
 
@@ -229,9 +237,14 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
         topk_ids, topk_weights, rsf = fuse_shared_routes(topk_ids, topk_weights, config.routed_scaling_factor,
                                                          num_routed=config.num_experts,
                                                          num_shared=gemm_params.fused_shared)
+    dense_shared = bool(config.n_shared_experts) and not gemm_params.fused_shared
+    # without a dense shared expert the un-permute's fp32 sum is cast once, by the un-permute itself
+    # (the same bits as fp32 out then a cast, without a pass over an fp32 (M, H) array)
     routed = _routed(x2, topk_ids, topk_weights, gemm_params, config, sizes, expert_offset=0,
-                     layout=layout, backend=be, out_dtype=jnp.float32, routed_scaling_factor=rsf,
-                     debug_checks=debug_checks)
+                     layout=layout, backend=be, out_dtype=jnp.float32 if dense_shared else x.dtype,
+                     routed_scaling_factor=rsf, debug_checks=debug_checks)
+    if not dense_shared:
+        return routed.reshape(*lead, -1)
     shared = shared_mlp(x2, gemm_params, config, out_dtype=jnp.float32, gemm_backend=be["gemm"],
                         act_backend=be["activation"], permute_backend=be["permute"])
     return (routed + shared).astype(x.dtype).reshape(*lead, -1)

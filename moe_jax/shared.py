@@ -70,7 +70,8 @@ def fp8_mlp(x: jax.Array, w13: jax.Array, w13_scale: jax.Array, w2: jax.Array, w
     -> (M, H) bf16 (module docstring for the stages)."""
     m = x.shape[0]
     in_place = jnp.arange(m, dtype=jnp.int32)[:, None]  # token t -> row t: quantization only
-    q, q_scale = permute_contig(x, in_place, num_rows=m, recipe=SHARED_FP8, arch=arch, backend=permute_backend)
+    q, q_scale = permute_contig(x, in_place, num_rows=m, recipe=SHARED_FP8, arch=arch, backend=permute_backend,
+                                assume_canonical=True)
     gateup = gemm_nt(q, w13, lhs_scale=q_scale, rhs_scale=w13_scale, recipe=SHARED_FP8, arch=arch,
                      backend=gemm_backend)
     a, a_scale = activation_quant_contig(gateup, act=config.activation, recipe=SHARED_FP8, arch=arch,

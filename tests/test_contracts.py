@@ -106,6 +106,50 @@ def test_canonical_masked_m_and_src2dst():
     assert len(np.unique(s[(s >= 0) & (s < 50)])) < np.sum((s >= 0) & (s < 50))  # repeats present
 
 
+def _route_ops(assume_canonical: bool, s):
+    """The permute (masked, 2 slabs of 128 rows) and un-permute ops on a (13, 3) src2dst `s`."""
+    x = jax.random.normal(jax.random.key(4), (13, 256), jnp.bfloat16)
+    d = jax.random.normal(jax.random.key(5), (256, 256), jnp.bfloat16)
+    w = jax.random.uniform(jax.random.key(6), (13, 3), jnp.float32)
+    lhs, scale = cc.permute_masked(x, s, num_groups=2, m_pad=128, recipe="fp8_block", arch=90,
+                                   assume_canonical=assume_canonical)
+    out = cc.unpermute(d, s, w, routed_scaling_factor=2.0, assume_canonical=assume_canonical)
+    return lhs, scale, out
+
+
+def test_assume_canonical_skips_the_pass_and_keeps_the_result():
+    """On a src2dst that keeps the contract (the dispatcher's), assume_canonical gives the same bits
+    without the canonicalization pass: the permute's scatter of first claims is gone from the program."""
+    from moe_jax.dispatch import dispatch_masked
+
+    rng = np.random.default_rng(9)
+    ids = np.argsort(rng.random((13, 2)), axis=1).astype(np.int32)
+    ids = np.concatenate([ids, np.full((13, 1), -1, np.int32)], axis=1)  # a route to nowhere per token
+    s = dispatch_masked(jnp.asarray(ids), num_local_experts=2, m_pad=128, num_experts_global=2).src2dst
+    for a, b in zip(_route_ops(False, s), _route_ops(True, s)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+    def scatters(assume):
+        jaxpr = jax.make_jaxpr(lambda t: _route_ops(assume, t))(s).jaxpr
+        return sum(str(e).count("scatter") for e in jaxpr.eqns)
+
+    assert scatters(True) < scatters(False)
+
+
+def test_assume_canonical_on_a_violating_src2dst_stays_in_bounds():
+    """A broken promise gives unspecified values, never an access outside a buffer: repeats and
+    rows outside [-1, num_rows) still run, and every token whose routes are all in range and
+    distinct gets the canonical result."""
+    s = np.tile(np.array([[0, 1, 2]], np.int32), (13, 1)) + 3 * np.arange(13, dtype=np.int32)[:, None]
+    s[4] = [300, -9, 5]  # outside the rows, below -1, and row 5 again (token 1 named it first)
+    lhs, _, out = _route_ops(True, jnp.asarray(s))
+    _, _, want = _route_ops(False, jnp.asarray(s))
+    assert lhs.shape == (2, 128, 256)
+    clean = np.ones(13, bool)
+    clean[[1, 4]] = False
+    np.testing.assert_array_equal(np.asarray(out)[clean], np.asarray(want)[clean])
+
+
 # ------------------------------------------------------------------ checked mode: messages
 
 

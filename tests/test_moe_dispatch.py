@@ -173,6 +173,13 @@ def test_masked_overflow_poisons_the_tokens_that_lost_a_route():
     y = np.asarray(mj.routed_experts(x, ids, w, p, cfg, layout="masked").astype(jnp.float32))
     lost = np.isnan(y).any(1)
     assert lost.sum() == 100 - 64 and not np.isnan(y[:64]).any()  # routes of tokens >= 64 dropped
+    # checked mode poisons the same tokens (after the un-permute instead of through a row mark)
+    import custom_calls as cc
+
+    err, yd = cc.checked(lambda x: mj.routed_experts(x, ids, w, p, cfg, layout="masked", debug_checks=True),
+                         throw=False)(x)
+    assert err.get() is None
+    np.testing.assert_array_equal(np.isnan(np.asarray(yd.astype(jnp.float32))).any(1), lost)
     yc = np.asarray(mj.routed_experts(x, ids, w, p, cfg, layout="contig").astype(jnp.float32))
     assert np.isfinite(yc).all()  # contig capacity covers any ids
     np.testing.assert_allclose(y[:64], yc[:64], rtol=1e-2, atol=1e-3)
