@@ -660,10 +660,27 @@ def test_small_search_on_gpu_writes_a_config_the_ops_then_use(cache, monkeypatch
 
 
 @pytest.mark.gpu
-def test_command_buffer_launches_match_plain_ones_as_addresses_change(monkeypatch):
+def _custom_calls_in_command_buffers(thunk_sequence: str) -> int:
+    """Custom-call thunks nested under a kCommandBuffer thunk in XLA's thunk-sequence dump (a
+    command buffer's thunks are the indented lines after its own)."""
+    count, inside = 0, False
+    for line in thunk_sequence.splitlines():
+        entry = line.strip()
+        if not entry:
+            continue
+        nested = line[:1].isspace()
+        if not nested:
+            inside = "kCommandBuffer" in entry
+        elif inside and "kCustomCall" in entry:
+            count += 1
+    return count
+
+
+def test_command_buffer_launches_match_plain_ones_as_addresses_change(monkeypatch, tmp_path):
     """Six grouped GEMMs in one program, recorded in an XLA command buffer (CUDA graph), called with
     changing inputs (new buffer addresses each call) and repeated ones: bit-identical to the plain
-    launches every time."""
+    launches every time. XLA forms command buffers on its thunk sequence, after the HLO: the
+    capture is read from the thunk sequence XLA dumps."""
     import custom_calls.deep_gemm as dg
 
     g, m_pad, n, k = 4, 128, 256, 512
@@ -675,19 +692,21 @@ def test_command_buffer_launches_match_plain_ones_as_addresses_change(monkeypatc
             outs.append(dg.m_grouped_gemm_masked(a * (i + 1), w, mm, expected_m=64, recipe="bf16", arch=90))
         return outs
 
-    opts = {"xla_gpu_graph_min_graph_size": 1}
-    compiled = {}
+    compiled, captured = {}, {}
     for flag in ("0", "1"):
         monkeypatch.setenv(LP.COMMAND_BUFFER_ENV, flag)
         sample = (jnp.zeros((g, m_pad, k), jnp.bfloat16), jnp.zeros((g, n, k), jnp.bfloat16),
                   jnp.zeros((g,), jnp.int32))
+        dump = tmp_path / f"dump{flag}"
+        opts = {"xla_gpu_graph_min_graph_size": 1, "xla_dump_to": str(dump)}
         # a fresh function object per setting: jax caches a function's trace, and the launcher target
         # is chosen while tracing
         compiled[flag] = jax.jit(lambda *args: f(*args), compiler_options=opts).lower(*sample).compile()
+        (thunks,) = dump.glob("*thunk_sequence_after_thunk_passes.txt")
+        captured[flag] = _custom_calls_in_command_buffers(thunks.read_text())
     text = compiled["1"].as_text()
     assert launch.FFI_TARGET_CMD_BUFFER in text and launch.FFI_TARGET_CMD_BUFFER not in compiled["0"].as_text()
-    blocks = [b for b in text.split("\n\n") if b.strip() and "command_buffer" in b.strip().splitlines()[0]]
-    assert any(launch.FFI_TARGET_CMD_BUFFER in b for b in blocks), "the custom call is not inside a command buffer"
+    assert captured == {"0": 0, "1": 6}, captured
     w = jnp.asarray(rng.standard_normal((g, n, k)), jnp.bfloat16)
     mm = jnp.asarray([5, 128, 0, 77], jnp.int32)
     inputs = [jnp.asarray(rng.standard_normal((g, m_pad, k)), jnp.bfloat16) for _ in range(3)]
