@@ -208,12 +208,14 @@ def test_kernels_compile_for_sm90_and_sm100(arch):
                       BLOCK_M=4, GROUPS=8, ROW_BLOCKS=rows // 4, CHUNKS_FASTEST=True), arch)
     assert _vector_loads(c.asm["ptx"]) > 0 and "e4m3x2" in c.asm["ptx"] and c.asm["cubin"]
     _lean(c)
-    c = _compile(scatter_quant_kernel, {"x_ptr": "*bf16", "src2dst_ptr": "*i32", "src1_ptr": "*i32",
-                                        "lhs_ptr": "*fp8e4nv", "sf_ptr": "*fp32"},
-                 dict(M=256, H=h, TOPK=8, TOPK_P2=8, R=rows, G=56, GROUP=128, QUANT=True, UE8M0=ue8m0, GROUPS=8,
-                      TOKENS=4, ZERO_FILL=True, ZERO_ROWS=64, ZERO_SUB=4, CHUNKS_FASTEST=True), arch)
-    assert _vector_loads(c.asm["ptx"]) > 0 and "e4m3x2" in c.asm["ptx"] and c.asm["cubin"]
-    _lean(c)
+    for zero_fill in (True, False):  # contig; masked, writing the row sources
+        c = _compile(scatter_quant_kernel, {"x_ptr": "*bf16", "src2dst_ptr": "*i32", "src1_ptr": "*i32",
+                                            "lhs_ptr": "*fp8e4nv", "sf_ptr": "*fp32", "src1_out_ptr": "*i32"},
+                     dict(M=256, H=h, TOPK=8, TOPK_P2=8, R=rows, G=56, GROUP=128, QUANT=True, UE8M0=ue8m0, GROUPS=8,
+                          TOKENS=4, ZERO_FILL=zero_fill, ZERO_ROWS=64, ZERO_SUB=4, CHUNKS_FASTEST=True,
+                          ROW_SOURCE_OUT=not zero_fill), arch)
+        assert _vector_loads(c.asm["ptx"]) > 0 and "e4m3x2" in c.asm["ptx"] and c.asm["cubin"]
+        _lean(c)
     c = _compile(scale_image_kernel, {"src1_ptr": "*i32", "sf_ptr": "*fp32", "img_ptr": img},
                  dict(MN=rows, G=56, IMG_LD=rows, IMG_SLAB=56 * rows, UE8M0=ue8m0, ROWS=128, GROUPS=8,
                       ROW_BLOCKS=rows // 128), arch)

@@ -438,14 +438,22 @@ def _permute_case(seed, *, masked, recipe, arch, m_pad=12, stray=False, tokens=4
     lhs = _poison((rows, h), ml.float8_e4m3fn if quant else ml.bfloat16)
     sf = _poison((m, g) if quant else (1,), np.float32)
     src1 = np.zeros(rows, np.int32)  # the launcher zero-fills it
-    _launch(row_source_kernel, (ceil_div(m * k, 16),), src2dst, src1, N=m * k, TOPK=k, R=rows, BLOCK=16)
-    assert np.array_equal(src1, inv + 1), "row_source_kernel"
+    # masked + quantized: the scatter kernel writes the row sources itself (ROW_SOURCE_OUT)
+    src1_out = masked and quant
+    if not src1_out:
+        _launch(row_source_kernel, (ceil_div(m * k, 16),), src2dst, src1, N=m * k, TOPK=k, R=rows, BLOCK=16)
+        assert np.array_equal(src1, inv + 1), "row_source_kernel"
+    written = np.zeros(rows if src1_out else 1, np.int32)  # zeroed by the launcher
     groups, zero_rows = 4, 8
     zero_programs = 0 if masked else ceil_div(rows, zero_rows)  # masked: empty rows stay unwritten
     _launch(scatter_quant_kernel, ((zero_programs + ceil_div(m, tokens)) * ceil_div(g, groups),),
-            x, src2dst, src1, lhs, sf, M=m, H=h, TOPK=k, TOPK_P2=4, R=rows, G=g, GROUP=group, QUANT=quant,
-            UE8M0=ue8m0, GROUPS=groups, TOKENS=tokens, ZERO_FILL=not masked, ZERO_ROWS=zero_rows, ZERO_SUB=4,
-            CHUNKS_FASTEST=seed % 2 == 0)
+            x, src2dst, src1 if not src1_out else np.zeros(1, np.int32), lhs, sf, written, M=m, H=h, TOPK=k,
+            TOPK_P2=4, R=rows, G=g, GROUP=group, QUANT=quant, UE8M0=ue8m0, GROUPS=groups, TOKENS=tokens,
+            ZERO_FILL=not masked, ZERO_ROWS=zero_rows, ZERO_SUB=4, CHUNKS_FASTEST=seed % 2 == 0,
+            ROW_SOURCE_OUT=src1_out)
+    if src1_out:
+        assert np.array_equal(written, inv + 1), "scatter_quant_kernel row sources"
+        src1 = written
     if quant:
         img_shape = _image_shape(mn, h, group, ue8m0, (slabs,) if masked else ())
         img = _poison(img_shape, np.int32 if ue8m0 else np.float32)
@@ -918,9 +926,13 @@ def _record_launches():
         importlib.import_module(f"custom_calls.triton.{name}_kernel").triton_call = recording
 
 
+def _last_launch(kernel: str) -> dict:
+    return [ln for ln in LAUNCHES if ln["kernel"] == kernel][-1]
+
+
 def _launched_with(kernel: str, **expected):
     """The last launch of `kernel` had these num_warps / constexpr values (the config reached it)."""
-    last = [ln for ln in LAUNCHES if ln["kernel"] == kernel][-1]
+    last = _last_launch(kernel)
     got = {k: last.get(k) for k in expected}
     assert got == expected, (kernel, got, expected)
 
@@ -1002,8 +1014,13 @@ def case_host_permute_configs():
         tile = 64 if recipe == "mxfp8" else 256
         other = dataclasses.replace(pk.heuristic_config(recipe), tile=tile, tokens=2, zero_rows=8, zero_sub=2,
                                     num_warps=8, chunks_fastest=False, source_block=16, image_rows=16, image_groups=4)
+        start = len(LAUNCHES)
         lhs2, img2 = run(other)
-        _launched_with("row_source_kernel", BLOCK=16)
+        launched = [ln["kernel"] for ln in LAUNCHES[start:]]
+        if masked:  # the scatter kernel writes the row sources itself
+            assert "row_source_kernel" not in launched and _last_launch("scatter_quant_kernel")["ROW_SOURCE_OUT"]
+        else:
+            _launched_with("row_source_kernel", BLOCK=16)
         _launched_with("scatter_quant_kernel", num_warps=8, GROUPS=tile // (32 if recipe == "mxfp8" else 128),
                        TOKENS=2, ZERO_ROWS=8, ZERO_SUB=2, CHUNKS_FASTEST=False)
         if recipe != "bf16":

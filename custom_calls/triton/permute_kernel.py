@@ -9,9 +9,11 @@ The placement (`src2dst`) comes from the dispatcher; this op only moves and quan
 Both also take `config=`, a `PermuteConfig` (tiling; None: `heuristic_config(recipe)`, what the
 registered "triton" implementations use).
 
-Three launches:
-  1. `row_source_kernel`: src1[r] = 1 + the token placed at row r, 0 for a row no route lands on
-     (the buffer is zeroed before the launch; M * k int32 read, one int32 written per route).
+Three launches (contig; masked: two, and a memset):
+  1. contig: `row_source_kernel`: src1[r] = 1 + the token placed at row r, 0 for a row no route
+     lands on (the buffer is zeroed before the launch; M * k int32 read, one int32 written per
+     route). Masked: the scatter kernel writes src1 itself (nothing reads it before step 3), which
+     saves a launch at decode, where every launch costs more than its work.
   2. `scatter_quant_kernel`, two kinds of programs (by row block):
      * contig only, a block of ZERO_ROWS destination rows each (first, so their writes overlap the
        rest): the rows nothing lands on (src1[r] == 0) get q = 0, as the reference quantizer gives
@@ -98,15 +100,17 @@ def row_source_kernel(src2dst_ptr, src1_ptr, N: tl.constexpr, TOPK: tl.constexpr
 @triton.jit
 def scatter_quant_kernel(
     x_ptr, src2dst_ptr, src1_ptr,
-    lhs_ptr, sf_ptr,
+    lhs_ptr, sf_ptr, src1_out_ptr,
     M: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, R: tl.constexpr,
     G: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
     GROUPS: tl.constexpr, TOKENS: tl.constexpr, ZERO_FILL: tl.constexpr, ZERO_ROWS: tl.constexpr,
-    ZERO_SUB: tl.constexpr, CHUNKS_FASTEST: tl.constexpr,
+    ZERO_SUB: tl.constexpr, CHUNKS_FASTEST: tl.constexpr, ROW_SOURCE_OUT: tl.constexpr,
 ):
     """Grid ((ZERO_PROGRAMS + cdiv(M, TOKENS)) * cdiv(G, GROUPS),), ZERO_PROGRAMS = cdiv(R, ZERO_ROWS)
     if ZERO_FILL else 0; TOPK_P2 = next_pow2(TOPK).
-    lhs (R, H) e4m3 | bf16; sf (M, G) fp32 token-major scales (QUANT only)."""
+    lhs (R, H) e4m3 | bf16; sf (M, G) fp32 token-major scales (QUANT only). src1 (R,) is read by
+    the zero-fill programs; with ROW_SOURCE_OUT (no zero fill) the token programs of the first
+    chunk write it to src1_out (R,) instead, zeroed before the launch."""
     ZERO_PROGRAMS: tl.constexpr = (R + ZERO_ROWS - 1) // ZERO_ROWS if ZERO_FILL else 0
     TOKEN_PROGRAMS: tl.constexpr = (M + TOKENS - 1) // TOKENS
     pid, chunk = tile_ids(ZERO_PROGRAMS + TOKEN_PROGRAMS, (G + GROUPS - 1) // GROUPS, CHUNKS_FASTEST)
@@ -135,6 +139,8 @@ def scatter_quant_kernel(
             d64 = tl.where(ok, dst, 0).to(tl.int64)
             tl.store(lhs_ptr + tl.expand_dims(d64 * H, 1) + tl.expand_dims(cols, 0), q,
                      mask=tl.expand_dims(ok, 1) & col_ok)
+            if ROW_SOURCE_OUT:
+                tl.store(src1_out_ptr + d64, t + 1, mask=ok & (t < M) & (chunk == 0))
     else:
         # A zero program owns ZERO_ROWS rows but writes them ZERO_SUB at a time: a
         # [ZERO_ROWS, tile] block held at once would set the register count (and occupancy) of the
@@ -212,16 +218,22 @@ def _permute(x: jax.Array, src2dst: jax.Array, *, slabs: int, mn: int, recipe: s
     quant = cfg["QUANT"]
     g = ceil_div(h, cfg["GROUP"])
     zero_programs = ceil_div(rows, config.zero_rows) if zero_fill else 0
-    src1 = row_sources(src2dst, rows, config.source_block)
-    lhs, sf = triton_call(
+    # the zero fill reads the row sources, so they come first; without it (masked) the scatter
+    # kernel writes them for the scale image (only needed with quantization)
+    src1_out = quant and not zero_fill
+    src1 = row_sources(src2dst, rows, config.source_block) if zero_fill else jnp.zeros((1,), jnp.int32)
+    lhs, sf, src1_written = triton_call(
         x, src2dst, src1, kernel=scatter_quant_kernel,
         out_shape=[jax.ShapeDtypeStruct((rows, h), jnp.float8_e4m3fn if quant else jnp.bfloat16),
-                   jax.ShapeDtypeStruct((m, g) if quant else (1,), jnp.float32)],
+                   jax.ShapeDtypeStruct((m, g) if quant else (1,), jnp.float32),
+                   jax.ShapeDtypeStruct((rows,) if src1_out else (1,), jnp.int32)],
         grid=((zero_programs + ceil_div(m, config.tokens)) * ceil_div(g, cfg["GROUPS"]),),
-        num_warps=config.num_warps, name="moe_permute_quant",
+        num_warps=config.num_warps, name="moe_permute_quant", zeroed_outputs=(2,) if src1_out else (),
         M=m, H=h, TOPK=top_k, TOPK_P2=triton.next_power_of_2(top_k), R=rows, G=g, UE8M0=fmt.ue8m0,
         TOKENS=config.tokens, ZERO_FILL=zero_fill, ZERO_ROWS=config.zero_rows, ZERO_SUB=config.zero_sub,
-        CHUNKS_FASTEST=config.chunks_fastest, **cfg)
+        CHUNKS_FASTEST=config.chunks_fastest, ROW_SOURCE_OUT=src1_out, **cfg)
+    if src1_out:
+        src1 = src1_written
     if not quant:
         return lhs, None
     (gi, img_ld), img_dtype = fmt.lhs_scale_shape(mn, h), fmt.scale_dtype
