@@ -14,7 +14,7 @@ from custom_calls.backends import declare_op, resolve
 OP = "unpermute"
 
 
-def _reference(d, src2dst, topk_weights, *, routed_scaling_factor, out_dtype):
+def _reference(d, src2dst, topk_weights, addend=None, *, routed_scaling_factor, out_dtype):
     rows = d[jnp.clip(src2dst, 0, d.shape[0] - 1)].astype(jnp.float32)  # (M, k, H)
     w = jnp.where(src2dst >= 0, topk_weights.astype(jnp.float32), 0.0)
     # a -1 route must contribute exactly nothing, even if its gathered row holds inf/nan
@@ -24,7 +24,10 @@ def _reference(d, src2dst, topk_weights, *, routed_scaling_factor, out_dtype):
     # past d would read a clamped, unrelated row: the token becomes NaN instead
     beyond = jnp.any(src2dst >= d.shape[0], axis=1)
     out = jnp.where(beyond[:, None], jnp.nan, out)
-    return (out * jnp.float32(routed_scaling_factor)).astype(out_dtype)
+    out = out * jnp.float32(routed_scaling_factor)
+    if addend is not None:
+        out = out + addend.astype(jnp.float32)
+    return out.astype(out_dtype)
 
 
 declare_op(OP, stage="unpermute", static_args=("num_rows", "hidden", "num_tokens", "top_k", "out_dtype"),
@@ -32,12 +35,14 @@ declare_op(OP, stage="unpermute", static_args=("num_rows", "hidden", "num_tokens
 
 
 def unpermute(d: jax.Array, src2dst: jax.Array, topk_weights: jax.Array, *,
-              routed_scaling_factor: float = 1.0, out_dtype=jnp.bfloat16,
+              routed_scaling_factor: float = 1.0, out_dtype=jnp.bfloat16, addend: jax.Array | None = None,
               backend: str | None = None, debug_checks: bool = False,
               assume_canonical: bool = False) -> jax.Array:
     """d: (R, H) GEMM2 output rows (masked slabs flattened to (G*m_pad, H)), src2dst: (M, k) int32
-    (-1 = route not here), topk_weights: (M, k) f32
-    -> (M, H) out_dtype: out[m] = scaling * sum_j w[m, j] * d[src2dst[m, j]], accumulated in fp32.
+    (-1 = route not here), topk_weights: (M, k) f32, addend: (M, H) float or None
+    -> (M, H) out_dtype: out[m] = scaling * sum_j w[m, j] * d[src2dst[m, j]] (+ addend[m]),
+    accumulated in fp32 and cast once (the layer adds its shared-expert output here, so the sum
+    of the two is not a separate pass over an fp32 array).
     Every backend drops a route outside [-1, R) (`contracts.canonical_src2dst`). debug_checks:
     report such routes and non-finite weights by token (`contracts.checked`). assume_canonical:
     the canonicalization pass is skipped (`contracts`, "assume_canonical"); a route naming a row
@@ -51,6 +56,12 @@ def unpermute(d: jax.Array, src2dst: jax.Array, topk_weights: jax.Array, *,
         raise ValueError(f"topk_weights: expected shape {tuple(src2dst.shape)} (as src2dst), got "
                          f"{tuple(topk_weights.shape)}")
     check_dtype("topk_weights", topk_weights, FLOAT_DTYPES)
+    if addend is not None:
+        check_rank("addend", addend, 2, "(M, H)")
+        if addend.shape != (src2dst.shape[0], d.shape[1]):
+            raise ValueError(f"addend: expected shape {(src2dst.shape[0], d.shape[1])} (tokens of src2dst, H of d), "
+                             f"got {tuple(addend.shape)}")
+        check_dtype("addend", addend, FLOAT_DTYPES)
     if debug_checks:
         contracts.check_src2dst(src2dst, d.shape[0], distinct=False)
         contracts.check_finite_rows("topk_weights", topk_weights, "tokens")
@@ -59,5 +70,5 @@ def unpermute(d: jax.Array, src2dst: jax.Array, topk_weights: jax.Array, *,
     out_dtype = jnp.dtype(out_dtype)
     impl = resolve(OP, backend, num_rows=d.shape[0], hidden=d.shape[1], num_tokens=src2dst.shape[0],
                    top_k=src2dst.shape[1], out_dtype=out_dtype)
-    return impl.impl(d, src2dst, topk_weights, routed_scaling_factor=float(routed_scaling_factor),
+    return impl.impl(d, src2dst, topk_weights, addend, routed_scaling_factor=float(routed_scaling_factor),
                      out_dtype=out_dtype)

@@ -136,10 +136,11 @@ def _checked_params(params: MoEParams, config: MoEConfig) -> tuple[MoEParams, tu
 
 
 def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, layout, backend,
-            out_dtype, routed_scaling_factor=None, debug_checks: bool = False) -> jax.Array:
+            out_dtype, routed_scaling_factor=None, debug_checks: bool = False, addend=None) -> jax.Array:
     """`routed_experts` on checked inputs: x (M, H), ids/weights (M, k), GEMM-form params (all
     w13 groups dispatched, fused shared experts included); routed_scaling_factor None ->
-    config's."""
+    config's; addend (M, H) or None: added to the routed sum in fp32 before the cast (the
+    un-permute's addend)."""
     _, i_loc = sizes
     e_loc = int(params.w13.shape[0])
     rsf = config.routed_scaling_factor if routed_scaling_factor is None else routed_scaling_factor
@@ -180,7 +181,7 @@ def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, 
         if not debug_checks:
             src2dst = jnp.where(lost, d.shape[0], src2dst)
     out = unpermute(d, src2dst, topk_weights.astype(jnp.float32), routed_scaling_factor=rsf,
-                    out_dtype=out_dtype, backend=be["unpermute"], debug_checks=debug_checks,
+                    out_dtype=out_dtype, addend=addend, backend=be["unpermute"], debug_checks=debug_checks,
                     assume_canonical=True)
     if debug_checks and lost is not None:
         out = jnp.where(jnp.any(lost, axis=1)[:, None], jnp.asarray(jnp.nan, out.dtype), out)
@@ -213,7 +214,8 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
                 token_ids: jax.Array | None = None, layout: str = "auto",
                 backend="reference", debug_checks: bool = False) -> jax.Array:
     """The MoE layer: route -> routed_experts + shared_experts (tail rule: the routed output
-    already carries routed_scaling_factor; the two are added in fp32 and cast once).
+    already carries routed_scaling_factor; the two are added in fp32 and cast once, inside the
+    un-permute, whose `addend` the dense shared MLP's output is).
     x: (..., H) float (bf16 typical) -> (..., H) x.dtype; token_ids (...) int for hash-routed
     layers. jit-able with `config` (and layout/backend) static:
     `jax.jit(moe_forward, static_argnames=("config", "layout", "backend"))`.
@@ -238,16 +240,16 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
                                                          num_routed=config.num_experts,
                                                          num_shared=gemm_params.fused_shared)
     dense_shared = bool(config.n_shared_experts) and not gemm_params.fused_shared
-    # without a dense shared expert the un-permute's fp32 sum is cast once, by the un-permute itself
-    # (the same bits as fp32 out then a cast, without a pass over an fp32 (M, H) array)
+    # the shared MLP's output is the un-permute's addend: routed + shared summed in fp32 and cast
+    # once inside the un-permute, without a pass over an fp32 (M, H) array
+    shared = None
+    if dense_shared:
+        shared = shared_mlp(x2, gemm_params, config, out_dtype=None, gemm_backend=be["gemm"],
+                            act_backend=be["activation"], permute_backend=be["permute"])
     routed = _routed(x2, topk_ids, topk_weights, gemm_params, config, sizes, expert_offset=0,
-                     layout=layout, backend=be, out_dtype=jnp.float32 if dense_shared else x.dtype,
-                     routed_scaling_factor=rsf, debug_checks=debug_checks)
-    if not dense_shared:
-        return routed.reshape(*lead, -1)
-    shared = shared_mlp(x2, gemm_params, config, out_dtype=jnp.float32, gemm_backend=be["gemm"],
-                        act_backend=be["activation"], permute_backend=be["permute"])
-    return (routed + shared).astype(x.dtype).reshape(*lead, -1)
+                     layout=layout, backend=be, out_dtype=x.dtype, routed_scaling_factor=rsf,
+                     debug_checks=debug_checks, addend=shared)
+    return routed.reshape(*lead, -1)
 
 
 def fuse_shared_routes(topk_ids: jax.Array, topk_weights: jax.Array, routed_scaling_factor: float, *,

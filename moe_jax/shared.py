@@ -31,20 +31,22 @@ from moe_jax.params import SHARED_FP8, MoEParams, prepare_shared
 
 def shared_mlp(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dtype, gemm_backend=None,
                act_backend=None, permute_backend=None) -> jax.Array:
-    """The shared-expert MLP on checked inputs: x (M, H) float -> (M, H) out_dtype; zeros without a
-    shared expert (or with the shared experts fused into the routed ones). FP8 shared weights in
+    """The shared-expert MLP on checked inputs: x (M, H) float -> (M, H) out_dtype (None: as the
+    MLP computes it, bf16 for FP8 weights, f32 for bf16 ones); zeros without a shared expert (or
+    with the shared experts fused into the routed ones; out_dtype required then). FP8 shared weights in
     checkpoint form are brought to the GEMM form of config.gemm_arch here (prepare once instead:
     `prepare_params`). gemm_backend / act_backend / permute_backend: backend names of the dense
     GEMMs, the activation + quantization between them and the input quantization (FP8 only)."""
     if not config.n_shared_experts or params.fused_shared:
         return jnp.zeros(x.shape, out_dtype)
     if params.shared_recipe != SHARED_FP8:
-        return _bf16_mlp(x, params.shared_w13, params.shared_w2, config).astype(out_dtype)
+        out = _bf16_mlp(x, params.shared_w13, params.shared_w2, config)
+        return out if out_dtype is None else out.astype(out_dtype)
     arch = params.gemm_arch if params.is_prepared else config.gemm_arch
     p = params if params.is_prepared else params.replace(**prepare_shared(params, arch))
-    return fp8_mlp(x, p.shared_w13, p.shared_w13_scale, p.shared_w2, p.shared_w2_scale, config, arch=arch,
-                   gemm_backend=gemm_backend, act_backend=act_backend,
-                   permute_backend=permute_backend).astype(out_dtype)
+    out = fp8_mlp(x, p.shared_w13, p.shared_w13_scale, p.shared_w2, p.shared_w2_scale, config, arch=arch,
+                  gemm_backend=gemm_backend, act_backend=act_backend, permute_backend=permute_backend)
+    return out if out_dtype is None else out.astype(out_dtype)
 
 
 def _bf16_mlp(x, w13, w2, config: MoEConfig) -> jax.Array:

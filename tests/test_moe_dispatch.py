@@ -217,6 +217,35 @@ def test_unpermute_reads_only_routed_rows():
     np.testing.assert_array_equal(y[others], y0[others])
 
 
+def test_unpermute_addend_is_added_in_fp32_and_cast_once():
+    """out = cast(scale * sum + addend): against a float64 model, and the fp32 result plus the
+    addend cast afterwards (the layer's former two-pass form) up to one bf16 step where a fused
+    multiply-add rounds once instead of twice."""
+    m, k, r, h = 9, 4, 48, 40
+    d = jax.random.normal(jax.random.key(21), (r, h), jnp.bfloat16)
+    s2d = jax.random.permutation(jax.random.key(22), r)[: m * k].reshape(m, k).astype(jnp.int32)
+    s2d = s2d.at[3, 2].set(-1)
+    w = jax.random.uniform(jax.random.key(23), (m, k), jnp.float32, 0.1, 1.0)
+    add = jax.random.normal(jax.random.key(24), (m, h), jnp.bfloat16) * 4
+    y = cc.unpermute(d, s2d, w, routed_scaling_factor=2.5, out_dtype=jnp.bfloat16, addend=add)
+    f32 = cc.unpermute(d, s2d, w, routed_scaling_factor=2.5, out_dtype=jnp.float32)
+    two_pass = (f32 + add.astype(jnp.float32)).astype(jnp.bfloat16)
+    yf, tf = np.asarray(y, np.float32), np.asarray(two_pass, np.float32)
+    step = 2**-7 * np.maximum(np.abs(tf), np.abs(np.asarray(f32)) + np.abs(np.asarray(add, np.float32)))
+    assert np.all(np.abs(yf - tf) <= step)
+    d64, s, w64 = np.asarray(d, np.float64), np.asarray(s2d), np.asarray(w, np.float64)
+    want = np.asarray(add, np.float64).copy()
+    for t, j in itertools.product(range(m), range(k)):
+        if s[t, j] >= 0:
+            want[t] += 2.5 * w64[t, j] * d64[s[t, j]]
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2**-8, atol=1e-6)
+    with pytest.raises(ValueError, match=r"addend: expected shape \(9, 40\) \(tokens of src2dst, H of d\), "
+                                         r"got \(9, 41\)"):
+        cc.unpermute(d, s2d, w, addend=jnp.zeros((9, 41), jnp.bfloat16))
+    with pytest.raises(TypeError, match="addend: expected dtype"):
+        cc.unpermute(d, s2d, w, addend=jnp.zeros((9, 40), jnp.int32))
+
+
 def test_bad_permute_and_unpermute_inputs():
     x = jnp.ones((5, 16), jnp.bfloat16)
     s2d = jnp.zeros((5, 2), jnp.int32)

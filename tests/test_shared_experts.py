@@ -170,6 +170,27 @@ def test_fused_equals_unfused(recipe, shared, n_s, layout):
                                np.asarray(yf), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("shared", ["bf16", "fp8_block"])
+@pytest.mark.parametrize("layout", ["contig", "masked"])
+def test_dense_shared_expert_is_the_unpermutes_addend(shared, layout):
+    """moe_forward adds the dense shared MLP inside the un-permute: the routed branch in fp32 plus
+    the shared branch in fp32, cast once (the tail rule), up to the rounding of a fused
+    multiply-add of the scaling and the addition (at most one bf16 step, in a few elements)."""
+    cfg = _cfg(recipe="fp8_block", n_shared_experts=1)
+    p = prepare_params(init_params(jax.random.key(6), cfg, shared_recipe=shared), cfg)
+    x = _x(31, 256)
+    y = moe_forward(x, p, cfg, layout=layout)
+    ids, w = route(x, p, cfg)
+    routed = routed_experts(x, ids, w, p, cfg, layout=layout, out_dtype=jnp.float32)
+    sh = shared_experts(x, p, cfg, out_dtype=jnp.float32)
+    want = (routed + sh).astype(x.dtype)
+    assert y.dtype == x.dtype
+    yf, wf = np.asarray(y, np.float32), np.asarray(want, np.float32)
+    # one bf16 step of the result, or of the terms where they cancel
+    step = 2**-7 * np.maximum(np.abs(wf), np.abs(np.asarray(routed)) + np.abs(np.asarray(sh)))
+    assert np.all(np.abs(yf - wf) <= step) and np.mean(yf != wf) < 1e-3
+
+
 def test_fused_routes_have_net_weight_exactly_one():
     ids = jnp.array([[3, 1], [0, 7]], jnp.int32)
     w = jnp.array([[0.3, 0.7], [0.55, 0.45]], jnp.float32)

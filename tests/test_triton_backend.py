@@ -228,10 +228,12 @@ def test_kernels_compile_for_sm90_and_sm100(arch):
                       ROW_BLOCKS=32 * 256 // cfg["BLOCK_M"], CHUNKS_FASTEST=True, **cfg), arch)
     assert _vector_loads(c.asm["ptx"]) > 0 and "e4m3x2" in c.asm["ptx"] and c.asm["cubin"]
     _lean(c)
-    c = _compile(weighted_gather_kernel, {"d_ptr": "*bf16", "src2dst_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16"},
-                 dict(R=rows, H=h, TOPK=8, SCALE=2.5, BLOCK_H=1024), arch)
-    assert _vector_loads(c.asm["ptx"]) >= 8 and c.asm["cubin"]  # the 8 route rows in flight at once
-    _lean(c)
+    for addend in (False, True):  # the shared expert's output added in the same pass
+        c = _compile(weighted_gather_kernel, {"d_ptr": "*bf16", "src2dst_ptr": "*i32", "w_ptr": "*fp32",
+                                              "add_ptr": "*bf16", "out_ptr": "*bf16"},
+                     dict(R=rows, H=h, TOPK=8, SCALE=2.5, BLOCK_H=1024, HAS_ADDEND=addend), arch)
+        assert _vector_loads(c.asm["ptx"]) >= 8 + addend and c.asm["cubin"]  # the 8 route rows in flight at once
+        _lean(c)
     from custom_calls.triton.dispatch_kernel import chunk_count_kernel, chunk_offsets_kernel, chunk_rank_kernel
 
     _lean(_compile(chunk_count_kernel, {"e_ptr": "*i32", "counts_ptr": "*i32"}, dict(R=32768, E_PAD=64, CHUNK=128), arch))

@@ -30,7 +30,7 @@ CASES = [
     "act_contig_silu_90", "act_contig_silu_limit_100", "act_contig_oai_90", "act_contig_situ_100",
     "act_contig_keep_fp32_90", "act_contig_mxfp8_100", "act_contig_bf16",
     "act_masked_silu_limit_90", "act_masked_situ_100", "act_masked_oai_100", "act_masked_count_over_m_pad",
-    "unpermute_bf16", "unpermute_f32_out", "unpermute_row_past_end", "dispatch_rank_e32", "dispatch_rank_e5",
+    "unpermute_bf16", "unpermute_f32_out", "unpermute_row_past_end", "unpermute_addend", "dispatch_rank_e32", "dispatch_rank_e5",
     "dispatch_map_contig_one_launch", "dispatch_map_contig_two_launches", "dispatch_map_masked_one_launch",
     "dispatch_map_masked_two_launches",
     "route_sigmoid_grouped_bias", "route_softmax_grouped_no_bias", "route_softmax_e20",
@@ -618,9 +618,9 @@ for _name, _kw in ACT_CASES.items():
     globals()[f"case_{_name}"] = functools.partial(_act_case, **_kw)
 
 
-def _unpermute_case(seed, out_dtype, stray=False):
+def _unpermute_case(seed, out_dtype, stray=False, addend=False):
     """stray: one route points past the last row (R + 7): as in the reference, its token's row is NaN
-    and the index is never loaded."""
+    and the index is never loaded. addend: a bf16 (M, H) array added after the scaling."""
     from custom_calls.triton.unpermute_kernel import weighted_gather_kernel
 
     ml = _ml()
@@ -635,8 +635,9 @@ def _unpermute_case(seed, out_dtype, stray=False):
     d[unused] = np.nan  # a row no route reads must not leak in
     w = rng.uniform(0.05, 1.0, (m, k)).astype(np.float32)
     out = _poison((m, h), out_dtype)
-    _launch(weighted_gather_kernel, (m, ceil_div(h, 128)), d, perm, w, out, R=rows, H=h, TOPK=k, SCALE=rsf,
-            BLOCK_H=128)
+    add = (rng.standard_normal((m, h)) * 3).astype(ml.bfloat16) if addend else np.zeros(1, np.float32)
+    _launch(weighted_gather_kernel, (m, ceil_div(h, 128)), d, perm, w, add, out, R=rows, H=h, TOPK=k, SCALE=rsf,
+            BLOCK_H=128, HAS_ADDEND=addend)
     d64 = d.astype(np.float64)
     want = np.zeros((m, h))
     mag = np.zeros((m, h))
@@ -649,6 +650,9 @@ def _unpermute_case(seed, out_dtype, stray=False):
                 mag[t] += abs(w[t, j] * d64[perm[t, j]])
     want *= rsf
     mag *= rsf
+    if addend:
+        want += add.astype(np.float64)
+        mag += np.abs(add.astype(np.float64))
     got = out.astype(np.float64)
     rel = 2**-8 if out_dtype == ml.bfloat16 else 2**-20
     nan_rows = (perm >= rows).any(1)
@@ -667,6 +671,11 @@ def case_unpermute_f32_out():
 
 def case_unpermute_row_past_end():
     _unpermute_case(33, np.float32, stray=True)
+
+
+def case_unpermute_addend():
+    _unpermute_case(34, _ml().bfloat16, addend=True)
+    _unpermute_case(35, np.float32, stray=True, addend=True)
 
 
 def _dispatch_case(seed, r, e, e_pad, chunk, strays=()):
@@ -1102,6 +1111,11 @@ def case_host_unpermute_config():
                         config=uk.UnpermuteConfig(block_h=128, num_warps=8))
     _launched_with("weighted_gather_kernel", num_warps=8, BLOCK_H=128)
     _same_bytes(out, out2, "unpermute")
+    add = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    out3 = uk.unpermute(*args, add, routed_scaling_factor=2.5, out_dtype=jnp.bfloat16)
+    want3 = reference(*args, routed_scaling_factor=2.5, out_dtype=jnp.bfloat16, addend=add, backend="reference")
+    _launched_with("weighted_gather_kernel", HAS_ADDEND=True)
+    np.testing.assert_allclose(np.asarray(out3, np.float32), np.asarray(want3, np.float32), rtol=2**-7, atol=1e-6)
 
 
 def case_host_rank_config():

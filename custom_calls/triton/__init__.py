@@ -77,12 +77,13 @@ def activation_quant_masked(gateup: jax.Array, masked_m: jax.Array, *, act, reci
     return activation_kernel.activation_quant_masked(gateup, masked_m, act=act, recipe=recipe, arch=arch)
 
 
-def unpermute(d: jax.Array, src2dst: jax.Array, topk_weights: jax.Array, *, routed_scaling_factor: float,
-              out_dtype) -> jax.Array:
-    """As `custom_calls.unpermute.unpermute`: d (R, H), src2dst (M, k), topk_weights (M, k) -> (M, H)."""
+def unpermute(d: jax.Array, src2dst: jax.Array, topk_weights: jax.Array, addend: jax.Array | None = None, *,
+              routed_scaling_factor: float, out_dtype) -> jax.Array:
+    """As `custom_calls.unpermute.unpermute`: d (R, H), src2dst (M, k), topk_weights (M, k),
+    addend (M, H) | None -> (M, H)."""
     from custom_calls.triton import unpermute_kernel
 
-    return unpermute_kernel.unpermute(d, src2dst, topk_weights, routed_scaling_factor=routed_scaling_factor,
+    return unpermute_kernel.unpermute(d, src2dst, topk_weights, addend, routed_scaling_factor=routed_scaling_factor,
                                       out_dtype=out_dtype)
 
 
