@@ -659,7 +659,6 @@ def test_small_search_on_gpu_writes_a_config_the_ops_then_use(cache, monkeypatch
     assert A.sm90_config(p, rep.key.num_sms) == (entry.config if entry.tuned else p.heuristic(rep.key.num_sms))
 
 
-@pytest.mark.gpu
 def _custom_calls_in_command_buffers(thunk_sequence: str) -> int:
     """Custom-call thunks nested under a kCommandBuffer thunk in XLA's thunk-sequence dump (a
     command buffer's thunks are the indented lines after its own)."""
@@ -676,6 +675,21 @@ def _custom_calls_in_command_buffers(thunk_sequence: str) -> int:
     return count
 
 
+def test_thunk_dump_reader_counts_only_captured_custom_calls():
+    """The reader of XLA's thunk-sequence dump, on the dump's layout as XLA 0.11 writes it (one H200
+    run): thunks nested under a kCommandBuffer line are indented; top-level ones are not captured."""
+    captured = ("000: kCommandBuffer [source | sink] \n"
+                "    001: kCustomKernel [source       | next=003 (2)] loop_clamp_fusion grid: [1, 1, 1]\n"
+                "    003: kCustomCall   [prev=002 (1) | sink        ] kCustomCall\n"
+                "    004: kCustomCall   [prev=002 (2) | sink        ] kCustomCall\n")
+    plain = ("001: kCustomKernel [source       | next=003 (2)] loop_clamp_fusion grid: [1, 1, 1]\n"
+             "003: kCustomCall   [prev=002 (1) | sink        ] kCustomCall\n")
+    assert _custom_calls_in_command_buffers(captured) == 2
+    assert _custom_calls_in_command_buffers(plain) == 0
+    assert _custom_calls_in_command_buffers(captured + plain) == 2
+
+
+@pytest.mark.gpu
 def test_command_buffer_launches_match_plain_ones_as_addresses_change(monkeypatch, tmp_path):
     """Six grouped GEMMs in one program, recorded in an XLA command buffer (CUDA graph), called with
     changing inputs (new buffer addresses each call) and repeated ones: bit-identical to the plain
