@@ -246,10 +246,10 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
     if dense_shared:
         shared = shared_mlp(x2, gemm_params, config, out_dtype=None, gemm_backend=be["gemm"],
                             act_backend=be["activation"], permute_backend=be["permute"])
-    routed = _routed(x2, topk_ids, topk_weights, gemm_params, config, sizes, expert_offset=0,
-                     layout=layout, backend=be, out_dtype=x.dtype, routed_scaling_factor=rsf,
-                     debug_checks=debug_checks, addend=shared)
-    return routed.reshape(*lead, -1)
+    out = _routed(x2, topk_ids, topk_weights, gemm_params, config, sizes, expert_offset=0, layout=layout,
+                  backend=be, out_dtype=x.dtype, routed_scaling_factor=rsf, debug_checks=debug_checks,
+                  addend=shared)
+    return out.reshape(*lead, -1)
 
 
 def fuse_shared_routes(topk_ids: jax.Array, topk_weights: jax.Array, routed_scaling_factor: float, *,
