@@ -33,7 +33,6 @@ from custom_calls.activation import OP_MASKED as OP_ACTIVATION_MASKED
 from custom_calls.activation import ActivationSpec
 from custom_calls.backends import get_default_backend, static_supports
 from custom_calls.dispatch_map import contig_capacity, dispatch_map_contig, dispatch_map_masked
-from custom_calls.dispatch_map import local_expert_ids  # noqa: F401  (the dispatcher's name for it, used by layer.py)
 from layouts import get_recipe
 from layouts.checks import align, ceil_div
 

@@ -36,10 +36,10 @@ import jax.numpy as jnp
 
 from custom_calls import (AUTO, REFERENCE, backend_stages, contracts, known_backends, permute_contig,
                           permute_masked, unpermute)
+from custom_calls.dispatch_map import local_expert_ids
 from layouts import get_recipe
 from moe_jax.config import MoEConfig
-from moe_jax.dispatch import (LAYOUTS, choose_layout, default_masked_m_pad, dispatch_contig,
-                              dispatch_masked, local_expert_ids)
+from moe_jax.dispatch import LAYOUTS, choose_layout, default_masked_m_pad, dispatch_contig, dispatch_masked
 from moe_jax.experts import expert_core_contig, expert_core_masked
 from moe_jax.params import MoEParams, check_params, check_shared, prepare_params
 from moe_jax.routing import check_router, route_tokens
