@@ -2,7 +2,7 @@
 
   dispatch_map_contig(topk_ids (M, k) int, expert_offset, *, num_local_experts, alignment)
       -> (src2dst (M, k) int32, m_indices (M_cap,) int32, num_rows () int32, counts (E_local,) int32)
-  dispatch_map_masked(topk_ids (M, k) int, expert_offset, *, num_local_experts, m_pad)
+  dispatch_map_masked(topk_ids (M, k) int, expert_offset, *, num_local_experts, m_pad, mark_dropped=False)
       -> (src2dst (M, k) int32, masked_m (E_local,) int32, num_dropped () int32)
 
 A route is held here when its global id lies in [expert_offset, expert_offset + E_local) (ids < 0
@@ -15,7 +15,11 @@ routes fill that row, -1 for padding rows and rows past num_rows (= the sum of t
 segments). M_cap = `contig_capacity(M, k, E_local, alignment)`, the smallest static bound that
 no set of ids can overflow (derivation in moe_jax/dispatch.py).
 Masked: expert e's slab holds rows [e * m_pad, (e + 1) * m_pad); src2dst = e * m_pad + rank for
-rank < m_pad, else -1 and counted in num_dropped; masked_m = min(counts, m_pad).
+rank < m_pad, else -1 and counted in num_dropped; masked_m = min(counts, m_pad). With
+mark_dropped, a route held here but dropped gets E_local * m_pad (the row one past the last slab)
+instead of -1: the permute skips it like any row outside its buffer, and the un-permute turns it
+into NaN for its token (`custom_calls.contracts`), so a drop is never silent without a separate
+pass over the routes.
 
 The reference ranks with the stable argsort of `custom_calls.expert_rank` and places with XLA
 ops; the Triton backend does it all without a sort in one launch (decode sizes) or two
@@ -83,14 +87,15 @@ def dispatch_map_contig_xla(topk_ids, expert_offset, *, num_local_experts: int, 
 
 
 def dispatch_map_masked_xla(topk_ids, expert_offset, *, num_local_experts: int, m_pad: int,
-                            rank_backend: str = "reference"):
+                            mark_dropped: bool = False, rank_backend: str = "reference"):
     """The reference of `dispatch_map_masked` (`rank_backend` as in `dispatch_map_contig_xla`)."""
     m, k = topk_ids.shape
     e_loc = num_local_experts
     e_flat = local_expert_ids(topk_ids, expert_offset, e_loc).reshape(-1)
     counts, rank = _rank(e_flat, e_loc, rank_backend)
-    fits = (e_flat < e_loc) & (rank < m_pad)
-    dst = jnp.where(fits, e_flat * m_pad + rank, -1)
+    held = e_flat < e_loc
+    dropped_row = e_loc * m_pad if mark_dropped else -1
+    dst = jnp.where(held, jnp.where(rank < m_pad, e_flat * m_pad + rank, dropped_row), -1)
     return (dst.reshape(m, k).astype(jnp.int32), jnp.minimum(counts, m_pad).astype(jnp.int32),
             jnp.sum(jnp.maximum(counts - m_pad, 0)).astype(jnp.int32))
 
@@ -98,7 +103,7 @@ def dispatch_map_masked_xla(topk_ids, expert_offset, *, num_local_experts: int, 
 declare_op(OP_CONTIG, stage="dispatch", static_args=("num_routes", "num_experts", "alignment"),
            reference=jax.jit(dispatch_map_contig_xla, static_argnames=("num_local_experts", "alignment")))
 declare_op(OP_MASKED, stage="dispatch", static_args=("num_routes", "num_experts", "m_pad"),
-           reference=jax.jit(dispatch_map_masked_xla, static_argnames=("num_local_experts", "m_pad")))
+           reference=jax.jit(dispatch_map_masked_xla, static_argnames=("num_local_experts", "m_pad", "mark_dropped")))
 
 
 def _check_common(topk_ids: jax.Array, expert_offset, num_local_experts: int) -> jax.Array:
@@ -112,14 +117,15 @@ def _check_common(topk_ids: jax.Array, expert_offset, num_local_experts: int) ->
     return offset.astype(jnp.int32)
 
 
-def _run(op: str, topk_ids, expert_offset, num_local_experts: int, backend, **size: int):
-    """Check, resolve and call `op`; `size` is its one layout size (alignment or m_pad)."""
+def _run(op: str, topk_ids, expert_offset, num_local_experts: int, backend, options: dict, **size: int):
+    """Check, resolve and call `op`; `size` is its one layout size (alignment or m_pad), `options`
+    static keywords of the implementation that do not decide whether a backend can run it."""
     offset = _check_common(topk_ids, expert_offset, num_local_experts)
     ((name, value),) = size.items()
     check_positive_int(name, value)
     m, k = topk_ids.shape
     impl = resolve(op, backend, num_routes=m * k, num_experts=num_local_experts, **size)
-    return impl.impl(topk_ids.astype(jnp.int32), offset, num_local_experts=num_local_experts, **size)
+    return impl.impl(topk_ids.astype(jnp.int32), offset, num_local_experts=num_local_experts, **options, **size)
 
 
 def dispatch_map_contig(topk_ids: jax.Array, expert_offset=0, *, num_local_experts: int, alignment: int,
@@ -127,12 +133,17 @@ def dispatch_map_contig(topk_ids: jax.Array, expert_offset=0, *, num_local_exper
     """topk_ids (M, k) global expert ids, expert_offset () int (python or traced) ->
     (src2dst (M, k) int32, m_indices (M_cap,) int32, num_rows () int32, counts (E_local,) int32);
     module docstring for the layout."""
-    return _run(OP_CONTIG, topk_ids, expert_offset, num_local_experts, backend, alignment=alignment)
+    return _run(OP_CONTIG, topk_ids, expert_offset, num_local_experts, backend, {}, alignment=alignment)
 
 
 def dispatch_map_masked(topk_ids: jax.Array, expert_offset=0, *, num_local_experts: int, m_pad: int,
-                        backend: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        mark_dropped: bool = False, backend: str | None = None
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """topk_ids (M, k) global expert ids, expert_offset () int (python or traced) ->
-    (src2dst (M, k) int32 flat slab row or -1, masked_m (E_local,) int32, num_dropped () int32);
-    module docstring for the layout."""
-    return _run(OP_MASKED, topk_ids, expert_offset, num_local_experts, backend, m_pad=m_pad)
+    (src2dst (M, k) int32 flat slab row or -1 (E_local * m_pad for a dropped route with
+    mark_dropped), masked_m (E_local,) int32, num_dropped () int32); module docstring for the
+    layout."""
+    if not isinstance(mark_dropped, bool):
+        raise TypeError(f"mark_dropped: expected a bool, got {mark_dropped!r}")
+    return _run(OP_MASKED, topk_ids, expert_offset, num_local_experts, backend, {"mark_dropped": mark_dropped},
+                m_pad=m_pad)

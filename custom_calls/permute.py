@@ -25,9 +25,9 @@ def scatter_rows(x: jax.Array, src2dst: jax.Array, num_rows: int) -> jax.Array:
     """x: (M, H), src2dst: (M, k) int32 (row of route (m, j), -1 = none; rows distinct)
     -> (num_rows, H) same dtype, row src2dst[m, j] = x[m], all other rows 0. Differentiable in x."""
     m, k = src2dst.shape
-    # -1 routes go to distinct rows past the end (dropped), so unique_indices stays true
+    # routes outside [0, num_rows) go to distinct rows past the end (dropped), so unique_indices stays true
     beyond = num_rows + jnp.arange(m * k, dtype=jnp.int32).reshape(m, k)
-    dst = jnp.where(src2dst >= 0, src2dst, beyond).reshape(-1)
+    dst = jnp.where((src2dst >= 0) & (src2dst < num_rows), src2dst, beyond).reshape(-1)
     vals = jnp.broadcast_to(x[:, None, :], (m, k, x.shape[1])).reshape(m * k, -1)
     return jnp.zeros((num_rows, x.shape[1]), x.dtype).at[dst].set(vals, mode="drop",
                                                                    unique_indices=True)

@@ -70,9 +70,9 @@ jax.tree_util.register_dataclass(ContigDispatch, data_fields=["src2dst", "m_indi
 
 @dataclass(frozen=True)
 class MaskedDispatch:
-    """src2dst (M, k) int32 flat slab row g*m_pad + r or -1; masked_m (E_local,) int32 real rows per
-    slab; num_dropped () int32 routes beyond m_pad (0 unless a token repeats an expert);
-    m_pad and expected_m static."""
+    """src2dst (M, k) int32 flat slab row g*m_pad + r or -1 (E_local * m_pad for a dropped route
+    when built with mark_dropped); masked_m (E_local,) int32 real rows per slab; num_dropped ()
+    int32 routes beyond m_pad (0 unless a token repeats an expert); m_pad and expected_m static."""
 
     src2dst: jax.Array
     masked_m: jax.Array
@@ -101,17 +101,19 @@ def dispatch_contig(topk_ids: jax.Array, *, num_local_experts: int, alignment: i
                           num_rows_cap=cap, alignment=alignment)
 
 
-@functools.partial(jax.jit, static_argnames=("num_local_experts", "m_pad", "num_experts_global", "backend"))
+@functools.partial(jax.jit, static_argnames=("num_local_experts", "m_pad", "num_experts_global", "mark_dropped",
+                                             "backend"))
 def dispatch_masked(topk_ids: jax.Array, *, num_local_experts: int, m_pad: int,
-                    num_experts_global: int, expert_offset=0,
+                    num_experts_global: int, expert_offset=0, mark_dropped: bool = False,
                     backend: str | None = None) -> MaskedDispatch:
     """topk_ids (M, k) global int ids -> MaskedDispatch with (E_local, m_pad) slabs; `backend` as
-    in `dispatch_contig`."""
+    in `dispatch_contig`; mark_dropped: a dropped route's src2dst is the row one past the last slab
+    instead of -1 (`custom_calls.dispatch_map_masked`), which the un-permute turns into NaN."""
     if not isinstance(m_pad, int) or m_pad < 1 or m_pad % 128:
         raise ValueError(f"m_pad: expected a positive multiple of 128, got {m_pad!r}")
     # the dispatch-map op checks topk_ids and num_local_experts (trace time, once)
     src2dst, masked_m, num_dropped = dispatch_map_masked(topk_ids, expert_offset, num_local_experts=num_local_experts,
-                                                         m_pad=m_pad, backend=backend)
+                                                         m_pad=m_pad, mark_dropped=mark_dropped, backend=backend)
     m, k = topk_ids.shape
     if m_pad < m:
         raise ValueError(f"m_pad={m_pad} is too small for the static worst case: one expert can "

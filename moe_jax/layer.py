@@ -159,9 +159,15 @@ def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, 
                                act_backend=be["activation"], debug_checks=debug_checks)
     else:
         m_pad = config.masked_m_pad if config.masked_m_pad is not None else default_masked_m_pad(m)
+        # a route held here but dropped for lack of slab rows (possible when a caller repeats an
+        # expert within a token's row, or m_pad < M) poisons that token's output: reported, never
+        # silent. The dispatch map marks it with the row one past d (mark_dropped), which the
+        # permute skips and the un-permute turns into NaN for its token (assume_canonical keeps
+        # the mark); checked mode, which would report the mark as a violation, poisons after the
+        # un-permute instead.
         disp = dispatch_masked(topk_ids, num_local_experts=e_loc, m_pad=m_pad,
                                num_experts_global=config.num_experts + params.fused_shared,
-                               expert_offset=expert_offset,
+                               expert_offset=expert_offset, mark_dropped=not debug_checks,
                                backend=be["dispatch"])
         lhs, lhs_scale = permute_masked(x, disp.src2dst, num_groups=e_loc, m_pad=m_pad,
                                         recipe=recipe, arch=arch, backend=be["permute"],
@@ -169,21 +175,13 @@ def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, 
         d = expert_core_masked(lhs, lhs_scale, disp, params, act, gemm_backend=be["gemm"],
                                act_backend=be["activation"],
                                debug_checks=debug_checks).reshape(e_loc * m_pad, -1)
-    src2dst, lost = disp.src2dst, None
-    if layout == "masked":
-        # a route held here but dropped for lack of slab rows (possible when a caller repeats an
-        # expert within a token's row, or m_pad < M) poisons that token's output: reported, never
-        # silent. The route is marked with the row one past d, which the un-permute turns into NaN
-        # for its token (assume_canonical keeps the mark); checked mode, which would report the
-        # mark as a violation, poisons after the un-permute instead.
-        held = local_expert_ids(topk_ids, expert_offset, e_loc) < e_loc
-        lost = held & (src2dst < 0)
-        if not debug_checks:
-            src2dst = jnp.where(lost, d.shape[0], src2dst)
-    out = unpermute(d, src2dst, topk_weights.astype(jnp.float32), routed_scaling_factor=rsf,
+    lost = None
+    if layout == "masked" and debug_checks:
+        lost = (local_expert_ids(topk_ids, expert_offset, e_loc) < e_loc) & (disp.src2dst < 0)
+    out = unpermute(d, disp.src2dst, topk_weights.astype(jnp.float32), routed_scaling_factor=rsf,
                     out_dtype=out_dtype, addend=addend, backend=be["unpermute"], debug_checks=debug_checks,
                     assume_canonical=True)
-    if debug_checks and lost is not None:
+    if lost is not None:
         out = jnp.where(jnp.any(lost, axis=1)[:, None], jnp.asarray(jnp.nan, out.dtype), out)
     return out
 

@@ -168,13 +168,15 @@ def _dispatch_map_cases():
         return lambda rng: ((ids(rng, m, k, e, offset), jnp.int32(offset)),
                             dict(num_local_experts=e, alignment=alignment))
 
-    def masked(m, k, e, offset, m_pad):
-        return lambda rng: ((ids(rng, m, k, e, offset), jnp.int32(offset)), dict(num_local_experts=e, m_pad=m_pad))
+    def masked(m, k, e, offset, m_pad, mark_dropped=False):
+        return lambda rng: ((ids(rng, m, k, e, offset), jnp.int32(offset)),
+                            dict(num_local_experts=e, m_pad=m_pad, mark_dropped=mark_dropped))
 
     return [Case("dispatch_map_contig", "m37_k6_e5_off3", contig(37, 6, 5, 3, 16), _exact),
             Case("dispatch_map_contig", "m700_k8_e20_two_launches", contig(700, 8, 20, 7, 128), _exact),
             Case("dispatch_map_masked", "m37_k6_e5_off3", masked(37, 6, 5, 3, 128), _exact),
-            Case("dispatch_map_masked", "m600_k8_e3_dropped", masked(600, 8, 3, 0, 128), _exact)]
+            Case("dispatch_map_masked", "m600_k8_e3_dropped", masked(600, 8, 3, 0, 128), _exact),
+            Case("dispatch_map_masked", "m600_k8_e3_dropped_marked", masked(600, 8, 3, 0, 128, True), _exact)]
 
 
 def _permute_cases():

@@ -342,11 +342,18 @@ def test_dispatch_map_reference_against_numpy(m, k, e, offset, alignment, m_pad)
                                                         backend="reference"))(jnp.asarray(ids), jnp.int32(offset))
     got_m = jax.jit(lambda i, o: cc.dispatch_map_masked(i, o, num_local_experts=e, m_pad=m_pad,
                                                         backend="reference"))(jnp.asarray(ids), jnp.int32(offset))
-    for got, want in ((got_c, want_c), (got_m, want_m)):
+    got_mark = jax.jit(lambda i, o: cc.dispatch_map_masked(i, o, num_local_experts=e, m_pad=m_pad, mark_dropped=True,
+                                                           backend="reference"))(jnp.asarray(ids), jnp.int32(offset))
+    # mark_dropped: a held route past m_pad names the row one past the last slab instead of -1
+    flat = ids.reshape(-1).astype(np.int64) - offset
+    held = ((ids.reshape(-1) >= 0) & (flat >= 0) & (flat < e)).reshape(ids.shape)
+    want_mark = (np.where(held & (want_m[0] < 0), e * m_pad, want_m[0]), *want_m[1:])
+    for got, want in ((got_c, want_c), (got_m, want_m), (got_mark, want_mark)):
         for g, w in zip(got, want):
             assert g.dtype == jnp.int32 and np.array_equal(np.asarray(g), w)
     if m == 300:
         assert int(got_m[2]) > 0  # the overflow case is exercised
+        assert int((np.asarray(got_mark[0]) == e * m_pad).sum()) == int(got_m[2])
     # the dispatcher returns the same maps
     dc = mj.dispatch_contig(jnp.asarray(ids), num_local_experts=e, alignment=alignment, expert_offset=offset)
     for g, w in zip((dc.src2dst, dc.m_indices, dc.num_rows, dc.counts), want_c):

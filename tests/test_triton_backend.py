@@ -264,7 +264,7 @@ def test_kernels_compile_for_sm90_and_sm100(arch):
         for c in (_compile(map_contig_kernel, dict(map_ptrs, mind_ptr="*i32", nrows_ptr="*i32", counts_ptr="*i32"),
                            dict(const, ALIGN=128, CAP=36864, ROWS_PER_PROGRAM=384, ROW_BLOCK=128), arch, warps),
                   _compile(map_masked_kernel, dict(map_ptrs, masked_m_ptr="*i32", dropped_ptr="*i32"),
-                           dict(const, M_PAD=256), arch, warps)):
+                           dict(const, M_PAD=256, DROPPED_ROW=32 * 256), arch, warps)):
             res = _resources(c)
             assert res["stack"] == 0 and res["reg"] <= max_reg, res
     c = _compile(route_topk_kernel, route_ptrs, dict(M=4096, BLOCK_T=8, **v3), arch)

@@ -513,6 +513,7 @@ def case_permute_masked_odd_pad_100():
     _permute_case(17, masked=True, recipe="mxfp8", arch=100, m_pad=13)  # m_pad % 4 == 1
 
 
+
 def _check_act(a, img, y64, group, ue8m0, label, rows_ok=None):
     """Tolerance check of dequantized a against the float64 model y64 (..., mn, I):
     e4m3 rounding (2^-4 relative, 2^-10 * sf absolute near 0) + bf16 rounding (2^-9) of y."""
@@ -716,9 +717,10 @@ def case_dispatch_rank_e5():
     _dispatch_case(41, 333, 5, 8, 64, strays=(-1, 8, 1 << 20))
 
 
-def model_dispatch_map(ids, offset, e, alignment=None, m_pad=None):
+def model_dispatch_map(ids, offset, e, alignment=None, m_pad=None, mark_dropped=False):
     """numpy model of the dispatch maps, one route at a time in (token, k) order: local expert
-    id - offset when in [0, e) and id >= 0; contig rows from padded segments, masked slab rows."""
+    id - offset when in [0, e) and id >= 0; contig rows from padded segments, masked slab rows
+    (a held route past m_pad: -1, or e * m_pad with mark_dropped)."""
     flat = ids.reshape(-1).astype(np.int64)
     loc = flat - offset
     held = (flat >= 0) & (loc >= 0) & (loc < e)
@@ -729,8 +731,7 @@ def model_dispatch_map(ids, offset, e, alignment=None, m_pad=None):
         rank[i] = seen[loc[i]]
         seen[loc[i]] += 1
     if m_pad is not None:
-        fits = held & (rank < m_pad)
-        dst = np.where(fits, loc * m_pad + rank, -1)
+        dst = np.where(held, np.where(rank < m_pad, loc * m_pad + rank, e * m_pad if mark_dropped else -1), -1)
         return dst.reshape(ids.shape), np.minimum(counts, m_pad), np.maximum(counts - m_pad, 0).sum()
     r = flat.size
     n = min(e, r)
@@ -753,9 +754,11 @@ def _map_ids(rng, m, k, e, offset, dup=False):
     return ids
 
 
-def _map_case(seed, m, k, e, offset, sub, subs, alignment=None, m_pad=None, dup=False, one_launch=False):
+def _map_case(seed, m, k, e, offset, sub, subs, alignment=None, m_pad=None, dup=False, one_launch=False,
+              mark_dropped=False):
     """One or two launches of the dispatch-map kernels on poisoned buffers; every element checked.
-    one_launch: several chunks, each program counting the routes before its own."""
+    one_launch: several chunks, each program counting the routes before its own; mark_dropped: a
+    dropped masked route gets the row e * m_pad."""
     from custom_calls.triton import dispatch_map_kernel as dk
 
     rng = _rng(seed)
@@ -776,8 +779,11 @@ def _map_case(seed, m, k, e, offset, sub, subs, alignment=None, m_pad=None, dup=
     if m_pad is not None:
         masked_m = np.full(e, -7, np.int32)
         dropped = np.full(1, -7, np.int32)
-        _launch(dk.map_masked_kernel, (nc,), ids, off, hist, dst, masked_m, dropped, M_PAD=m_pad, **plan)
-        want = model_dispatch_map(ids, offset, e, m_pad=m_pad)
+        _launch(dk.map_masked_kernel, (nc,), ids, off, hist, dst, masked_m, dropped, M_PAD=m_pad,
+                DROPPED_ROW=e * m_pad if mark_dropped else -1, **plan)
+        want = model_dispatch_map(ids, offset, e, m_pad=m_pad, mark_dropped=mark_dropped)
+        if mark_dropped:
+            assert (want[0] == e * m_pad).sum() == want[2] > 0  # every dropped route is marked
         got = (dst, masked_m, dropped[0])
     else:
         want = model_dispatch_map(ids, offset, e, alignment=alignment)
@@ -810,6 +816,8 @@ def case_dispatch_map_masked_one_launch():
     assert want[2] > 0  # routes past m_pad dropped and counted
     want = _map_case(78, 71, 8, 6, 2, sub=64, subs=1, m_pad=96, dup=True, one_launch=True)  # 9 programs
     assert want[2] > 0
+    _map_case(80, 71, 8, 6, 2, sub=128, subs=5, m_pad=128, dup=True, mark_dropped=True)  # one walk, marked
+    _map_case(81, 71, 8, 6, 2, sub=64, subs=1, m_pad=96, dup=True, one_launch=True, mark_dropped=True)
     _map_case(79, 128, 8, 32, 0, sub=128, subs=1, m_pad=256, one_launch=True)  # the decode heuristic
 
 
@@ -817,6 +825,7 @@ def case_dispatch_map_masked_two_launches():
     _map_case(74, 257, 8, 32, 0, sub=256, subs=1, m_pad=384)
     want = _map_case(75, 333, 3, 7, 5, sub=16, subs=2, m_pad=128, dup=True)
     assert want[2] > 0
+    _map_case(82, 333, 3, 7, 5, sub=16, subs=2, m_pad=128, dup=True, mark_dropped=True)
 
 
 def model_route(logits, bias, top_k, scoring, n_group, topk_group, renorm):

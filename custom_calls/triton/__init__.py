@@ -114,13 +114,13 @@ def dispatch_map_contig(topk_ids: jax.Array, expert_offset: jax.Array, *, num_lo
 
 
 def dispatch_map_masked(topk_ids: jax.Array, expert_offset: jax.Array, *, num_local_experts: int,
-                        m_pad: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        m_pad: int, mark_dropped: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """As `custom_calls.dispatch_map.dispatch_map_masked`: topk_ids (M, k) int32, expert_offset () int32 ->
     (src2dst (M, k), masked_m (E_local,), num_dropped ()) int32."""
     from custom_calls.triton import dispatch_map_kernel
 
     return dispatch_map_kernel.dispatch_map_masked(topk_ids, expert_offset, num_local_experts=num_local_experts,
-                                                   m_pad=m_pad)
+                                                   m_pad=m_pad, mark_dropped=mark_dropped)
 
 
 def route_topk(logits: jax.Array, bias: jax.Array | None, *, top_k: int, scoring: str, n_group: int = 1,

@@ -114,10 +114,11 @@ def _chunk_offsets(hist_ptr, c, NC: tl.constexpr, E_PAD: tl.constexpr, HB: tl.co
 
 @triton.jit
 def _place(ids_ptr, dst_ptr, offset, base, first_sub, NSUB, R: tl.constexpr, E: tl.constexpr,
-           E_PAD: tl.constexpr, SUB: tl.constexpr, MASKED: tl.constexpr, M_PAD: tl.constexpr):
+           E_PAD: tl.constexpr, SUB: tl.constexpr, MASKED: tl.constexpr, M_PAD: tl.constexpr,
+           DROPPED_ROW: tl.constexpr):
     """src2dst of the routes in sub-blocks [first_sub, first_sub + NSUB). base [E_PAD]: the position
-    of each expert's next route (contig: its row; masked: its rank). Returns base advanced past
-    these routes."""
+    of each expert's next route (contig: its row; masked: its rank, DROPPED_ROW for a rank past
+    M_PAD). Returns base advanced past these routes."""
     cols = tl.expand_dims(tl.arange(0, E_PAD), 0)
     running = base
     for s in tl.range(0, NSUB):
@@ -127,7 +128,7 @@ def _place(ids_ptr, dst_ptr, offset, base, first_sub, NSUB, R: tl.constexpr, E: 
         seen = tl.cumsum(hot.to(tl.int32), axis=0)  # inclusive: routes of each expert so far in the sub-block
         pos = tl.sum(tl.where(hot, tl.expand_dims(running, 0) + seen - 1, 0), axis=1)
         if MASKED:
-            dst = tl.where((e >= 0) & (pos < M_PAD), e * M_PAD + pos, -1)
+            dst = tl.where(e >= 0, tl.where(pos < M_PAD, e * M_PAD + pos, DROPPED_ROW), -1)
         else:
             dst = tl.where(e >= 0, pos, -1)
         tl.store(dst_ptr + i, dst, mask=i < R)
@@ -161,7 +162,7 @@ def map_contig_kernel(ids_ptr, off_ptr, hist_ptr, dst_ptr, mind_ptr, nrows_ptr, 
     first = c == 0
     tl.store(counts_ptr + cols, total, mask=(cols < E) & first)
     tl.store(nrows_ptr + cols, tl.broadcast_to(tl.sum(padded, axis=0), (E_PAD,)), mask=(cols == 0) & first)
-    _place(ids_ptr, dst_ptr, offset, seg_start + before, c * SUBS, SUBS, R, E, E_PAD, SUB, False, 0)
+    _place(ids_ptr, dst_ptr, offset, seg_start + before, c * SUBS, SUBS, R, E, E_PAD, SUB, False, 0, -1)
     lo = tl.expand_dims(seg_start, 0)
     hi = tl.expand_dims(seg_start + total, 0)
     for b in tl.range(0, ROWS_PER_PROGRAM, ROW_BLOCK):
@@ -175,19 +176,19 @@ def map_contig_kernel(ids_ptr, off_ptr, hist_ptr, dst_ptr, mind_ptr, nrows_ptr, 
 def map_masked_kernel(ids_ptr, off_ptr, hist_ptr, dst_ptr, masked_m_ptr, dropped_ptr,
                       R: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, SUB: tl.constexpr,
                       SUBS: tl.constexpr, NC: tl.constexpr, HB: tl.constexpr, ONE_LAUNCH: tl.constexpr,
-                      M_PAD: tl.constexpr):
+                      M_PAD: tl.constexpr, DROPPED_ROW: tl.constexpr):
     c = tl.program_id(0)
     offset = tl.load(off_ptr)
     cols = tl.arange(0, E_PAD)
     if NC == 1:  # one program, one walk: the running counts end as the totals
         total = _place(ids_ptr, dst_ptr, offset, tl.zeros((E_PAD,), tl.int32), 0, SUBS, R, E, E_PAD, SUB,
-                       True, M_PAD)
+                       True, M_PAD, DROPPED_ROW)
     else:
         if ONE_LAUNCH:
             before, total = _count(ids_ptr, offset, 0, c * SUBS * SUB, (R + SUB - 1) // SUB, R, E, E_PAD, SUB)
         else:
             before, total = _chunk_offsets(hist_ptr, c, NC, E_PAD, HB)
-        _place(ids_ptr, dst_ptr, offset, before, c * SUBS, SUBS, R, E, E_PAD, SUB, True, M_PAD)
+        _place(ids_ptr, dst_ptr, offset, before, c * SUBS, SUBS, R, E, E_PAD, SUB, True, M_PAD, DROPPED_ROW)
     first = c == 0
     tl.store(masked_m_ptr + cols, tl.minimum(total, M_PAD), mask=(cols < E) & first)
     dropped = tl.sum(tl.maximum(total - M_PAD, 0), axis=0)
@@ -248,9 +249,10 @@ def dispatch_map_contig(topk_ids: jax.Array, expert_offset: jax.Array, *, num_lo
 
 
 def dispatch_map_masked(topk_ids: jax.Array, expert_offset: jax.Array, *, num_local_experts: int, m_pad: int,
-                        config: DispatchMapConfig | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        mark_dropped: bool = False, config: DispatchMapConfig | None = None
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """topk_ids (M, k) int32, expert_offset () int32 -> (src2dst (M, k) int32, masked_m (E_local,) int32,
-    num_dropped () int32) as `custom_calls.dispatch_map.dispatch_map_masked`.
+    num_dropped () int32) as `custom_calls.dispatch_map.dispatch_map_masked` (mark_dropped as there).
     config: the tiling (None: `heuristic_config(M * k, E_local)`)."""
     m, k = topk_ids.shape
     r, e = m * k, num_local_experts
@@ -264,5 +266,6 @@ def dispatch_map_masked(topk_ids: jax.Array, expert_offset: jax.Array, *, num_lo
         ids, offset, _hist(ids, offset, plan, config.num_warps), kernel=map_masked_kernel,
         out_shape=[jax.ShapeDtypeStruct((m, k), jnp.int32), jax.ShapeDtypeStruct((e,), jnp.int32),
                    jax.ShapeDtypeStruct((1,), jnp.int32)],
-        grid=(plan["NC"],), num_warps=config.num_warps, name="moe_dispatch_map_masked", M_PAD=m_pad, **plan)
+        grid=(plan["NC"],), num_warps=config.num_warps, name="moe_dispatch_map_masked", M_PAD=m_pad,
+        DROPPED_ROW=e * m_pad if mark_dropped else -1, **plan)
     return src2dst, masked_m, dropped[0]
