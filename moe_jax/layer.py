@@ -159,9 +159,9 @@ def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, 
                                act_backend=be["activation"], debug_checks=debug_checks)
     else:
         m_pad = config.masked_m_pad if config.masked_m_pad is not None else default_masked_m_pad(m)
-        # a route held here but dropped for lack of slab rows (possible when a caller repeats an
-        # expert within a token's row, or m_pad < M) poisons that token's output: reported, never
-        # silent. The dispatch map marks it with the row one past d (mark_dropped), which the
+        # a route held here but dropped for lack of slab rows (possible only when a caller repeats
+        # an expert within a token's row: dispatch_masked refuses m_pad < M) poisons that token's
+        # output: reported, never silent. The dispatch map marks it with the row one past d (mark_dropped), which the
         # permute skips and the un-permute turns into NaN for its token (assume_canonical keeps
         # the mark); checked mode, which would report the mark as a violation, poisons after the
         # un-permute instead.
@@ -175,14 +175,14 @@ def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, 
         d = expert_core_masked(lhs, lhs_scale, disp, params, act, gemm_backend=be["gemm"],
                                act_backend=be["activation"],
                                debug_checks=debug_checks).reshape(e_loc * m_pad, -1)
-    lost = None
+    lost = None  # (M,) tokens that lost a route, computed in checked mode only
     if layout == "masked" and debug_checks:
-        lost = (local_expert_ids(topk_ids, expert_offset, e_loc) < e_loc) & (disp.src2dst < 0)
+        lost = jnp.any((local_expert_ids(topk_ids, expert_offset, e_loc) < e_loc) & (disp.src2dst < 0), axis=1)
     out = unpermute(d, disp.src2dst, topk_weights.astype(jnp.float32), routed_scaling_factor=rsf,
                     out_dtype=out_dtype, addend=addend, backend=be["unpermute"], debug_checks=debug_checks,
                     assume_canonical=True)
     if lost is not None:
-        out = jnp.where(jnp.any(lost, axis=1)[:, None], jnp.asarray(jnp.nan, out.dtype), out)
+        out = jnp.where(lost[:, None], jnp.asarray(jnp.nan, out.dtype), out)
     return out
 
 

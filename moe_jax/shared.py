@@ -41,11 +41,11 @@ def shared_mlp(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dtype,
         return jnp.zeros(x.shape, out_dtype)
     if params.shared_recipe != SHARED_FP8:
         out = _bf16_mlp(x, params.shared_w13, params.shared_w2, config)
-        return out if out_dtype is None else out.astype(out_dtype)
-    arch = params.gemm_arch if params.is_prepared else config.gemm_arch
-    p = params if params.is_prepared else params.replace(**prepare_shared(params, arch))
-    out = fp8_mlp(x, p.shared_w13, p.shared_w13_scale, p.shared_w2, p.shared_w2_scale, config, arch=arch,
-                  gemm_backend=gemm_backend, act_backend=act_backend, permute_backend=permute_backend)
+    else:
+        arch = params.gemm_arch if params.is_prepared else config.gemm_arch
+        p = params if params.is_prepared else params.replace(**prepare_shared(params, arch))
+        out = fp8_mlp(x, p.shared_w13, p.shared_w13_scale, p.shared_w2, p.shared_w2_scale, config, arch=arch,
+                      gemm_backend=gemm_backend, act_backend=act_backend, permute_backend=permute_backend)
     return out if out_dtype is None else out.astype(out_dtype)
 
 

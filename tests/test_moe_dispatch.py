@@ -370,6 +370,8 @@ def test_bad_dispatch_map_inputs():
         cc.dispatch_map_masked(ids, jnp.zeros((2,), jnp.int32), num_local_experts=2, m_pad=128)
     with pytest.raises(ValueError, match="num_local_experts: expected a positive int, got True"):
         cc.dispatch_map_contig(ids, 0, num_local_experts=True, alignment=8)
+    with pytest.raises(TypeError, match="mark_dropped: expected a bool, got 1"):
+        cc.dispatch_map_masked(ids, 0, num_local_experts=2, m_pad=128, mark_dropped=1)
     with pytest.raises(ValueError, match="alignment: expected a positive int, got 0"):
         cc.dispatch_map_contig(ids, 0, num_local_experts=2, alignment=0)
     with pytest.raises(ValueError, match="m_pad: expected a positive int, got 0"):
