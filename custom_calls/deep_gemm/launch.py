@@ -91,9 +91,11 @@ def register() -> None:
         _registered = True
 
 
-def launch(plan: LaunchPlan, inputs: Sequence[jax.Array],
-           outputs: Sequence[jax.ShapeDtypeStruct]) -> list[jax.Array]:
-    """Run ``plan`` as a custom call; operands are ``inputs`` then ``outputs`` (fresh XLA buffers).
+def launch(plan: LaunchPlan, inputs: Sequence[jax.Array], outputs: Sequence[jax.ShapeDtypeStruct],
+           input_output_aliases: dict[int, int] | None = None) -> list[jax.Array]:
+    """Run ``plan`` as a custom call; operands are ``inputs`` then ``outputs`` (fresh XLA buffers,
+    or an input's buffer where ``input_output_aliases`` {input index: output index} says so: the
+    kernel then updates that input in place).
 
     Raises ValueError at trace time when a tensor map of the plan spans more than its operand.
 
@@ -108,7 +110,7 @@ def launch(plan: LaunchPlan, inputs: Sequence[jax.Array],
     if plan.command_buffer and _cmd_buffer_error:
         raise RuntimeError(f"{_cmd_buffer_error} (unset MOE_JAX_DEEP_GEMM_COMMAND_BUFFER)")
     call = jax.ffi.ffi_call(FFI_TARGET_CMD_BUFFER if plan.command_buffer else FFI_TARGET, list(outputs),
-                            has_side_effect=False)
+                            has_side_effect=False, input_output_aliases=input_output_aliases)
     res = call(*inputs, **plan.ffi_attributes())
     return list(res)
 

@@ -29,7 +29,8 @@ TMA_ELEM_BYTES = {TMA_UINT8: 1, TMA_INT32: 4, TMA_FLOAT32: 4, TMA_BFLOAT16: 2, T
 _TMA_4BIT = (TMA_16U4_ALIGN8B, TMA_16U4_ALIGN16B)  # dims count 4-bit elements, two per byte
 _SWIZZLE_ENUM = {0: 0, 16: 0, 32: 1, 64: 2, 128: 3}
 
-ARG_PTR, ARG_U32, ARG_TMAP, ARG_NULL, ARG_BYTES = 0, 1, 2, 3, 4
+# ARG_SYM_BUFFER: DeepGEMM's one-rank `layout::SymBuffer` by value, its base the operand's address.
+ARG_PTR, ARG_U32, ARG_TMAP, ARG_NULL, ARG_BYTES, ARG_SYM_BUFFER = 0, 1, 2, 3, 4, 5
 TMAP_WORDS = 19
 MAX_RANK = 5
 
@@ -44,6 +45,7 @@ class TensorMap:
     strides: tuple[int, ...]
     box: tuple[int, ...]
     swizzle: int  # bytes: 0 (none), 32, 64 or 128
+    offset: int = 0  # bytes from the operand's address to the map's base (a region of one buffer)
 
     def check(self) -> None:
         rank = len(self.dims)
@@ -53,6 +55,8 @@ class TensorMap:
             raise ValueError(f"tensor map dims {self.dims} must be > 0 and box {self.box} in [1, 256]")
         if any(s % 16 or s <= 0 or s >= 1 << 40 for s in self.strides):
             raise ValueError(f"tensor map strides {self.strides} must be positive multiples of 16 bytes")
+        if self.offset < 0 or self.offset % 16:
+            raise ValueError(f"tensor map offset {self.offset} must be a non-negative multiple of 16 bytes")
         if self.swizzle not in _SWIZZLE_ENUM:
             raise ValueError(f"swizzle {self.swizzle} not in {sorted(_SWIZZLE_ENUM)}")
         if self.dtype not in TMA_ELEM_BYTES and self.dtype not in _TMA_4BIT:
@@ -71,7 +75,7 @@ class TensorMap:
     def words(self) -> list[int]:
         rank = len(self.dims)
         pad = lambda t, n, fill: list(t) + [fill] * (n - len(t))  # noqa: E731
-        return [self.operand, 0, self.dtype, rank, *pad(self.dims, 5, 1), *pad(self.strides, 4, 0),
+        return [self.operand, self.offset, self.dtype, rank, *pad(self.dims, 5, 1), *pad(self.strides, 4, 0),
                 *pad(self.box, 5, 1), _SWIZZLE_ENUM[self.swizzle]]
 
 
@@ -91,8 +95,18 @@ def command_buffer_default() -> bool:
 @dataclasses.dataclass(frozen=True)
 class KernelArg:
     kind: int  # ARG_*
-    value: int = 0  # operand index (ARG_PTR), value (ARG_U32), map index (ARG_TMAP)
+    value: int = 0  # operand index (ARG_PTR, ARG_SYM_BUFFER), value (ARG_U32), map index (ARG_TMAP)
     data: bytes = b""  # ARG_BYTES: a by-value struct
+    offset: int = 0  # ARG_PTR: bytes past the operand's address
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroRange:
+    """Bytes [offset, offset + nbytes) of an operand, zeroed on the stream before the launch."""
+
+    operand: int
+    offset: int
+    nbytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +119,9 @@ class LaunchPlan:
     smem: int
     args: tuple[KernelArg, ...]
     tmaps: tuple[TensorMap, ...]
+    zero: tuple[ZeroRange, ...] = ()
+    # all blocks resident at once (the driver fails the launch otherwise): kernels with grid barriers
+    cooperative: bool = False
     # May XLA record the launch into a command buffer (CUDA graph)? Safe by construction (see
     # csrc/launch_handler.cc); off unless $MOE_JAX_DEEP_GEMM_COMMAND_BUFFER=1 until measured to help.
     command_buffer: bool = dataclasses.field(default_factory=command_buffer_default)
@@ -128,12 +145,19 @@ class LaunchPlan:
         for i, t in enumerate(self.tmaps):
             if not 0 <= t.operand < len(nbytes):
                 raise ValueError(f"{self.kernel}: tensor map {i} refers to operand {t.operand} of {len(nbytes)}")
-            if t.extent_bytes() > nbytes[t.operand]:
+            if t.offset + t.extent_bytes() > nbytes[t.operand]:
                 raise ValueError(f"{self.kernel}: tensor map {i} (dims {t.dims}, strides {t.strides}) spans "
-                                 f"{t.extent_bytes()} bytes, operand {t.operand} holds {nbytes[t.operand]}")
+                                 f"{t.extent_bytes()} bytes past offset {t.offset}, operand {t.operand} holds "
+                                 f"{nbytes[t.operand]}")
         for a in self.args:
-            if a.kind == ARG_PTR and not 0 <= a.value < len(nbytes):
+            if a.kind in (ARG_PTR, ARG_SYM_BUFFER) and not 0 <= a.value < len(nbytes):
                 raise ValueError(f"{self.kernel}: pointer argument refers to operand {a.value} of {len(nbytes)}")
+            if a.kind == ARG_PTR and not 0 <= a.offset < max(nbytes[a.value], 1):
+                raise ValueError(f"{self.kernel}: pointer offset {a.offset} outside operand {a.value} "
+                                 f"of {nbytes[a.value]} bytes")
+        for z in self.zero:
+            if not (0 <= z.operand < len(nbytes) and 0 <= z.offset and z.offset + z.nbytes <= nbytes[z.operand]):
+                raise ValueError(f"{self.kernel}: zero range {z} outside its operand")
 
     def ffi_attributes(self) -> dict:
         """Static attributes of the custom call (hashable by XLA; part of the compiled program)."""
@@ -144,19 +168,21 @@ class LaunchPlan:
                 args += [ARG_BYTES, len(blob), len(a.data)]
                 blob += a.data + b"\0" * (-len(a.data) % 8)
             else:
-                args += [a.kind, a.value, 0]
+                args += [a.kind, a.value, a.offset]
         tm = [w for t in self.tmaps for w in t.words()]
+        zero = [v for z in self.zero for v in (z.operand, z.offset, z.nbytes)]
         return {
             "cubin": self.cubin,
-            "launch": np.array([self.grid, self.block, self.cluster, self.smem], np.int64),
+            "launch": np.array([self.grid, self.block, self.cluster, self.smem, int(self.cooperative)], np.int64),
             "args": np.array(args, np.int64),
             "tmaps": np.array(tm or [0], np.int64),
             "blob": np.frombuffer(bytes(blob) or b"\0" * 8, np.int64).copy(),
+            "zero": np.array(zero or [0, 0, 0], np.int64),  # an empty range when there is none
         }
 
 
-def _ptr(i: int) -> KernelArg:
-    return KernelArg(ARG_PTR, i)
+def _ptr(i: int, offset: int = 0) -> KernelArg:
+    return KernelArg(ARG_PTR, i, offset=offset)
 
 
 def _u32(v: int) -> KernelArg:

@@ -16,6 +16,10 @@
 // (m_indices, masked_m) are read by the kernel when it runs. The handler allocates no device
 // memory and never synchronizes or queries the stream; its one-time kernel load per cubin and
 // context runs in relaxed capture mode (it is not stream work), see GetKernel.
+//
+// A launch may first zero byte ranges of its operands on the stream (attribute "zero": operand,
+// offset, bytes triples; the fused MoE kernel needs its workspace zeroed) and may be cooperative
+// (launch[4]: the driver then guarantees that all blocks are resident at once, or fails the launch).
 
 #include <dlfcn.h>
 
@@ -36,7 +40,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kArgPtr = 0, kArgU32 = 1, kArgTmap = 2, kArgNull = 3, kArgBytes = 4;
+// kArgPtr: operand address + byte offset; kArgSymBuffer: DeepGEMM's one-rank layout::SymBuffer by
+// value ({int64 base; int64 offsets[72]; uint32 rank}: base = the operand's address, the rest zero).
+constexpr int64_t kArgPtr = 0, kArgU32 = 1, kArgTmap = 2, kArgNull = 3, kArgBytes = 4, kArgSymBuffer = 5;
+constexpr size_t kSymBufferBytes = 592;
 constexpr size_t kTmapWords = 19;
 
 struct Driver {
@@ -48,6 +55,7 @@ struct Driver {
   CUresult (*KernelGetFunction)(CUfunction*, CUkernel) = nullptr;
   CUresult (*FuncSetAttribute)(CUfunction, CUfunction_attribute, int) = nullptr;
   CUresult (*LaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**) = nullptr;
+  CUresult (*MemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream) = nullptr;
   CUresult (*TensorMapEncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                    const cuuint64_t*, const cuuint32_t*, const cuuint32_t*,
                                    CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
@@ -83,6 +91,7 @@ const Driver& GetDriver() {
     Load(lib, "cuFuncSetAttribute", &d.FuncSetAttribute, &d.error);
     Load(lib, "cuLaunchKernelEx", &d.LaunchKernelEx, &d.error);
     Load(lib, "cuTensorMapEncodeTiled", &d.TensorMapEncodeTiled, &d.error);
+    Load(lib, "cuMemsetD8Async", &d.MemsetD8Async, &d.error);
     Load(lib, "cuStreamGetCtx", &d.StreamGetCtx, &d.error);
     Load(lib, "cuCtxGetCurrent", &d.CtxGetCurrent, &d.error);
     Load(lib, "cuCtxPushCurrent_v2", &d.CtxPushCurrent, &d.error);
@@ -187,15 +196,18 @@ ffi::Error GetKernel(const Driver& d, const std::string& path, CUcontext ctx, in
 
 ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64_t> launch,
                   ffi::Span<const int64_t> args, ffi::Span<const int64_t> tmaps, ffi::Span<const int64_t> blob,
-                  ffi::RemainingArgs ins, ffi::RemainingRets outs) {
+                  ffi::Span<const int64_t> zero, ffi::RemainingArgs ins, ffi::RemainingRets outs) {
   const Driver& d = GetDriver();
   if (!d.error.empty()) return ffi::Error::Internal(d.error);
-  if (launch.size() != 4) return ffi::Error::InvalidArgument("launch attribute must hold 4 values");
+  if (launch.size() != 5) return ffi::Error::InvalidArgument("launch attribute must hold 5 values");
+  if (zero.size() % 3 != 0) return ffi::Error::InvalidArgument("zero attribute must hold triples");
   if (args.size() % 3 != 0) return ffi::Error::InvalidArgument("args attribute must hold triples");
 
-  if (launch[0] <= 0 || launch[1] <= 0 || launch[2] <= 0 || launch[3] < 0)
-    return ffi::Error::InvalidArgument("launch attribute: grid, block and cluster must be > 0, smem >= 0");
-  if (tmaps.size() % kTmapWords != 0)
+  if (launch[0] <= 0 || launch[1] <= 0 || launch[2] <= 0 || launch[3] < 0 || launch[4] < 0 || launch[4] > 1)
+    return ffi::Error::InvalidArgument(
+        "launch attribute: grid, block and cluster must be > 0, smem >= 0, cooperative 0 or 1");
+  // an attribute array cannot be empty: a lone word stands for "no tensor maps"
+  if (tmaps.size() % kTmapWords != 0 && tmaps.size() != 1)
     return ffi::Error::InvalidArgument("tmaps attribute must hold " + std::to_string(kTmapWords) + " words per map");
 
   // Operand addresses and sizes: inputs first, then outputs.
@@ -255,6 +267,7 @@ ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64
   // Kernel arguments: kernelParams[i] points at the i-th argument's value.
   const size_t num_args = args.size() / 3;
   std::vector<void*> ptr_values(num_args, nullptr);
+  std::vector<std::vector<char>> struct_values(num_args);
   std::vector<uint32_t> u32_values(num_args, 0);
   std::vector<void*> params(num_args, nullptr);
   const char* blob_bytes = reinterpret_cast<const char*>(blob.begin());
@@ -264,9 +277,21 @@ ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64
       case kArgPtr:
         if (value < 0 || value >= static_cast<int64_t>(buffers.size()))
           return ffi::Error::InvalidArgument("pointer argument refers to a missing operand");
-        ptr_values[i] = buffers[value];
+        if (extra < 0 || static_cast<uint64_t>(extra) >= sizes[value])
+          return ffi::Error::InvalidArgument("pointer argument offset " + std::to_string(extra) + " outside operand " +
+                                             std::to_string(value) + " of " + std::to_string(sizes[value]) + " bytes");
+        ptr_values[i] = static_cast<char*>(buffers[value]) + extra;
         params[i] = &ptr_values[i];
         break;
+      case kArgSymBuffer: {
+        if (value < 0 || value >= static_cast<int64_t>(buffers.size()))
+          return ffi::Error::InvalidArgument("symmetric-buffer argument refers to a missing operand");
+        struct_values[i].assign(kSymBufferBytes, 0);
+        const int64_t base = reinterpret_cast<int64_t>(buffers[value]);
+        std::memcpy(struct_values[i].data(), &base, sizeof(base));
+        params[i] = struct_values[i].data();
+        break;
+      }
       case kArgNull:
         params[i] = &ptr_values[i];
         break;
@@ -304,9 +329,21 @@ ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64
   const int smem = static_cast<int>(launch[3]);
   CUfunction fn = nullptr;
   ffi::Error err = GetKernel(d, std::string(cubin), ctx, smem, &fn);
+  for (size_t z = 0; err.success() && z < zero.size(); z += 3) {
+    const int64_t operand = zero[z], offset = zero[z + 1], bytes = zero[z + 2];
+    if (operand < 0 || operand >= static_cast<int64_t>(buffers.size()) || offset < 0 || bytes < 0 ||
+        static_cast<uint64_t>(offset + bytes) > sizes[operand]) {
+      err = ffi::Error::InvalidArgument("zero range outside its operand");
+      break;
+    }
+    if (bytes == 0) continue;
+    r = d.MemsetD8Async(reinterpret_cast<CUdeviceptr>(static_cast<char*>(buffers[operand]) + offset), 0,
+                        static_cast<size_t>(bytes), stream);
+    if (r != CUDA_SUCCESS) err = ffi::Error::Internal(CuError(d, r, "cuMemsetD8Async"));
+  }
   if (err.success()) {
-    CUlaunchAttribute attr;
-    std::memset(&attr, 0, sizeof(attr));
+    CUlaunchAttribute attrs[2];
+    std::memset(attrs, 0, sizeof(attrs));
     CUlaunchConfig cfg;
     std::memset(&cfg, 0, sizeof(cfg));
     cfg.gridDimX = static_cast<unsigned>(launch[0]);
@@ -315,13 +352,20 @@ ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64
     cfg.blockDimY = cfg.blockDimZ = 1;
     cfg.sharedMemBytes = static_cast<unsigned>(smem);
     cfg.hStream = stream;
+    unsigned num_attrs = 0;
     if (launch[2] > 1) {
-      attr.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-      attr.value.clusterDim.x = static_cast<unsigned>(launch[2]);
-      attr.value.clusterDim.y = attr.value.clusterDim.z = 1;
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
+      attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+      attrs[num_attrs].value.clusterDim.x = static_cast<unsigned>(launch[2]);
+      attrs[num_attrs].value.clusterDim.y = attrs[num_attrs].value.clusterDim.z = 1;
+      ++num_attrs;
     }
+    if (launch[4] == 1) {
+      attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+      attrs[num_attrs].value.cooperative = 1;
+      ++num_attrs;
+    }
+    cfg.attrs = num_attrs ? attrs : nullptr;
+    cfg.numAttrs = num_attrs;
     r = d.LaunchKernelEx(&cfg, fn, params.data(), nullptr);
     if (r != CUDA_SUCCESS) err = ffi::Error::Internal(CuError(d, r, "cuLaunchKernelEx") + " for " + std::string(cubin));
   }
@@ -345,6 +389,7 @@ auto LaunchBinding() {
       .Attr<ffi::Span<const int64_t>>("args")
       .Attr<ffi::Span<const int64_t>>("tmaps")
       .Attr<ffi::Span<const int64_t>>("blob")
+      .Attr<ffi::Span<const int64_t>>("zero")
       .RemainingArgs()
       .RemainingRets();
 }
