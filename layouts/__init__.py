@@ -23,6 +23,13 @@ from layouts.fp8 import (
     quantize_fp8_per_token_group,
     quantize_mxfp8,
 )
+from layouts.fused_moe import (
+    FUSED_GATE_UP_GRAN,
+    FUSED_MOE_BLOCK_MS,
+    FusedMoEBuffer,
+    deinterleave_gate_up,
+    interleave_gate_up,
+)
 from layouts.rounding import store_as
 from layouts.gemm_format import GemmFormat
 from layouts.recipes import RECIPE_NAMES, MoEQuantInfo, QuantRecipe, gemm_format, get_recipe
@@ -72,4 +79,6 @@ __all__ = [
     # load-time weight paths
     "mxfp4_to_fp8_block", "requant_fp8_block_ue8m0", "expand_per_tensor_scale",
     "prepare_expert_weights",
+    # the fused MoE kernel's device buffer and GEMM1 weight order
+    "FUSED_GATE_UP_GRAN", "FUSED_MOE_BLOCK_MS", "FusedMoEBuffer", "interleave_gate_up", "deinterleave_gate_up",
 ]

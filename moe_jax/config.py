@@ -42,7 +42,9 @@ class MoEConfig:
 
     Core: `recipe` ("bf16" | "fp8_block" | "mxfp8" | "mxfp4"), `arch` (90 | 100 | None: which GPU
     family's GEMM scale formats the core produces; None -> 90 unless the recipe needs 100),
-    `layout` ("auto" | "contig" | "masked"), contig `alignment` (rows per expert segment block),
+    `layout` ("auto" | "contig" | "masked" | "fused": the whole routed branch in one kernel, FP8
+    block weights and SiLU only, its w13 prepared for it by `prepare_params`; never chosen by
+    "auto"), contig `alignment` (rows per expert segment block),
     `masked_m_pad` (static rows per masked slab; None -> round_up(M, 256)),
     `masked_memory_budget_bytes` (auto layout: masked only if its estimated peak fits; None ->
     contig, the choice that needs no memory query).
@@ -233,6 +235,14 @@ def _validate(c: MoEConfig) -> None:
         _check(rec.is_quantized and rec.weight_k_pack == 1,
                "MoEConfig.activation.keep_fp32 needs FP8 expert weights (fp8_block or mxfp8), got "
                f"recipe={c.recipe!r}")
+    if c.layout == "fused":
+        # what the fused op computes (custom_calls/fused_moe.py): FP8 block-scaled weights, SiLU
+        # with an optional clamp, the shared experts added outside it
+        _check(c.recipe == "fp8_block", f"MoEConfig.layout='fused' needs recipe 'fp8_block', got {c.recipe!r}")
+        _check(c.activation.kind == "silu" and not c.activation.keep_fp32,
+               f"MoEConfig.layout='fused' needs activation kind 'silu' (optional swiglu_limit), got {c.activation!r}")
+        _check(not c.fuse_shared_experts,
+               "MoEConfig.layout='fused' runs the shared experts beside the fused op; fuse_shared_experts must be False")
     if c.masked_m_pad is not None:
         _check(c.masked_m_pad >= 1 and c.masked_m_pad % 128 == 0,
                f"MoEConfig.masked_m_pad must be a positive multiple of 128, got {c.masked_m_pad}")

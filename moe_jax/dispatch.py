@@ -36,7 +36,9 @@ from custom_calls.dispatch_map import contig_capacity, dispatch_map_contig, disp
 from layouts import get_recipe
 from layouts.checks import align, ceil_div
 
-LAYOUTS = ("auto", "contig", "masked")  # "auto": `choose_layout` decides
+# "auto": `choose_layout` decides between contig and masked; "fused": the whole routed branch in
+# one op (`custom_calls.fused_moe`), chosen only explicitly (its weights are prepared for it)
+LAYOUTS = ("auto", "contig", "masked", "fused")
 MASKED_M_PAD_MULTIPLE = 256
 DEFAULT_MASKED_BUDGET_FRACTION = 0.25
 

@@ -34,7 +34,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from custom_calls import (AUTO, REFERENCE, backend_stages, contracts, known_backends, permute_contig,
+from custom_calls import (AUTO, REFERENCE, backend_stages, contracts, fused_moe, known_backends, permute_contig,
                           permute_masked, unpermute)
 from custom_calls.dispatch_map import local_expert_ids
 from layouts import get_recipe
@@ -149,6 +149,15 @@ def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, 
     recipe, arch, act = params.gemm_recipe, params.gemm_arch, config.activation
     layout = resolve_layout(layout, config, num_tokens=m, num_local_experts=e_loc,
                             local_intermediate_size=i_loc, arch=arch, act_backend=be["activation"])
+    if (layout == "fused") != bool(params.w13_interleave):
+        raise ValueError(f"params.w13: layout {layout!r} needs w13 rows "
+                         f"{'interleaved (w13_interleave=8)' if layout == 'fused' else '[gate; up] (w13_interleave=0)'}, "
+                         f"got w13_interleave={params.w13_interleave}; prepare the params with "
+                         f"prepare_params(params, config) for a config of that layout")
+    if layout == "fused":
+        return _routed_fused(x, topk_ids, topk_weights, params, config, expert_offset=expert_offset,
+                             backend=be["gemm"], out_dtype=out_dtype, routed_scaling_factor=rsf,
+                             debug_checks=debug_checks, addend=addend)
     if layout == "contig":
         disp = dispatch_contig(topk_ids, num_local_experts=e_loc, alignment=config.alignment,
                                expert_offset=expert_offset, backend=be["dispatch"])
@@ -184,6 +193,26 @@ def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, 
     if lost is not None:
         out = jnp.where(lost[:, None], jnp.asarray(jnp.nan, out.dtype), out)
     return out
+
+
+def _routed_fused(x, topk_ids, topk_weights, params, config, *, expert_offset, backend, out_dtype,
+                  routed_scaling_factor, debug_checks, addend) -> jax.Array:
+    """The routed branch as one `fused_moe` op (its numerics: custom_calls/fused_moe.py: the route
+    weight scales the SwiGLU output before its quantization). Routes to experts not held here are
+    dropped (-1); addend is added in fp32 before the cast."""
+    e_loc = int(params.w13.shape[0])
+    ids = local_expert_ids(topk_ids, expert_offset, e_loc)
+    ids = jnp.where(ids < e_loc, ids, -1)
+    if debug_checks:
+        contracts.check_finite_rows("topk_weights", topk_weights, "tokens")
+    act = config.activation
+    out = fused_moe(x.astype(jnp.bfloat16), ids, topk_weights.astype(jnp.float32), params.w13, params.w13_scale,
+                    params.w2, params.w2_scale, routed_scaling_factor=routed_scaling_factor,
+                    activation_clamp=act.swiglu_limit, w13_interleave=params.w13_interleave,
+                    arch=params.gemm_arch, backend=backend)
+    if addend is not None:
+        return (out.astype(jnp.float32) + addend.astype(jnp.float32)).astype(out_dtype)
+    return out.astype(out_dtype)
 
 
 def shared_experts(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dtype=None,

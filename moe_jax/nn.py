@@ -98,6 +98,9 @@ class MoE(nnx.Module):
         stage_backends(backend)  # unknown backend or stage names are an error here, not at the first call
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+        if layout == "fused" and config.layout != "fused":  # its weights are prepared for it
+            raise ValueError("layout: 'fused' is chosen by MoEConfig(layout='fused'), which prepares the weights "
+                             f"for it; got config.layout={config.layout!r}")
         if mesh is not None and not isinstance(mesh, Mesh):
             raise TypeError(f"mesh: expected jax.sharding.Mesh or None, got {type(mesh).__name__}")
         ep_default, tp_default = DEFAULT_EXPERT_AXIS, DEFAULT_INTERMEDIATE_AXIS

@@ -48,7 +48,8 @@ import jax
 import jax.numpy as jnp
 
 import layouts
-from layouts import FLOAT_DTYPES, gemm_format, get_recipe
+from layouts import (FLOAT_DTYPES, FUSED_GATE_UP_GRAN, deinterleave_gate_up, gemm_format, get_recipe,
+                     interleave_gate_up)
 from layouts.checks import ceil_div, check_dtype, check_shape
 from moe_jax.config import QUANT_SIZE_MULTIPLE, MoEConfig
 
@@ -73,6 +74,9 @@ class MoEParams:
     gemm_recipe: str | None = field(default=None, metadata=dict(static=True))
     gemm_arch: int | None = field(default=None, metadata=dict(static=True))
     fused_shared: int = field(default=0, metadata=dict(static=True))
+    # 0: w13 rows [gate; up]; 8: interleaved in groups of 8 (layouts.interleave_gate_up), the form
+    # the fused layout's kernel reads, made by prepare_params for MoEConfig(layout="fused")
+    w13_interleave: int = field(default=0, metadata=dict(static=True))
 
     @property
     def is_prepared(self) -> bool:
@@ -112,7 +116,7 @@ jax.tree_util.register_dataclass(
     MoEParams,
     data_fields=["gate_weight", "w13", "w2", "e_score_correction_bias", "w13_scale", "w2_scale",
                  "shared_w13", "shared_w2", "tid2eid", "shared_w13_scale", "shared_w2_scale"],
-    meta_fields=["gemm_recipe", "gemm_arch", "fused_shared"],
+    meta_fields=["gemm_recipe", "gemm_arch", "fused_shared", "w13_interleave"],
 )
 
 
@@ -196,7 +200,9 @@ def _prepare_weight(w: jax.Array, sf: jax.Array | None, recipe: str, arch: int):
 def prepare_params(params: MoEParams, config: MoEConfig, arch: int | None = None) -> MoEParams:
     """Convert checkpoint-form expert weights to the GEMM form of (config.recipe, arch) — once, at
     load time. arch None -> `config.gemm_arch`. Already prepared params for the same arch are
-    returned unchanged; prepared params for another arch raise ValueError."""
+    returned unchanged, but for the w13 row order of config.layout (`MoEParams.w13_interleave`:
+    interleaved for "fused", [gate; up] otherwise); prepared params for another arch raise
+    ValueError."""
     arch = config.gemm_arch if arch is None else arch
     rec = get_recipe(config.recipe)
     if arch not in rec.supported_archs:
@@ -205,17 +211,28 @@ def prepare_params(params: MoEParams, config: MoEConfig, arch: int | None = None
     if params.is_prepared:
         if params.gemm_arch != arch:
             raise ValueError(f"params: already prepared for arch {params.gemm_arch}, asked for arch {arch}")
-        return params
+        return _gate_up_order(params, config)
     check_params(params, config)
     w13, s13 = _prepare_weight(params.w13, params.w13_scale, config.recipe, arch)
     w2, s2 = _prepare_weight(params.w2, params.w2_scale, config.recipe, arch)
     gr = rec.gemm_recipe(arch).name
     out = params.replace(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, gemm_recipe=gr, gemm_arch=arch)
+    if config.layout == "fused":  # the fused kernel's w13 row order; its scales stay [gate; up]
+        out = out.replace(w13=interleave_gate_up(w13), w13_interleave=FUSED_GATE_UP_GRAN)
     if config.n_shared_experts and config.fuse_shared_experts:
         return _fuse_shared(out, params, config, arch)
     if config.n_shared_experts:
         return out.replace(**prepare_shared(params, arch))
     return out
+
+
+def _gate_up_order(params: MoEParams, config: MoEConfig) -> MoEParams:
+    """Prepared params with the w13 row order of config.layout (interleaved for "fused" only)."""
+    want = FUSED_GATE_UP_GRAN if config.layout == "fused" else 0
+    if params.w13_interleave == want:
+        return params
+    w13 = interleave_gate_up(params.w13) if want else deinterleave_gate_up(params.w13, params.w13_interleave)
+    return params.replace(w13=w13, w13_interleave=want)
 
 
 def prepare_shared(params: MoEParams, arch: int) -> dict:

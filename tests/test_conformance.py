@@ -347,6 +347,41 @@ def _dense_gemm_cases():
     return cases
 
 
+def _fused_moe_cases():
+    """Odd token counts, -1 routes and a token without routes, a clamp; w13 in the row order each
+    backend reads (interleaved for the kernel, which refuses [gate; up] with a reason)."""
+    from layouts import interleave_gate_up, quantize_fp8_per_block
+
+    cases = []
+    for name, (m, h, i, e, k, clamp, inter) in {"m7_h1024_i512_e8_k4": (7, 1024, 512, 8, 4, None, 8),
+                                                "m130_h2048_i512_e16_k6_clamp": (130, 2048, 512, 16, 6, 0.05, 8),
+                                                "m33_h1024_i512_e8_k2_natural": (33, 1024, 512, 8, 2, None, 0)}.items():
+        def make(rng, m=m, h=h, i=i, e=e, k=k, clamp=clamp, inter=inter):
+            x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+            ids = np.argsort(rng.random((m, e)), axis=1)[:, :k].astype(np.int32)
+            ids[rng.random((m, k)) < 0.2] = -1
+            ids[0] = -1
+            w = rng.random((m, k)).astype(np.float32) + 0.1
+            w13, s13 = quantize_fp8_per_block(jnp.asarray(rng.standard_normal((e, 2 * i, h)) * 0.05, jnp.float32), 128)
+            w2, s2 = quantize_fp8_per_block(jnp.asarray(rng.standard_normal((e, h, i)) * 0.05, jnp.float32), 128)
+            if inter:
+                w13 = interleave_gate_up(w13, inter)
+            return ((x, jnp.asarray(ids), jnp.asarray(w), w13, s13, w2, s2),
+                    dict(routed_scaling_factor=2.5, activation_clamp=clamp, w13_interleave=inter))
+
+        def cmp(got, ref, args, kwargs):
+            g, r = _np(got).astype(np.float32), _np(ref).astype(np.float32)
+            assert g.shape == r.shape and np.isfinite(g).all()
+            routed = (_np(args[1]) >= 0).any(1)
+            assert (g[~routed] == 0).all()
+            # the kernel accumulates GEMM1 in its own order; an e4m3 rounding of the intermediate
+            # may land one step apart: 1e-3-level relative error, far below a wrong formula's
+            assert _rel_err(got, ref, routed) < 2e-2
+
+        cases.append(Case("fused_moe", name, make, cmp))
+    return cases
+
+
 # ------------------------------------------------------------------------------ violations
 # Inputs that break an op's index contract: every backend must produce what the reference produces
 # (the public ops canonicalize the index arrays, custom_calls/contracts.py). The models here are
@@ -496,7 +531,7 @@ def _violation_cases():
 
 CASES = {c.id: c for c in (_route_cases() + _rank_cases() + _dispatch_map_cases() + _permute_cases()
                            + _activation_cases() + _unpermute_cases() + _gemm_cases() + _dense_gemm_cases()
-                           + _violation_cases())}
+                           + _fused_moe_cases() + _violation_cases())}
 
 
 def run_case(case: Case, backend: str) -> str:

@@ -78,6 +78,8 @@ CASES = {
     "mxfp4_to_fp8_block": (L.mxfp4_to_fp8_block, lambda: (_int8(B, 130, 48), _pow2(B, 130, 3))),
     "requant_fp8_block_ue8m0": (L.requant_fp8_block_ue8m0, lambda: (_fp8(B, 130, 100), _normal(B, 2, 1))),
     "expand_per_tensor_scale": (lambda s: L.expand_per_tensor_scale(s, 300, 129), lambda: (_normal(B, 4),)),
+    "interleave_gate_up": (L.interleave_gate_up, lambda: (_fp8(B, 2, 32, 5),)),
+    "deinterleave_gate_up": (lambda w: L.deinterleave_gate_up(w, 4), lambda: (_normal(B, 24, 3),)),
     "prepare_expert_weights/mxfp4/90": (
         lambda w, s: L.prepare_expert_weights(w, s, recipe="mxfp4", arch=90),
         lambda: (_int8(B, 2, 130, 48), _pow2(B, 2, 130, 3))),

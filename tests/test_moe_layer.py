@@ -531,3 +531,60 @@ def test_router_gemm_on_bf16_operands_computes_the_fp32_products():
     np.testing.assert_allclose(fast, exact, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(fast, f32, rtol=1e-5, atol=1e-5)
     assert (np.argsort(-fast, axis=1)[:, :8] == np.argsort(-exact, axis=1)[:, :8]).mean() > 0.99
+
+
+# ------------------------------------------------------------------------------ the fused layout
+
+def _fused_setup(shared=0, clamp=None):
+    cfg = MoEConfig.deepseek_v3(num_experts=8, n_shared_experts=shared, n_group=4, topk_group=2, top_k=3,
+                                hidden_size=512, intermediate_size=256, recipe="fp8_block", arch=90,
+                                layout="fused", activation=ActivationSpec(kind="silu", swiglu_limit=clamp))
+    raw = mj.init_params(jax.random.PRNGKey(7), cfg)
+    return cfg, raw, mj.prepare_params(raw, cfg)
+
+
+@pytest.mark.parametrize("shared,clamp", [(0, None), (1, 0.05)])
+def test_fused_layout_is_the_fused_op_on_the_routes(shared, clamp):
+    """moe_forward with layout "fused" = route, then the fused op on the interleaved weights, then
+    the dense shared expert added in fp32; its w13 is the [gate; up] weight interleaved by 8."""
+    import custom_calls as cc
+    from layouts import deinterleave_gate_up
+
+    cfg, raw, params = _fused_setup(shared, clamp)
+    staged = mj.prepare_params(raw, MoEConfig(**{**cfg.__dict__, "layout": "contig"}))
+    assert params.w13_interleave == 8 and staged.w13_interleave == 0
+    np.testing.assert_array_equal(np.asarray(deinterleave_gate_up(params.w13)).view(np.uint8),
+                                  np.asarray(staged.w13).view(np.uint8))
+    x = jax.random.normal(jax.random.PRNGKey(2), (19, cfg.hidden_size), jnp.bfloat16)
+    got = mj.moe_forward(x, params, cfg, backend="reference")
+    ids, w = mj.route(x, params, cfg)
+    routed = cc.fused_moe(x, ids, w, staged.w13, staged.w13_scale, staged.w2, staged.w2_scale,
+                          routed_scaling_factor=cfg.routed_scaling_factor, activation_clamp=clamp)
+    want = routed.astype(jnp.float32)
+    if shared:
+        want = want + mj.shared_experts(x, staged, cfg, out_dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.bfloat16)
+                                                                                  .astype(jnp.float32)))
+    # the staged layouts agree up to the FP8 rounding of the intermediate (a different order)
+    other = mj.moe_forward(x, staged, MoEConfig(**{**cfg.__dict__, "layout": "contig"}), backend="reference")
+    d = np.asarray(got.astype(jnp.float32) - other.astype(jnp.float32))
+    assert np.linalg.norm(d) / np.linalg.norm(np.asarray(other.astype(jnp.float32))) < 5e-2
+
+
+def test_fused_layout_refuses_mismatched_params_and_configs():
+    cfg, raw, params = _fused_setup()
+    contig = MoEConfig(**{**cfg.__dict__, "layout": "contig"})
+    x = jnp.ones((4, cfg.hidden_size), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"params.w13: layout 'contig' needs w13 rows \[gate; up\]"):
+        mj.moe_forward(x, params, contig, backend="reference")
+    staged = mj.prepare_params(raw, contig)
+    with pytest.raises(ValueError, match=r"params.w13: layout 'fused' needs w13 rows interleaved"):
+        mj.moe_forward(x, staged, cfg, backend="reference")
+    assert mj.prepare_params(staged, cfg).w13_interleave == 8  # prepared params convert both ways
+    assert mj.prepare_params(params, contig).w13_interleave == 0
+    with pytest.raises(ValueError, match="layout='fused' needs recipe 'fp8_block', got 'bf16'"):
+        MoEConfig(**{**cfg.__dict__, "recipe": "bf16"})
+    with pytest.raises(ValueError, match="layout='fused' needs activation kind 'silu'"):
+        MoEConfig(**{**cfg.__dict__, "activation": ActivationSpec(kind="situ")})
+    with pytest.raises(ValueError, match="fuse_shared_experts must be False"):
+        MoEConfig(**{**cfg.__dict__, "n_shared_experts": 1, "fuse_shared_experts": True})

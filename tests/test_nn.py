@@ -225,8 +225,10 @@ def test_bad_input(mesh):
         MoE({"num_experts": 4}, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="rngs: required to initialize weights when params is None"):
         MoE(cfg)
-    with pytest.raises(ValueError, match=r"layout: expected one of \('auto', 'contig', 'masked'\), got 'ragged'"):
+    with pytest.raises(ValueError, match=r"layout: expected one of \('auto', 'contig', 'masked', 'fused'\), got 'ragged'"):
         MoE(cfg, rngs=nnx.Rngs(0), layout="ragged")
+    with pytest.raises(ValueError, match=r"layout: 'fused' is chosen by MoEConfig\(layout='fused'\)"):
+        MoE(cfg, rngs=nnx.Rngs(0), layout="fused")
     with pytest.raises(TypeError, match="params: expected MoEParams, got tuple"):
         MoE(cfg, params=(1, 2))
     raw = init_params(jax.random.key(0), cfg)

@@ -2,16 +2,18 @@
 per-shape heuristics, code generation, nvcc JIT with an on-disk cache, and a C++ FFI launcher that
 encodes TMA descriptors for the current buffers and launches on XLA's stream.
 
-Run on SM90: grouped contig/masked FP8 1D2D and BF16, dense FP8/BF16 ``gemm_nt``, TF32 prenorm.
+Run on SM90: grouped contig/masked FP8 1D2D and BF16, dense FP8/BF16 ``gemm_nt``, TF32 prenorm, and
+the fused MoE kernel (op ``fused_moe``: the routed branch in one kernel, fused_moe.py).
 SM100 (fp8_block, mxfp8, mxfp4 1D1D): generated and compiled for sm_100a, not run on SM100 hardware.
 Grouped SM90 configs can be autotuned on the device and cached (opt-in: ``TuningPolicy``,
 $MOE_JAX_GEMM_TUNING; autotune.py). Importing this package probes no device and imports no CUDA
-Python binding; it registers the grouped GEMMs and the dense GEMM (op ``gemm_nt``) as backend
-'deep_gemm' of the registry (shape rules, environment check, implementations).
+Python binding; it registers the grouped GEMMs, the dense GEMM (op ``gemm_nt``) and the fused MoE
+kernel (op ``fused_moe``) as backend 'deep_gemm' of the registry (shape rules, environment check, implementations).
 """
 
 from custom_calls.backends import register as _register, set_environment as _set_environment
 from custom_calls.dense_gemm import OP as _OP_DENSE
+from custom_calls.fused_moe import OP as _OP_FUSED
 from custom_calls.grouped_gemm import OP_CONTIG as _OP_CONTIG, OP_MASKED as _OP_MASKED
 
 from .autotune import TuningPolicy
@@ -19,7 +21,7 @@ from .compiler import Cubin, compile_cubin
 from .heuristics import (Sm90GemmConfig, Sm90PrenormConfig, Sm100GemmConfig, sm90_gemm_config,
                          sm90_prenorm_config, sm100_mgrouped_config)
 from .launch_plan import LaunchPlan, TensorMap
-from . import ops as _ops
+from . import fused_moe as _fused, ops as _ops
 from .ops import (BACKEND, detected_device, gemm_nt_bf16, gemm_nt_fp8, m_grouped_gemm_contig,
                   m_grouped_gemm_masked, supports_gemm_nt, supports_m_grouped_gemm_contig,
                   supports_m_grouped_gemm_masked, supports_tf32_prenorm_gemm, tf32_prenorm_gemm)
@@ -28,6 +30,7 @@ from .warmup import GemmShape, warmup
 _register(_OP_CONTIG, BACKEND, _ops.contig_impl, _ops.static_supports_contig)
 _register(_OP_MASKED, BACKEND, _ops.masked_impl, _ops.static_supports_masked)
 _register(_OP_DENSE, BACKEND, _ops.dense_impl, _ops.static_supports_gemm_nt)
+_register(_OP_FUSED, BACKEND, _fused.fused_moe_impl, _fused.static_supports_fused)
 # looked up at call time, so the environment can be replaced (tests, other devices)
 _set_environment(BACKEND, lambda platform, **static: _ops.environment(platform, **static))
 

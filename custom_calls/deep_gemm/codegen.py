@@ -8,7 +8,9 @@ upstream DeepGEMM and older sgl releases (e.g. the 1D2D kernel's trailing ``SF_G
 
 from __future__ import annotations
 
-from .heuristics import Sm90GemmConfig, Sm90PrenormConfig, Sm100GemmConfig
+import numpy as np
+
+from .heuristics import Sm90FusedMoEConfig, Sm90GemmConfig, Sm90PrenormConfig, Sm100GemmConfig
 
 _GEMM_TYPE = {"normal": "GemmType::Normal", "contig": "GemmType::MGroupedContiguous",
               "masked": "GemmType::MGroupedMasked"}
@@ -62,3 +64,31 @@ def sm100_gemm_source(cfg: Sm100GemmConfig, n: int, k: int) -> str:
               "cutlass::float_e4m3_t", _SM100_B_DTYPE[cfg.b_dtype], "cutlass::bfloat16_t",
               "epilogue::operators::Identity", "true"]
     return _unit("sm100_fp8_fp4_gemm_1d1d.cuh", "sm100_fp8_fp4_gemm_1d1d_impl", params)
+
+
+def _float_literal(x: float | None) -> str:
+    """A C++ float literal for a float template argument: hex (exact), or infinity for None."""
+    if x is None:
+        return "cute::numeric_limits<float>::infinity()"
+    return float(np.float32(x)).hex() + "f"
+
+
+def sm90_fused_moe_source(cfg: Sm90FusedMoEConfig) -> str:
+    """The fused MoE kernel (dispatch, GEMM1, SwiGLU + FP8 quantization, GEMM2, combine) for one
+    rank, every shape and tile compiled in; the parameters past kHalfL2CD keep their defaults."""
+    buf = cfg.buffer
+    params = [str(cfg.max_tokens), str(cfg.hidden), str(cfg.intermediate), str(cfg.num_experts), str(cfg.top_k),
+              str(cfg.experts_per_wave), str(cfg.block_m), str(cfg.block_n), str(cfg.block_k),
+              str(buf.pool_tokens), str(buf.padded_sf_tokens), str(buf.pool_tokens),  # ring = the whole pool
+              str(cfg.num_stages), str(cfg.num_dispatch_threads), str(cfg.num_non_epilogue_threads),
+              str(cfg.num_epilogue_threads), str(cfg.num_sms), "1",  # kNumRanks
+              _float_literal(cfg.activation_clamp), _b(cfg.fast_math), "0",  # register split: the kernel's own
+              _b(cfg.reuse_accum_as_final), _b(cfg.l2_arrival_counter), _b(cfg.l2_epilogue_full_sync),
+              _b(cfg.half_l2_cd)]
+    return _unit("sm90_fp8_mega_moe.cuh", "sm90_fp8_mega_moe_impl", params)
+
+
+def sm90_fused_moe_pre_dispatch_source() -> str:
+    """The fused kernel's input stage: per-128 FP8 quantization of the tokens into the buffer, the
+    top-k ids widened to int64 and the weights times routed_scaling_factor (no PDL)."""
+    return _unit("sm90_mega_moe_pre_dispatch.cuh", "sm90_mega_moe_pre_dispatch_kernel", ["128", "false"])

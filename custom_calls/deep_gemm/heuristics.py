@@ -9,9 +9,12 @@ Shared-memory sizes mirror the kernels' own shared-storage layout and must stay 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
-from layouts import gemm_format
+import numpy as np
+
+from layouts import FusedMoEBuffer, gemm_format
 from layouts.checks import align, ceil_div  # noqa: F401  (re-exported to the host modules)
 
 GemmKind = Literal["normal", "contig", "masked"]
@@ -428,3 +431,272 @@ def sm100_mgrouped_config(recipe: str, gemm_kind: GemmKind, n: int, k: int, num_
         num_tma_store_stages=2, swizzle_a=128, swizzle_b=128, swizzle_cd=128,
         load_block_m=load_bm, load_block_n=load_bn, store_block_m=store_bm, store_block_n=store_bn,
         smem_bytes=extra + stages * per_stage, num_sms=num_sms)
+
+
+# --- SM90 fused MoE (sm90_fp8_mega_moe_impl) -----------------------------------------------------
+# One persistent kernel runs dispatch, GEMM1, SwiGLU + FP8 quantization, GEMM2 and the top-k
+# combine (sm90_fp8_mega_moe.cuh of the 0.2.5 templates, single rank). The instantiation we use
+# and why (the kernel's static asserts and DeepGEMM's own host rules):
+# * BLOCK_K 128 (one scale per 128 channels) and BLOCK_N 256: BLOCK_N 128 fails the L2 act-SF group
+#   asserts at both BLOCK_Ms, 512 the "two weight-SF blocks per warpgroup tile" assert;
+# * threads: 64 dispatch + 64 TMA loaders + 256 math (the epilogue is fixed at two warpgroups, the
+#   dispatch needs >= 2 warps, and 64/64 is the kernel's 104/200 register split at BLOCK_M 128);
+# * BLOCK_M 64, the kernel's decode topology (the two math warpgroups split N and share one act-SF
+#   group), when an expert expects fewer than 64 routes, else 128 (they split M). BLOCK_M 128 needs
+#   kReuseAccumAsFinal (two weight-SF blocks per warpgroup tile, which the promotion path refuses)
+#   and kHalfL2CD (the one-pass L2 staging fails the scatter-width assert);
+# * one expert wave (kNumExpertsPerWave = E: L1 of every expert, then L2; DeepGEMM's host asserts
+#   it at BLOCK_M 128) and a ring covering the whole pool (kNumRingTokens = pool tokens);
+# * kL2ArrivalCounter: with the full-pool ring each math warpgroup publishes its L1 tile with one
+#   atomic add, without the CTA-wide barrier per tile that the bit-mask form takes;
+# * kL2EpilogueRequiresFullSync false: the L1 and L2 output staging of the two warpgroups alias one
+#   shared buffer, but a stage is refilled only after all 8 math warps released it, so one warpgroup
+#   runs at most kNumStages k-blocks ahead of the other. With more k-blocks than stages in both
+#   GEMMs, it cannot reach its next epilogue while the other still reads the staging; the stage
+#   count is capped below both k-block counts so that this always holds;
+# * grid = num_sms exactly (software grid barriers, a scheduler striding by kNumSMs), even (the
+#   scheduler pairs CTAs) and >= 2; one CTA per SM, all co-resident.
+FUSED_MOE_BLOCK_N = 256
+FUSED_MOE_BLOCK_K = 128
+_FUSED_MOE_MIN_STAGES = 2
+_FUSED_MOE_MAX_STAGES = 32  # only bounds the search; shared memory caps far below
+_FUSED_MOE_MAX_TOP_K = 32  # a token's routes are read by one warp
+_FUSED_MOE_DECODE_ROUTES = 64  # below this many expected routes per expert: BLOCK_M 64
+_FUSED_MOE_COMBINE_WARPS = 8  # the combine runs on the 8 math warps
+
+
+def _fused_moe_shared_layout(*, max_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                             block_m: int, num_stages: int, num_sms: int, half_l2_cd: bool,
+                             block_n: int = FUSED_MOE_BLOCK_N, num_dispatch_threads: int = 64
+                             ) -> tuple[int, int]:
+    """(dynamic shared memory, SMEM_BEFORE_BARRIER_SIZE) of sm90_fp8_mega_moe_impl, its SMEM_*
+    constants restated (2 math warpgroups, cluster 1, no early combine, per-row pull publish)."""
+    pool = FusedMoEBuffer(max_tokens, hidden, intermediate, num_experts, top_k, block_m).pool_tokens
+    dispatch_warps = num_dispatch_threads // 32
+    send = align(hidden * dispatch_warps, 1024)  # one FP8 token per dispatch warp
+    split_n = block_m == 64 and block_n // 2 in (64, 128)  # kSplitNWarpgroups
+    wg_block_n = block_n // 2 if split_n else block_n
+    sf_groups_per_wg = wg_block_n // 128 if wg_block_n >= 128 else 1
+    weight_sf_floats = max(2 * (hidden // 128), sf_groups_per_wg * (intermediate // 128))
+    weight_sf = align(2 * weight_sf_floats * 4, 128)  # per math warpgroup
+    cd_l1 = block_m * (block_n // 2)  # FP8 SwiGLU output
+    cd_l2 = block_m * (block_n // (2 if half_l2_cd else 1)) * 2  # BF16, in two N passes with kHalfL2CD
+    cd = align(max(cd_l1, cd_l2), 1024)
+    a_stage, b_stage = block_m * FUSED_MOE_BLOCK_K, block_n * FUSED_MOE_BLOCK_K
+    sfa_stage = align(block_m * 4, 128)
+    barriers = dispatch_warps + 2 * num_stages + 2 * _FUSED_MOE_COMBINE_WARPS
+    before_barrier = send + cd + num_stages * (a_stage + b_stage)
+    tile_table_offset = align(send + cd + num_stages * (a_stage + b_stage + sfa_stage) + weight_sf + 8 * barriers, 16)
+    # get_sm90_tile_table_entries_compact: the round-robin share of the tiles plus end marker and spare
+    tiles = (pool // block_m) * (2 * intermediate // block_n + hidden // block_n)
+    entries = ceil_div(tiles, num_sms) + 2
+    # the per-expert routing counts (u32) live in the table's region before the table is built
+    tile_region = max(8 * entries, 4 * num_experts)
+    ec_offset = align(tile_table_offset + tile_region, 8)
+    return align(ec_offset, 16), before_barrier  # SMEM_PULL_PENDING_OFFSET + 0
+
+
+def sm90_fused_moe_smem_bytes(*, max_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                              block_m: int, num_stages: int, num_sms: int, half_l2_cd: bool,
+                              block_n: int = FUSED_MOE_BLOCK_N, num_dispatch_threads: int = 64) -> int:
+    """Dynamic shared memory of the fused MoE kernel (its SMEM_PULL_PENDING_OFFSET +
+    SMEM_PULL_PENDING_SIZE): dispatch send buffers, the output staging (1 KiB aligned), the A/B
+    stages, the activation-scale stages, the weight-scale slots, the barriers, then the tile table."""
+    return _fused_moe_shared_layout(
+        max_tokens=max_tokens, hidden=hidden, intermediate=intermediate, num_experts=num_experts, top_k=top_k,
+        block_m=block_m, num_stages=num_stages, num_sms=num_sms, half_l2_cd=half_l2_cd, block_n=block_n,
+        num_dispatch_threads=num_dispatch_threads)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90FusedMoEConfig:
+    """The template values of one sm90_fp8_mega_moe_impl instantiation, with the launch they imply.
+    The rest are fixed: one rank, kNumMaxPoolTokens = kNumRingTokens = pool_tokens,
+    kNumPaddedSFPoolTokens = padded_sf_tokens, kEpilogueRegisterBudget 0 (the kernel's own register
+    split) and the parameters after kHalfL2CD at their defaults (cluster 1, no early combine, ...)."""
+
+    max_tokens: int  # kNumMaxTokensPerRank
+    hidden: int
+    intermediate: int
+    num_experts: int
+    top_k: int
+    experts_per_wave: int
+    block_m: int
+    block_n: int
+    block_k: int
+    num_stages: int
+    num_dispatch_threads: int
+    num_non_epilogue_threads: int
+    num_epilogue_threads: int
+    num_sms: int
+    activation_clamp: float | None  # a float32 value; None: infinity, which compiles the clamp out
+    fast_math: bool
+    reuse_accum_as_final: bool
+    l2_arrival_counter: bool
+    l2_epilogue_full_sync: bool
+    half_l2_cd: bool
+
+    @property
+    def buffer(self) -> FusedMoEBuffer:
+        return FusedMoEBuffer(self.max_tokens, self.hidden, self.intermediate, self.num_experts, self.top_k,
+                              self.block_m)
+
+    @property
+    def pool_tokens(self) -> int:
+        """kNumMaxPoolTokens (and kNumRingTokens: the ring covers the pool)."""
+        return self.buffer.pool_tokens
+
+    @property
+    def padded_sf_tokens(self) -> int:
+        """kNumPaddedSFPoolTokens."""
+        return self.buffer.padded_sf_tokens
+
+    @property
+    def smem_bytes(self) -> int:
+        return sm90_fused_moe_smem_bytes(
+            max_tokens=self.max_tokens, hidden=self.hidden, intermediate=self.intermediate,
+            num_experts=self.num_experts, top_k=self.top_k, block_m=self.block_m, num_stages=self.num_stages,
+            num_sms=self.num_sms, half_l2_cd=self.half_l2_cd, block_n=self.block_n,
+            num_dispatch_threads=self.num_dispatch_threads)
+
+    @property
+    def num_threads(self) -> int:
+        return self.num_dispatch_threads + self.num_non_epilogue_threads + self.num_epilogue_threads
+
+    @property
+    def grid(self) -> int:
+        return self.num_sms
+
+
+def _bits_for(value: int) -> int:
+    """SM90MegaMoEScheduler::bits_for: bits of ``value`` (at least 1, at most 32)."""
+    return min(max(value.bit_length(), 1), 32)
+
+
+def _fused_moe_block_m(max_tokens: int, top_k: int, num_experts: int) -> int:
+    return 64 if max_tokens * top_k < _FUSED_MOE_DECODE_ROUTES * num_experts else 128
+
+
+def _fused_moe_plan(*, hidden, intermediate, num_experts, top_k, max_tokens, num_sms
+                    ) -> tuple[str | None, int, int]:
+    """(why the kernel cannot serve this problem or None, BLOCK_M, stages)."""
+    args = dict(hidden=hidden, intermediate=intermediate, num_experts=num_experts, top_k=top_k,
+                max_tokens=max_tokens, num_sms=num_sms)
+    for name, value in args.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            return f"{name}: expected a positive int, got {value!r}", 0, 0
+    hidden, intermediate, num_experts, top_k, max_tokens, num_sms = map(int, args.values())
+    if num_sms % 2 or num_sms < 2:
+        return (f"num_sms: expected an even number >= 2 (the scheduler pairs CTAs, the grid barriers need "
+                f"two), got {num_sms}"), 0, 0
+    if hidden % 512:
+        return (f"hidden: expected a multiple of 512 (GEMM2 needs an even number of {FUSED_MOE_BLOCK_N}-wide "
+                f"N blocks; H/128 fp32 scales per token fill 16-byte rows), got {hidden}"), 0, 0
+    if intermediate % 256:
+        return (f"intermediate: expected a multiple of 256 (GEMM1 needs an even number of "
+                f"{FUSED_MOE_BLOCK_N}-wide N blocks over 2I), got {intermediate}"), 0, 0
+    if top_k > _FUSED_MOE_MAX_TOP_K:
+        return f"top_k: expected at most {_FUSED_MOE_MAX_TOP_K} (one warp reads a token's routes), got {top_k}", 0, 0
+    if top_k > num_experts:
+        return (f"top_k: expected at most num_experts = {num_experts} (the pool is sized for distinct experts "
+                f"per token), got {top_k}"), 0, 0
+    if (max_tokens * top_k) % 4:
+        return (f"max_tokens: expected max_tokens * top_k to be a multiple of 4 (the buffer regions after the "
+                f"top-k inputs are TMA operands and must start on 16-byte boundaries), got "
+                f"{max_tokens} * {top_k} = {max_tokens * top_k}"), 0, 0
+    block_m = _fused_moe_block_m(max_tokens, top_k, num_experts)
+    try:
+        buffer = FusedMoEBuffer(max_tokens, hidden, intermediate, num_experts, top_k, block_m)
+    except ValueError as e:
+        return str(e), 0, 0
+
+    # the scheduler's bit-packed tile-table entry (SM90MegaMoEScheduler)
+    pool_blocks = buffer.pool_tokens // block_m
+    e_bits, m_bits = _bits_for(num_experts), _bits_for(pool_blocks)
+    n_bits = _bits_for(max(2 * intermediate, hidden) // FUSED_MOE_BLOCK_N)
+    if e_bits + m_bits + n_bits > 29:
+        return (f"max_tokens, num_experts: expected the tile-table tag to fit 29 bits, got {e_bits} (experts) + "
+                f"{m_bits} ({pool_blocks} pool blocks) + {n_bits} (N blocks) for max_tokens={max_tokens}, "
+                f"num_experts={num_experts}"), 0, 0
+    if _bits_for(max_tokens) + m_bits > 32 and _bits_for(block_m) + 1 + m_bits > 32:
+        return (f"max_tokens: expected the tile-table payload to fit 32 bits, got {pool_blocks} pool blocks "
+                f"for max_tokens={max_tokens}"), 0, 0
+
+    k_blocks = min((hidden // FUSED_MOE_BLOCK_K, "hidden", hidden),
+                   (intermediate // FUSED_MOE_BLOCK_K, "intermediate", intermediate))
+    if k_blocks[0] <= _FUSED_MOE_MIN_STAGES:
+        return (f"{k_blocks[1]}: expected more than {_FUSED_MOE_MIN_STAGES} k-blocks of {FUSED_MOE_BLOCK_K} "
+                f"(more k-blocks than pipeline stages spares the L2 epilogue a CTA-wide sync), got "
+                f"{k_blocks[1]}={k_blocks[2]} ({k_blocks[0]} k-blocks)"), 0, 0
+
+    def layout(stages: int) -> tuple[int, int]:
+        return _fused_moe_shared_layout(max_tokens=max_tokens, hidden=hidden, intermediate=intermediate,
+                                        num_experts=num_experts, top_k=top_k, block_m=block_m, num_stages=stages,
+                                        num_sms=num_sms, half_l2_cd=block_m == 128)
+
+    fits = 0  # shared memory grows with the stages: the first that overflows ends the search
+    while fits < _FUSED_MOE_MAX_STAGES and layout(fits + 1)[0] <= SM90_SMEM_CAPACITY:
+        fits += 1
+    if fits < _FUSED_MOE_MIN_STAGES:
+        return (f"max_tokens, hidden, intermediate, num_experts, num_sms: expected shared memory <= "
+                f"{SM90_SMEM_CAPACITY} bytes at {_FUSED_MOE_MIN_STAGES} stages, got "
+                f"{layout(_FUSED_MOE_MIN_STAGES)[0]} bytes (block_m={block_m}, max_tokens={max_tokens}, "
+                f"hidden={hidden}, intermediate={intermediate}, num_experts={num_experts}, num_sms={num_sms})"), 0, 0
+    stages = min(fits, k_blocks[0] - 1)
+
+    # the combine stages 3 rows per math warp in the shared memory before the barriers, in 1, 2 or 4 chunks
+    row_bytes = 2 * hidden
+    before_barrier = layout(stages)[1]
+    slots = 3 * _FUSED_MOE_COMBINE_WARPS
+    if slots * row_bytes <= before_barrier and hidden <= 32 * 128:
+        chunks = 1
+    else:
+        chunks = 2 if slots * row_bytes // 2 <= before_barrier else 4
+    if slots * row_bytes // chunks > before_barrier:
+        return (f"hidden: expected the combine staging ({slots} rows of {row_bytes} bytes in {chunks} chunks) "
+                f"within the {before_barrier} bytes before the barriers, got hidden={hidden}"), 0, 0
+    if (row_bytes // chunks) % (32 * 16):
+        return (f"hidden: expected a combine chunk ({chunks} per row) of a multiple of 512 bytes, got "
+                f"hidden={hidden} ({row_bytes // chunks} bytes)"), 0, 0
+    return None, block_m, stages
+
+
+def sm90_fused_moe_reason(*, hidden: int, intermediate: int, num_experts: int, top_k: int, max_tokens: int,
+                          num_sms: int) -> str | None:
+    """Why the SM90 fused MoE kernel cannot serve this problem (each reason names the argument, the
+    expected and the actual value); None if it can. Checks the kernel's static asserts for the
+    config ``sm90_fused_moe_config`` would choose, and what the host must hold besides."""
+    return _fused_moe_plan(hidden=hidden, intermediate=intermediate, num_experts=num_experts, top_k=top_k,
+                           max_tokens=max_tokens, num_sms=num_sms)[0]
+
+
+def sm90_fused_moe_config(*, max_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                          num_sms: int, activation_clamp: float | None = None) -> Sm90FusedMoEConfig:
+    """The fused MoE instantiation for this problem (see the rules above): BLOCK_M 64 when an expert
+    expects fewer than 64 routes (max_tokens * top_k / num_experts), else 128; the most pipeline
+    stages that fit the shared memory and stay below both GEMMs' k-block counts.
+
+    activation_clamp: None (no clamp) or a positive float: SwiGLU clamps the gate to at most it and
+    the up projection to [-clamp, clamp]; stored as the float32 value the kernel uses, infinity as
+    None (one config per kernel). ValueError with ``sm90_fused_moe_reason`` when refused.
+    """
+    reason, block_m, stages = _fused_moe_plan(hidden=hidden, intermediate=intermediate, num_experts=num_experts,
+                                              top_k=top_k, max_tokens=max_tokens, num_sms=num_sms)
+    if reason:
+        raise ValueError(reason)
+    if activation_clamp is not None and (
+            isinstance(activation_clamp, bool) or not isinstance(activation_clamp, (int, float, np.floating))
+            or not activation_clamp > 0):
+        raise ValueError(f"activation_clamp: expected None or a positive float, got {activation_clamp!r}")
+    clamp = None
+    if activation_clamp is not None and not math.isinf(activation_clamp):
+        with np.errstate(over="ignore"):
+            clamp = float(np.float32(activation_clamp))  # the value the kernel compiles in
+        clamp = None if math.isinf(clamp) else clamp  # above float32's range: no clamp either
+    return Sm90FusedMoEConfig(
+        max_tokens=int(max_tokens), hidden=int(hidden), intermediate=int(intermediate),
+        num_experts=int(num_experts), top_k=int(top_k), experts_per_wave=int(num_experts), block_m=block_m,
+        block_n=FUSED_MOE_BLOCK_N, block_k=FUSED_MOE_BLOCK_K, num_stages=stages, num_dispatch_threads=64,
+        num_non_epilogue_threads=64, num_epilogue_threads=256, num_sms=int(num_sms), activation_clamp=clamp,
+        fast_math=True, reuse_accum_as_final=True, l2_arrival_counter=True,
+        l2_epilogue_full_sync=False, half_l2_cd=block_m == 128)

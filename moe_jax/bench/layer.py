@@ -193,9 +193,37 @@ def _implementations(backend: str, backends: list[str], forward, *args) -> dict:
     return row
 
 
+def _bench_fused(name, be, cfg, params, xs, routed, staged_out, ref32, progress, timed) -> dict:
+    """The fused layout (`MoEConfig(layout="fused")`: the routed branch as one kernel) on the same
+    weights and inputs: fused_* keys of a row (times in us, its kernel time, errors)."""
+    import dataclasses as dc
+
+    import jax
+
+    from moe_jax.layer import moe_forward, routed_experts
+    from moe_jax.params import prepare_params
+
+    fcfg = dc.replace(cfg, layout="fused")
+    fparams = jax.block_until_ready(prepare_params(params, fcfg))  # w13 rows interleaved (a copy)
+    f = lambda p, x, ids, w: routed_experts(x, ids, w, p, fcfg, backend=be)  # noqa: E731
+    fwd = lambda p, x: moe_forward(x, p, fcfg, backend=be)  # noqa: E731
+    e2e_sets = [(fparams, x, *r) for x, r in zip(xs, routed)]
+    fwd_sets = [(fparams, x) for x in xs]
+    out = dict(fused_end_to_end_us=timed("fused: end to end", f, e2e_sets) * 1e6)
+    out["fused_with_routing_us"] = timed("fused: with routing", fwd, fwd_sets) * 1e6
+    progress.step(f"{name} {be}: fused, kernel time and output")
+    out["fused_with_routing_kernel_us"] = _kernel_time_by_family(fwd, fwd_sets)
+    y = jax.jit(f)(fparams, xs[0], *routed[0]).astype(staged_out.dtype)
+    if ref32 is not None:
+        out.update({f"fused_{k}": v for k, v in _errors(y, ref32).items()})
+    out["fused_vs_staged_rel"] = _errors(y, staged_out.astype(jax.numpy.float32))["rel_err"]
+    return out
+
+
 def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, *, small: bool = False,
-                error: bool = True, progress=None) -> dict:
+                error: bool = True, progress=None, fused: bool = False) -> dict:
     """One shape: {shape, tokens, layout, weights_GB, <backend>: row} (row keys: README of `run`).
+    fused: also time the fused layout (`_bench_fused`) for accelerated backends.
 
     progress: a `_cli.Progress` (one step per compile); None makes one on stderr."""
     import jax
@@ -348,6 +376,11 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
             row["gemms_us"] = gemms * 1e6
             row["e2e_over_gemms"] = row["end_to_end_us"] / row["gemms_us"]
             row["temp_bound_MB"] = 1.25 * gemm_in_out / 1e6
+            if fused and not slow:
+                try:
+                    row.update(_bench_fused(name, be, cfg, params, xs, routed, out, ref32, progress, timed))
+                except Exception as exc:  # the staged row stands; the fused one failed
+                    row["fused_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
         except Exception as exc:  # report and go on with the other backends
             row["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
         result[be] = row
@@ -416,6 +449,20 @@ def goals(results: list[dict], copy_gbps: float, backend: str = "auto") -> list[
             kernel = roof / kt["total"] if ok_kt else None
             out.append(dict(shape=res["shape"], tokens=res["tokens"], metric="roofline / with routing",
                             wall=wall, kernel=kernel, goal=DECODE_GOAL, met=wall >= DECODE_GOAL, roofline_us=roof))
+        if "fused_with_routing_us" in row:
+            # the fused layout against the same yardsticks: the staged path's GEMM-only time (prefill),
+            # the weights-once roofline (decode); its kernel time has no separate GEMM kernels
+            fk = row.get("fused_with_routing_kernel_us") or {}
+            fk_total = fk.get("total") if "error" not in fk else None
+            fused_us = row["fused_with_routing_us"]
+            if res["layout"] == "contig":
+                wall, kernel = fused_us / row["gemms_us"], (fk_total / kt["gemms"] if fk_total and ok_kt and kt.get("gemms") else None)
+                out.append(dict(shape=res["shape"], tokens=res["tokens"], metric="fused layout, with routing / GEMMs",
+                                wall=wall, kernel=kernel, goal=PREFILL_GOAL, met=wall <= PREFILL_GOAL))
+            else:
+                wall, kernel = roof / fused_us, (roof / fk_total if fk_total else None)
+                out.append(dict(shape=res["shape"], tokens=res["tokens"], metric="roofline / fused layout with routing",
+                                wall=wall, kernel=kernel, goal=DECODE_GOAL, met=wall >= DECODE_GOAL, roofline_us=roof))
     return out
 
 
@@ -469,6 +516,15 @@ def print_table(results: list[dict], backends: list[str], device: str, copy_gbps
                       f"{kr['triton']:.1f} + other {kr['other']:.1f}")
             for s, t in row["stages_us"].items():
                 print(f"      {s:28s} {t:10.1f} us")
+            if "fused_error" in row:
+                print(f"      fused layout: FAILED {row['fused_error']}")
+            if "fused_with_routing_us" in row:
+                fk = row.get("fused_with_routing_kernel_us") or {}
+                print(f"      fused layout: end to end {row['fused_end_to_end_us']:.1f} us, with routing "
+                      f"{row['fused_with_routing_us']:.1f} us steady"
+                      + (f", {fk['total']:.1f} us GPU kernel time" if fk.get("total") else "")
+                      + (f", rel err {_f(row['fused_rel_err'], '.2e')}" if "fused_rel_err" in row else "")
+                      + f", vs the staged output {_f(row['fused_vs_staged_rel'], '.1e')}")
         auto, ref = res.get("auto", {}), res.get("reference", {})
         if res["layout"] == "masked" and _accelerated(auto):
             roof = res["weights_GB"] * 1e9 / (copy_gbps * 1e9) * 1e6
@@ -506,8 +562,10 @@ def run(args) -> int:
     default = tuple(SHAPES) if jax.default_backend() == "gpu" else DEFAULT_SHAPES_NO_GPU
     backends, small, plan = _plan(args, default)
     error = not args.no_error
-    progress = Progress("layer", total=len(plan) * (1 + int(error) + STEPS_PER_BACKEND * len(backends)) + 1)
-    results = [bench_shape(name, m, layout, backends, args.reps, small=small, error=error, progress=progress)
+    per_backend = STEPS_PER_BACKEND + 3 * int(args.fused)
+    progress = Progress("layer", total=len(plan) * (1 + int(error) + per_backend * len(backends)) + 1)
+    results = [bench_shape(name, m, layout, backends, args.reps, small=small, error=error, progress=progress,
+                           fused=args.fused)
                for name, m, layout in plan]
     progress.step("copy bandwidth")
     bw = _copy_bandwidth(1 << 20 if small else 1 << 30)
@@ -573,6 +631,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="distinct input sets per timed dispatch (default 4; the reference backend uses 1)")
     parser.add_argument("--json", metavar="PATH", help="write every result row as JSON here")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG here: stacked stage times per backend and shape")
+    parser.add_argument("--fused", action="store_true",
+                        help="also time the fused layout (the routed branch as one kernel, MoEConfig(layout="
+                             "'fused')) beside each accelerated row, with its goal ratios")
     parser.add_argument("--no-error", action="store_true",
                         help="skip the float32 model and the error columns")
     parser.add_argument("--shared", metavar="LIST",

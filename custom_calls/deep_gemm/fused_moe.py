@@ -1,0 +1,158 @@
+"""The fused MoE kernel on SM90: the whole routed branch (dispatch, GEMM1, SwiGLU + FP8
+quantization, GEMM2, top-k combine) in one persistent kernel of the sgl-deep-gemm 0.2.5 templates,
+driven for one GPU.
+
+Two custom calls share one device buffer (`layouts.FusedMoEBuffer`, the kernel's "symmetric
+buffer" for a single rank):
+
+1. the input stage zeroes the buffer's workspace on the stream (the kernel's counters and flags
+   start from zero every call, so no state outlives a call) and writes the tokens (per-128 FP8
+   quantization), the top-k ids (as int64) and the top-k weights times `routed_scaling_factor`
+   into the buffer's input regions;
+2. the fused kernel (cooperative launch: its grid barriers need every block resident) takes the
+   buffer in and out (aliased) and writes y (M, H) bf16.
+
+The kernel reads w13 with its gate and up rows interleaved in groups of 8
+(`layouts.interleave_gate_up`); that copy is made once, when the weights are prepared. Its
+capacity (the template's max tokens) is the token count rounded up to a power of two (at least 8):
+one compiled kernel serves every token count of that bucket, the real count travels as an argument.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import jax
+import jax.numpy as jnp
+
+from layouts import FUSED_GATE_UP_GRAN
+
+from . import compiler, launch_plan as LP
+from .codegen import sm90_fused_moe_pre_dispatch_source, sm90_fused_moe_source
+from .heuristics import Sm90FusedMoEConfig, sm90_fused_moe_config, sm90_fused_moe_reason
+from .launch import launch
+from .toolchain import detected_device
+
+# the input stage: one block per token, one thread per 8 bf16 values (a 16-byte load)
+_PRE_VALUES_PER_THREAD = 8
+
+
+def token_capacity(num_tokens: int) -> int:
+    """The compiled max-token bound for `num_tokens`: the next power of two, at least 8."""
+    cap = 8
+    while cap < num_tokens:
+        cap *= 2
+    return cap
+
+
+def fused_config(*, num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                 activation_clamp: float | None, num_sms: int | None = None) -> Sm90FusedMoEConfig:
+    """The kernel configuration for a call of `num_tokens` tokens (its capacity bucket)."""
+    num_sms = detected_device()[2] if num_sms is None else num_sms
+    return sm90_fused_moe_config(max_tokens=token_capacity(num_tokens), hidden=hidden, intermediate=intermediate,
+                                 num_experts=num_experts, top_k=top_k, num_sms=num_sms,
+                                 activation_clamp=activation_clamp)
+
+
+def fused_reason(*, num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                 num_sms: int) -> str | None:
+    """Why the fused kernel cannot run this shape (None when it can)."""
+    if hidden // _PRE_VALUES_PER_THREAD > 1024:
+        return f"hidden: the input stage runs one thread per 8 values of a token, at most 8192, got {hidden}"
+    return sm90_fused_moe_reason(hidden=hidden, intermediate=intermediate, num_experts=num_experts, top_k=top_k,
+                                 max_tokens=token_capacity(num_tokens), num_sms=num_sms)
+
+
+def pre_dispatch_plan(cfg: Sm90FusedMoEConfig, cubin: str, *, num_tokens: int,
+                      routed_scaling_factor: float) -> LP.LaunchPlan:
+    """Operands: 0 x bf16 (M, H), 1 topk_ids int32 (M, k), 2 topk_weights f32 (M, k); output 3 the
+    buffer (bytes). Zeroes the workspace, then fills the input regions."""
+    r = cfg.buffer.regions
+    h, k = cfg.hidden, cfg.top_k
+    args = (LP._ptr(0), LP._ptr(1), LP._ptr(2),
+            LP._ptr(3, r["input_tokens"][0]), LP._ptr(3, r["input_scales"][0]),
+            LP._ptr(3, r["input_topk_ids"][0]), LP._ptr(3, r["input_topk_weights"][0]),
+            LP._u32(num_tokens), LP._u32(num_tokens),  # num_tokens, padded_max: no -1 padding rows
+            LP._u32(h), LP._u32(h // 128), LP._u32(k),
+            LP.KernelArg(LP.ARG_BYTES, data=struct.pack("<f", routed_scaling_factor)))
+    return LP.LaunchPlan("sm90_mega_moe_pre_dispatch", cubin, num_tokens, h // _PRE_VALUES_PER_THREAD, 1, 0,
+                         args, (), zero=(LP.ZeroRange(3, 0, r["workspace"][1]),))
+
+
+def fused_plan(cfg: Sm90FusedMoEConfig, cubin: str, *, num_tokens: int) -> LP.LaunchPlan:
+    """Operands: 0 the buffer (aliased to output 6), 1 w13 e4m3 (E, 2I, H) gate/up interleaved,
+    2 w13_scale f32 (E, 2I/128, H/128), 3 w2 e4m3 (E, H, I), 4 w2_scale f32 (E, H/128, I/128);
+    outputs 5 y bf16 (M, H), 6 the buffer. Every map is (k, row), the expert folded into the rows
+    of the weights; the activation scales are stored [k-group][pool token]."""
+    r, buf = cfg.buffer.regions, cfg.buffer
+    h, i, e, bm = cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.block_m
+    pool, pad = buf.pool_tokens, buf.padded_sf_tokens
+    # the L1 output tile is staged 128B-swizzled when each math warpgroup owns 128 output columns
+    # (BLOCK_M 128, the warpgroups split M), row-major when the two share the tile (BLOCK_M 64)
+    l1_out_swizzle = 128 if bm == 128 else 0
+    tmaps = (
+        LP.TensorMap(0, LP.TMA_UINT8, (h, pool), (h,), (128, bm), 128, offset=r["l1_tokens"][0]),
+        LP.TensorMap(0, LP.TMA_FLOAT32, (pad, h // 128), (pad * 4,), (bm, 1), 0, offset=r["l1_scales"][0]),
+        LP.TensorMap(1, LP.TMA_UINT8, (h, e * 2 * i), (h,), (128, cfg.block_n), 128),
+        LP.TensorMap(0, LP.TMA_UINT8, (i, pool), (i,), (128, 64), l1_out_swizzle, offset=r["l2_tokens"][0]),
+        LP.TensorMap(0, LP.TMA_UINT8, (i, pool), (i,), (128, bm), 128, offset=r["l2_tokens"][0]),
+        LP.TensorMap(0, LP.TMA_FLOAT32, (pad, i // 128), (pad * 4,), (bm, 1), 0, offset=r["l2_scales"][0]),
+        LP.TensorMap(3, LP.TMA_UINT8, (i, e * h), (i,), (128, cfg.block_n), 128),
+    )
+    t = LP._tmap
+    args = (LP._ptr(5), LP.NULL, LP._u32(num_tokens), LP.KernelArg(LP.ARG_SYM_BUFFER, 0),
+            t(0), t(1), t(2), LP._ptr(2), t(3), t(4), t(5), t(6), LP._ptr(4), LP.NULL)
+    return LP.LaunchPlan("sm90_fp8_mega_moe", cubin, cfg.grid, cfg.num_threads, 1, cfg.smem_bytes, args, tmaps,
+                         cooperative=True)
+
+
+def kernel_names(cfg: Sm90FusedMoEConfig) -> tuple[str, str]:
+    """Cache names of the two kernels."""
+    clamp = "none" if cfg.activation_clamp is None else f"{cfg.activation_clamp:g}"
+    return ("sm90_fused_moe_pre_dispatch",
+            f"sm90_fused_moe_t{cfg.max_tokens}_h{cfg.hidden}_i{cfg.intermediate}_e{cfg.num_experts}_k{cfg.top_k}"
+            f"_{cfg.block_m}x{cfg.block_n}_s{cfg.num_stages}_sms{cfg.num_sms}_clamp{clamp}")
+
+
+def fused_moe_impl(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: jax.Array,
+                   w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array, *, routed_scaling_factor: float,
+                   activation_clamp: float | None, w13_interleave: int) -> jax.Array:
+    """x (M, H) bf16, topk_ids (M, k) int32, topk_weights (M, k) f32, w13 (E, 2I, H) e4m3 with its
+    gate/up rows interleaved in groups of 8, w2 (E, H, I) e4m3, 128x128 block scales f32
+    -> (M, H) bf16. Operands already checked by the op, w13_interleave == 8 by `static_supports_fused`."""
+    m, h = x.shape
+    e, two_i, _ = w13.shape
+    if m == 0:
+        return jnp.zeros((0, h), jnp.bfloat16)
+    cfg = fused_config(num_tokens=m, hidden=h, intermediate=two_i // 2, num_experts=e, top_k=topk_ids.shape[1],
+                       activation_clamp=activation_clamp)
+    pre_name, name = kernel_names(cfg)
+    pre_cubin = compiler.compile_cubin(pre_name, sm90_fused_moe_pre_dispatch_source(), 90)
+    cubin = compiler.compile_cubin(name, sm90_fused_moe_source(cfg), 90)
+    buffer = jax.ShapeDtypeStruct((cfg.buffer.total_bytes,), jnp.uint8)
+    (buf,) = launch(pre_dispatch_plan(cfg, str(pre_cubin.path), num_tokens=m,
+                                      routed_scaling_factor=routed_scaling_factor),
+                    [x.astype(jnp.bfloat16), topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32)],
+                    [buffer])
+    y, _ = launch(fused_plan(cfg, str(cubin.path), num_tokens=m), [buf, w13, w13_scale, w2, w2_scale],
+                  [jax.ShapeDtypeStruct((m, h), jnp.bfloat16), buffer], input_output_aliases={0: 1})
+    return y
+
+
+def static_supports_fused(*, m: int, hidden: int, intermediate: int, num_experts: int, top_k: int, x_dtype,
+                          weight_dtype, routed_scaling_factor: float, activation_clamp: float | None, arch: int,
+                          w13_interleave: int, num_sms: int | None = None) -> tuple[bool, str]:
+    """(ok, reason) of backend 'deep_gemm' for op `fused_moe`, from the static arguments (num_sms:
+    the device's, else the H200's 132 for a shape-only answer on a machine without one)."""
+    if arch != 90:
+        return False, f"arch: the fused MoE kernel runs on SM90 (arch 90), got {arch}"
+    if w13_interleave != FUSED_GATE_UP_GRAN:
+        return False, (f"w13_interleave: the fused kernel reads w13 with gate/up rows interleaved in groups of "
+                       f"{FUSED_GATE_UP_GRAN} (layouts.interleave_gate_up), got {w13_interleave}")
+    if jnp.dtype(x_dtype) != jnp.bfloat16 or jnp.dtype(weight_dtype) != jnp.float8_e4m3fn:
+        return False, f"dtypes: expected x bf16 and weights float8_e4m3fn, got {x_dtype} and {weight_dtype}"
+    if num_sms is None:
+        num_sms = detected_device()[2] or 132
+    reason = fused_reason(num_tokens=max(m, 1), hidden=hidden, intermediate=intermediate, num_experts=num_experts,
+                          top_k=top_k, num_sms=num_sms)
+    return (False, reason) if reason else (True, "")

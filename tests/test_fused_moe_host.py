@@ -1,0 +1,120 @@
+"""The fused MoE kernel's launch plans (custom_calls/deep_gemm/fused_moe.py) on the CPU: every tensor
+map, pointer and zeroed range lands inside the buffer region the kernel's layout gives it, the
+attributes encode the new argument kinds, and the handler source builds."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from custom_calls.deep_gemm import fused_moe as F
+from custom_calls.deep_gemm import launch_plan as LP
+
+SHAPES = [  # (tokens, hidden, intermediate, experts, top_k)
+    (128, 7168, 2048, 32, 8),
+    (4096, 7168, 2048, 32, 8),
+    (7, 1024, 512, 8, 4),
+    (300, 2048, 512, 16, 6),
+]
+
+
+def _cfg(m, h, i, e, k):
+    return F.fused_config(num_tokens=m, hidden=h, intermediate=i, num_experts=e, top_k=k,
+                          activation_clamp=None, num_sms=132)
+
+
+def _operand_bytes(cfg, m):
+    h, i, e, k = cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.top_k
+    buf = cfg.buffer.total_bytes
+    fused = (buf, e * 2 * i * h, e * (2 * i // 128) * (h // 128) * 4, e * h * i, e * (h // 128) * (i // 128) * 4,
+             m * h * 2, buf)
+    pre = (m * h * 2, m * k * 4, m * k * 4, buf)
+    return pre, fused
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_token_capacity_and_block_m(shape):
+    m, h, i, e, k = shape
+    cfg = _cfg(*shape)
+    assert cfg.max_tokens >= m and cfg.max_tokens & (cfg.max_tokens - 1) == 0
+    assert cfg.max_tokens < 2 * max(m, 8)
+    assert cfg.block_m == (64 if cfg.max_tokens * k < 64 * e else 128)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_plans_stay_inside_their_regions(shape):
+    m = shape[0]
+    cfg = _cfg(*shape)
+    regions = cfg.buffer.regions
+    pre_bytes, fused_bytes = _operand_bytes(cfg, m)
+    pre = F.pre_dispatch_plan(cfg, "/pre.cubin", num_tokens=m, routed_scaling_factor=2.5)
+    plan = F.fused_plan(cfg, "/fused.cubin", num_tokens=m)
+    pre.check_operands(pre_bytes)
+    plan.check_operands(fused_bytes)
+
+    # the pre-dispatch writes its four input regions; each pointer is that region's start
+    ptr_offsets = [a.offset for a in pre.args if a.kind == LP.ARG_PTR and a.value == 3]
+    assert ptr_offsets == [regions[n][0] for n in ("input_tokens", "input_scales", "input_topk_ids",
+                                                    "input_topk_weights")]
+    # m tokens of each region fit before the next region starts
+    h, k = cfg.hidden, cfg.top_k
+    for name, per_token in (("input_tokens", h), ("input_scales", h // 32), ("input_topk_ids", 8 * k),
+                            ("input_topk_weights", 4 * k)):
+        assert m * per_token <= regions[name][1]
+    assert pre.zero == (LP.ZeroRange(3, 0, cfg.buffer.workspace_bytes),)
+    assert pre.grid == m and pre.block == h // 8 <= 1024
+    assert struct.unpack("<f", pre.args[-1].data)[0] == 2.5
+
+    # every buffer map lies inside the region it is named for
+    region_of = {0: "l1_tokens", 1: "l1_scales", 3: "l2_tokens", 4: "l2_tokens", 5: "l2_scales"}
+    for idx, name in region_of.items():
+        t = plan.tmaps[idx]
+        off, size = regions[name]
+        assert t.operand == 0 and t.offset == off and t.offset % 16 == 0
+        assert t.extent_bytes() <= size, (name, t.extent_bytes(), size)
+    for idx, operand in ((2, 1), (6, 3)):  # the weights, experts folded into the rows
+        assert plan.tmaps[idx].operand == operand and plan.tmaps[idx].offset == 0
+        assert plan.tmaps[idx].extent_bytes() == fused_bytes[operand]
+    assert plan.cooperative and plan.grid == 132 and plan.block == 384
+    assert plan.smem == cfg.smem_bytes <= 232448
+    sym = [a for a in plan.args if a.kind == LP.ARG_SYM_BUFFER]
+    assert len(sym) == 1 and sym[0].value == 0
+
+
+def test_attributes_encode_offsets_zero_ranges_and_cooperative():
+    cfg = _cfg(128, 7168, 2048, 32, 8)
+    pre = F.pre_dispatch_plan(cfg, "/pre.cubin", num_tokens=128, routed_scaling_factor=1.0).ffi_attributes()
+    assert pre["launch"].tolist() == [128, 896, 1, 0, 0]
+    assert pre["zero"].tolist() == [3, 0, cfg.buffer.workspace_bytes]
+    args = pre["args"].reshape(-1, 3)
+    assert args[3].tolist() == [LP.ARG_PTR, 3, cfg.buffer.regions["input_tokens"][0]]
+    plan = F.fused_plan(cfg, "/f.cubin", num_tokens=128).ffi_attributes()
+    assert plan["launch"].tolist() == [132, 384, 1, cfg.smem_bytes, 1]
+    assert plan["zero"].tolist() == [0, 0, 0]  # no range: one empty triple
+    tm = plan["tmaps"].reshape(-1, LP.TMAP_WORDS)
+    assert tm[0, :2].tolist() == [0, cfg.buffer.regions["l1_tokens"][0]]
+    assert plan["args"].reshape(-1, 3)[3].tolist() == [LP.ARG_SYM_BUFFER, 0, 0]
+    assert all(a.dtype == np.int64 for key, a in plan.items() if key != "cubin")
+
+
+def test_bad_offsets_and_ranges_are_refused():
+    with pytest.raises(ValueError, match="offset 8 must be a non-negative multiple of 16"):
+        LP.TensorMap(0, LP.TMA_UINT8, (128, 4), (128,), (128, 4), 128, offset=8).check()
+    plan = LP.LaunchPlan("k", "/x", 1, 32, 1, 0, (LP._ptr(0, 64),), (), zero=(LP.ZeroRange(0, 32, 64),))
+    with pytest.raises(ValueError, match="pointer offset 64 outside operand 0 of 64 bytes"):
+        plan.check_operands((64,))
+    with pytest.raises(ValueError, match="zero range"):
+        plan.check_operands((65,))
+    plan.check_operands((96,))
+
+
+def test_refused_shapes_name_the_argument():
+    assert "hidden" in F.fused_reason(num_tokens=8, hidden=9216, intermediate=512, num_experts=8, top_k=4,
+                                      num_sms=132)
+    assert F.fused_reason(num_tokens=128, hidden=7168, intermediate=2048, num_experts=32, top_k=8,
+                          num_sms=132) is None
+    with pytest.raises(ValueError, match="num_sms"):
+        F.fused_config(num_tokens=8, hidden=1024, intermediate=512, num_experts=8, top_k=4,
+                       activation_clamp=None, num_sms=131)
