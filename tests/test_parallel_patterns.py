@@ -199,6 +199,9 @@ def test_bad_mesh_axes_that_do_not_divide_experts_or_intermediate():
     with pytest.raises(ValueError, match=r"params.w13: expected all 16 experts on axis 0"):
         local = jax.eval_shape(lambda k: init_params(k, CFG, num_local_experts=2), jax.random.key(0))
         _lower(CFG, ParallelConfig("dp_ep", ("dp", "mp")), params=local)
+    interleaved = dataclasses.replace(_abstract_params(CFG), w13_interleave=8)  # the fused layout's w13 order
+    with pytest.raises(ValueError, match=r"params.w13: pattern 'tp' shards I, which needs w13 rows \[gate; up\]"):
+        _lower(CFG, ParallelConfig("tp", ("mp",)), params=interleaved)
 
 
 def test_bad_lengths_tokens_and_axes():

@@ -51,6 +51,11 @@ def check_divisibility(params: MoEParams, config: MoEConfig, mesh: Mesh, pc: Par
             raise ValueError(f"moe_axes {pc.moe_axes} (size {n}) must divide num_experts={e} for "
                              f"pattern {pc.pattern!r}")
         return
+    if params.w13_interleave:
+        # the TP view splits w13 into its gate and up halves, which the fused layout's row order mixes
+        raise ValueError(f"params.w13: pattern {pc.pattern!r} shards I, which needs w13 rows [gate; up]; got "
+                         f"w13_interleave={params.w13_interleave} (the fused layout's order): prepare the "
+                         f"params for a contig or masked config")
     if params.scales_packed:
         raise ValueError(f"params: arch-100 GEMM-form scales are packed along K and cannot be sharded "
                          f"on I for pattern {pc.pattern!r}; pass checkpoint-form params "
