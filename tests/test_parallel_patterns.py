@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from moe_jax import MoEConfig, init_params, moe_forward, route
+from moe_jax import MoEConfig, init_params, moe_forward, prepare_params, route
 from moe_jax.parallel import ParallelConfig, check_stats, shard_params, sharded_moe_forward
 
 T = 48
@@ -346,3 +346,19 @@ def test_traced_out_of_range_counts_without_stats_poison_their_shard():
     ref = ref.reshape(8, 6, -1)[good]
     assert not y[good][~real].any()
     np.testing.assert_allclose(y[good][real], ref[real], rtol=2 ** -6, atol=2 ** -6 * np.abs(ref).max())
+
+
+def test_fused_layout_under_expert_parallelism():
+    """The fused layout's routed branch per EP shard (local ids, the other experts' routes dropped)
+    sums to the single-device layer: only the bf16 rounding of each shard's partial output differs."""
+    cfg = CFG.scaled(recipe="fp8_block", layout="fused")
+    params = prepare_params(init_params(jax.random.key(11), cfg), cfg)
+    assert params.w13_interleave == 8
+    x = jax.random.normal(jax.random.key(2), (16, cfg.hidden_size), jnp.bfloat16)
+    ref = np.asarray(moe_forward(x, params, cfg, backend="reference").astype(jnp.float32))
+    mesh, pc = _mesh((2, 4)), ParallelConfig("dp_ep", ("dp", "mp"))
+    got = sharded_moe_forward(x, shard_params(params, cfg, mesh, pc), config=cfg, mesh=mesh, pc=pc,
+                              backend="reference")
+    got = np.asarray(got.astype(jnp.float32))
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
