@@ -198,11 +198,10 @@ def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, 
 def _routed_fused(x, topk_ids, topk_weights, params, config, *, expert_offset, backend, out_dtype,
                   routed_scaling_factor, debug_checks, addend) -> jax.Array:
     """The routed branch as one `fused_moe` op (its numerics: custom_calls/fused_moe.py: the route
-    weight scales the SwiGLU output before its quantization). Routes to experts not held here are
-    dropped (-1); addend is added in fp32 before the cast."""
-    e_loc = int(params.w13.shape[0])
-    ids = local_expert_ids(topk_ids, expert_offset, e_loc)
-    ids = jnp.where(ids < e_loc, ids, -1)
+    weight scales the SwiGLU output before its quantization). A route to an expert not held here
+    gets the local id E_local, which the op drops as out of range; addend is added in fp32 before
+    the cast."""
+    ids = local_expert_ids(topk_ids, expert_offset, int(params.w13.shape[0]))
     if debug_checks:
         contracts.check_finite_rows("topk_weights", topk_weights, "tokens")
     act = config.activation

@@ -132,8 +132,7 @@ def fused_moe_impl(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
     buffer = jax.ShapeDtypeStruct((cfg.buffer.total_bytes,), jnp.uint8)
     (buf,) = launch(pre_dispatch_plan(cfg, str(pre_cubin.path), num_tokens=m,
                                       routed_scaling_factor=routed_scaling_factor),
-                    [x.astype(jnp.bfloat16), topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32)],
-                    [buffer])
+                    [x, topk_ids, topk_weights], [buffer])
     y, _ = launch(fused_plan(cfg, str(cubin.path), num_tokens=m), [buf, w13, w13_scale, w2, w2_scale],
                   [jax.ShapeDtypeStruct((m, h), jnp.bfloat16), buffer], input_output_aliases={0: 1})
     return y
