@@ -104,3 +104,38 @@ def test_layer_fused_layout(tokens, shared):
     ref = np.asarray(fwd(x, params, config=cfg, backend="reference").astype(jnp.float32))
     assert np.isfinite(got).all()
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2
+
+
+def test_schedule_options_keep_the_output_bits():
+    """Every schedule option changes only the order of work: the same bits as the template's
+    defaults, at both BLOCK_Ms, and the H200 holds the rule's 2-CTA clusters of the whole grid."""
+    import dataclasses
+
+    from custom_calls.deep_gemm import compiler
+    from custom_calls.deep_gemm import fused_moe as F
+    from custom_calls.deep_gemm.codegen import sm90_fused_moe_source
+
+    x, ids, w, w1, s1, w2, s2 = _problem(3, 200, 2048, 512, 16, 6, drop=0.1)
+    w1 = interleave_gate_up(w1)
+    base = F.fused_config(num_tokens=200, hidden=2048, intermediate=512, num_experts=16, top_k=6,
+                          activation_clamp=None)
+    assert base.block_m == 128 and (base.l2_cd_passes, base.l2_stage_mode) == (4, 2)  # the rule, small H
+    d0 = dataclasses.replace(F.fused_config(num_tokens=40, hidden=2048, intermediate=512, num_experts=16, top_k=6,
+                                            activation_clamp=None), max_tokens=256)
+    assert d0.block_m == 64 and d0.cluster_size == 1
+    configs = [base, dataclasses.replace(base, l2_cd_passes=0, l2_stage_mode=0, num_stages=3),
+               dataclasses.replace(base, cluster_size=2), dataclasses.replace(base, l2_lag_units=2),
+               dataclasses.replace(base, early_combine=True), dataclasses.replace(base, pull_publish_batch=4),
+               d0, dataclasses.replace(d0, cluster_size=2)]
+    outs = []
+    for cfg in configs:
+        f = jax.jit(lambda *a, c=cfg: F.fused_moe_with_config(c, *a, routed_scaling_factor=1.5))
+        outs.append(np.asarray(f(x, ids, w, w1, s1, w2, s2).astype(jnp.float32)))
+    assert np.isfinite(outs[0]).all()
+    for cfg, out in zip(configs[1:], outs[1:]):
+        np.testing.assert_array_equal(out, outs[0], err_msg=F.config_label(cfg))
+    c2 = dataclasses.replace(d0, cluster_size=2)
+    cubin = compiler.compile_cubin(F.kernel_names(c2)[1], sm90_fused_moe_source(c2), 90)
+    assert F.clusters_reason(c2, str(cubin.path)) is None
+    held = F.resident_clusters(str(cubin.path), c2.grid, c2.num_threads, c2.smem_bytes, 2)
+    assert held * 2 >= c2.grid

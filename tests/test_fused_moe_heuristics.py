@@ -30,20 +30,32 @@ def _smem(cfg, **kw) -> int:
     c = dataclasses.replace(cfg, **kw)
     return H.sm90_fused_moe_smem_bytes(
         max_tokens=c.max_tokens, hidden=c.hidden, intermediate=c.intermediate, num_experts=c.num_experts,
-        top_k=c.top_k, block_m=c.block_m, num_stages=c.num_stages, num_sms=c.num_sms, half_l2_cd=c.half_l2_cd)
+        top_k=c.top_k, block_m=c.block_m, num_stages=c.num_stages, num_sms=c.num_sms, half_l2_cd=c.half_l2_cd,
+        early_combine=c.early_combine, pull_publish_batch=c.pull_publish_batch, l2_cd_passes=c.l2_cd_passes)
 
 
 # --- the choice rule ---------------------------------------------------------------------------
 
+def _options(c) -> tuple:
+    return (c.cluster_size, c.l2_lag_units, c.early_combine, c.pull_publish_batch, c.l2_cd_passes, c.l2_stage_mode)
+
+
+DEFAULT_OPTIONS = (1, 0, False, 1, 0, 0)
+
+
 def test_model_configs():
     # Stage counts and shared-memory totals read from the kernel's own constants (its SMEM_* constexprs).
-    p = _config(max_tokens=4096)
-    assert (p.block_m, p.num_stages, p.smem_bytes) == (128, 3, 197968)
+    p = _config(max_tokens=4096)  # four row passes of the L2 staging free room for a 4th stage
+    assert (p.block_m, p.num_stages, p.smem_bytes, _options(p)) == (128, 4, 231264, (1, 0, False, 1, 4, 4))
     assert p.reuse_accum_as_final and p.half_l2_cd
-    d = _config(max_tokens=128)
-    assert (d.block_m, d.num_stages, d.smem_bytes) == (64, 4, 213312)
+    d = _config(max_tokens=128)  # 32 expected routes per expert: 2-CTA clusters
+    assert (d.block_m, d.num_stages, d.smem_bytes, _options(d)) == (64, 4, 213312, (2, 0, False, 1, 0, 0))
     assert d.reuse_accum_as_final and not d.half_l2_cd
-    for c in (p, d):
+    # the template's defaults
+    p0, d0 = _config(max_tokens=4096, schedule_options=False), _config(max_tokens=128, schedule_options=False)
+    assert (p0.block_m, p0.num_stages, p0.smem_bytes, _options(p0)) == (128, 3, 197968, DEFAULT_OPTIONS)
+    assert (d0.block_m, d0.num_stages, d0.smem_bytes, _options(d0)) == (64, 4, 213312, DEFAULT_OPTIONS)
+    for c in (p, d, p0, d0):
         assert (c.block_n, c.block_k, c.experts_per_wave, c.num_threads, c.grid) == (256, 128, 32, 384, 132)
         assert (c.num_dispatch_threads, c.num_non_epilogue_threads, c.num_epilogue_threads) == (64, 64, 256)
         assert c.fast_math and c.l2_arrival_counter and not c.l2_epilogue_full_sync and c.activation_clamp is None
@@ -58,8 +70,21 @@ def test_model_configs():
 def test_block_m_rule(max_tokens, top_k, num_experts, block_m):
     c = _config(max_tokens=max_tokens, top_k=top_k, num_experts=num_experts)
     assert c.block_m == block_m
-    # BLOCK_M 128 takes the reuse-accumulator path and the two-pass L2 staging
+    # BLOCK_M 128 takes the reuse-accumulator path and the row-pass L2 staging (kHalfL2CD stays set:
+    # the kernel's own choice of passes, which l2_cd_passes overrides)
     assert c.half_l2_cd == (block_m == 128) and c.reuse_accum_as_final
+    assert (c.l2_cd_passes, c.l2_stage_mode) == ((4, 4) if block_m == 128 else (0, 0))
+
+
+@pytest.mark.parametrize("max_tokens,top_k,num_experts,cluster", [
+    (128, 8, 32, 2), (127, 8, 32, 1), (124, 8, 32, 1),  # 32 and 31.75 / 31 expected routes per expert
+    (32, 8, 32, 1), (255, 8, 32, 2), (256, 8, 32, 1),  # 256: BLOCK_M 128, no clusters there
+    (1024, 8, 256, 2), (1020, 8, 256, 1),
+])
+def test_cluster_rule(max_tokens, top_k, num_experts, cluster):
+    c = _config(max_tokens=max_tokens, top_k=top_k, num_experts=num_experts)
+    assert c.cluster_size == cluster
+    assert _options(c)[1:4] == (0, False, 1)  # lag, early combine, pull batch: the template's defaults
 
 
 SHAPES = [dict(max_tokens=t, hidden=h, intermediate=i, num_experts=e, top_k=k, num_sms=s)
@@ -161,7 +186,8 @@ _HEADER = "sm90_fp8_mega_moe.cuh"
 _ANCHOR = '"SM90 MegaMoE smem layout overflows (pull pending list)");'
 _PROBE = ("    static_assert(::DgSmemCheck<SMEM_PULL_PENDING_OFFSET + SMEM_PULL_PENDING_SIZE, ::DgExpectedSmem<"
           "kNumMaxTokensPerRank, kHidden, kIntermediateHidden, kNumExperts, kNumTopk, BLOCK_M, kNumStages, kNumSMs, "
-          "kHalfL2CD>::value>::ok, \"shared-memory probe\");\n")
+          "kHalfL2CD, kClusterSize, kL2LagUnits, kEarlyCombineMode, kPullPublishBatch, kL2CDPasses, "
+          "kL2StageMode>::value>::ok, \"shared-memory probe\");\n")
 
 
 def _toolchain():
@@ -207,9 +233,10 @@ def _template_args(c) -> list[tuple[str, str]]:
         ("kActivationClamp", clamp), ("kFastMath", b(c.fast_math)), ("kEpilogueRegisterBudget", 0),
         ("kReuseAccumAsFinal", b(c.reuse_accum_as_final)), ("kL2ArrivalCounter", b(c.l2_arrival_counter)),
         ("kL2EpilogueRequiresFullSync", b(c.l2_epilogue_full_sync)), ("kHalfL2CD", b(c.half_l2_cd)),
-        ("kClusterSize", 1), ("kMulticastOnB", "false"), ("kL2LagUnits", 0), ("kL2CDPasses", 0), ("kTrace", "false"),
-        ("kTraceEpi", "false"), ("kL2StageMode", 0), ("kPDL", "false"), ("kEarlyCombineMode", 0),
-        ("kPullPublishBatch", 1), ("kPullEagerPublish", "false"),
+        ("kClusterSize", c.cluster_size), ("kMulticastOnB", b(c.cluster_size == 2)), ("kL2LagUnits", c.l2_lag_units),
+        ("kL2CDPasses", c.l2_cd_passes), ("kTrace", "false"), ("kTraceEpi", "false"),
+        ("kL2StageMode", c.l2_stage_mode), ("kPDL", "false"), ("kEarlyCombineMode", int(c.early_combine)),
+        ("kPullPublishBatch", c.pull_publish_batch), ("kPullEagerPublish", "false"),
     ]
 
 
@@ -240,7 +267,13 @@ def test_template_arguments_follow_the_kernel(tmp_path):
 
 def _probe_configs():
     p, d = _config(max_tokens=4096), _config(max_tokens=128)
-    out = [p, d, dataclasses.replace(p, num_stages=2), dataclasses.replace(d, num_stages=2),
+    p0, d0 = _config(max_tokens=4096, schedule_options=False), _config(max_tokens=128, schedule_options=False)
+    # every option that changes the layout (early combine, pull batch, staging passes), and two that do not
+    options = [dataclasses.replace(p0, early_combine=True, pull_publish_batch=16),
+               dataclasses.replace(d0, early_combine=True, l2_cd_passes=2),
+               dataclasses.replace(p0, l2_cd_passes=4, l2_stage_mode=2, num_stages=3),
+               dataclasses.replace(d, l2_lag_units=2, pull_publish_batch=3)]
+    out = [p, d, p0, d0, *options, dataclasses.replace(p, num_stages=2), dataclasses.replace(d, num_stages=2),
            # the per-expert routing counts outgrow the tile table: they size that region
            H.sm90_fused_moe_config(max_tokens=8, hidden=1024, intermediate=512, num_experts=2048, top_k=8,
                                    num_sms=132)]
@@ -248,7 +281,7 @@ def _probe_configs():
     # keeps more k-blocks than stages); built by hand, with the full L2 epilogue sync such a kernel needs
     for t in (1, 64, 512):
         bm = 64 if t * 4 < 64 * 8 else 128
-        c = dataclasses.replace(d, max_tokens=t, hidden=1024, intermediate=256, num_experts=8, top_k=4,
+        c = dataclasses.replace(d0, max_tokens=t, hidden=1024, intermediate=256, num_experts=8, top_k=4,
                                 experts_per_wave=8, block_m=bm, half_l2_cd=bm == 128, l2_epilogue_full_sync=True)
         stages = max(s for s in range(2, 16) if _smem(c, num_stages=s) <= SMEM_CAPACITY)
         out.append(dataclasses.replace(c, num_stages=stages))
@@ -256,16 +289,21 @@ def _probe_configs():
 
 
 def _probe_source(configs, expected) -> str:
+    def b(v):
+        return "true" if v else "false"
+
     specs = "\n".join(
         f"template <> struct DgExpectedSmem<{c.max_tokens}, {c.hidden}, {c.intermediate}, {c.num_experts}, {c.top_k}, "
-        f"{c.block_m}, {c.num_stages}, {c.num_sms}, {'true' if c.half_l2_cd else 'false'}> "
+        f"{c.block_m}, {c.num_stages}, {c.num_sms}, {b(c.half_l2_cd)}, {c.cluster_size}, {c.l2_lag_units}, "
+        f"{int(c.early_combine)}, {c.pull_publish_batch}, {c.l2_cd_passes}, {c.l2_stage_mode}> "
         f"{{ static constexpr uint32_t value = {e}; }};" for c, e in zip(configs, expected))
     prelude = ("#include <cstdint>\n"
                "template <uint32_t kKernel, uint32_t kOurs> struct DgSmemCheck {\n"
                "    static_assert(kKernel == kOurs, \"the kernel's dynamic shared memory differs from "
                "sm90_fused_moe_smem_bytes\");\n"
                "    static constexpr bool ok = true;\n};\n"
-               "template <uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, bool>\n"
+               "template <uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, bool,\n"
+               "          uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t>\n"
                "struct DgExpectedSmem;\n" + specs)
     return _unit(configs, prelude)
 
@@ -324,3 +362,83 @@ def test_the_kernel_refuses_what_the_reason_refuses(tmp_path, change, message):
     r = _nvcc(nvcc, tmp_path, "kernel.cu", "-ptx", "-o", "kernel.ptx", *_flags(), "-I", inc)
     assert r.returncode != 0 and message in r.stderr, r.stderr[-3000:]
 
+
+
+# --- schedule options --------------------------------------------------------------------------
+
+def _d0():
+    return _config(max_tokens=128, schedule_options=False)
+
+
+OPTION_BAD = [
+    (dict(cluster_size=3), ["cluster_size:", "1 or 2", "3"]),
+    (dict(cluster_size=True), ["cluster_size:", "1 or 2", "True"]),
+    (dict(l2_lag_units=-1), ["l2_lag_units:", "int >= 0", "-1"]),
+    (dict(pull_publish_batch=0), ["pull_publish_batch:", "[1, 256]", "0"]),
+    (dict(pull_publish_batch=257), ["pull_publish_batch:", "[1, 256]", "257"]),
+    (dict(l2_cd_passes=3), ["l2_cd_passes:", "one of (0, 1, 2, 4)", "3"]),
+    (dict(l2_cd_passes=4), ["l2_cd_passes:", "64 or 128", "(32 columns per pass)"]),
+    (dict(l2_stage_mode=1), ["l2_stage_mode:", "0, 2 or 4", "1"]),
+    (dict(l2_cd_passes=4, l2_stage_mode=4), ["l2_stage_mode:", "64x256", "tile 64x256"]),
+    (dict(num_stages=16), ["num_stages:", "[2, 15]", "16"]),
+    (dict(num_stages=1), ["num_stages:", "[2, 15]", "1"]),
+    (dict(num_stages=5), ["num_stages:", "<= 232448 bytes", "5 stages"]),
+    (dict(max_tokens=4096, num_sms=2, early_combine=True), ["early_combine:", "32 token stripes", "256"]),
+]
+
+
+@pytest.mark.parametrize("change,parts", OPTION_BAD, ids=[str(c) for c, _ in OPTION_BAD])
+def test_option_reasons_name_argument_expected_and_actual(change, parts):
+    reason = H.sm90_fused_moe_options_reason(dataclasses.replace(_d0(), **change))
+    assert reason is not None
+    for part in parts:
+        assert part in reason, (part, reason)
+
+
+def test_rule_configs_and_candidates_are_legal_unique_and_start_with_the_rule():
+    from custom_calls.deep_gemm.fused_moe import config_label
+
+    for t in (32, 128, 512, 4096):
+        base = _config(max_tokens=t)
+        assert H.sm90_fused_moe_options_reason(base) is None
+        for full in (False, True):
+            cands = H.sm90_fused_moe_candidates(base, full=full)
+            labels = [config_label(c) for c in cands]
+            assert cands[0] == base and len(set(labels)) == len(labels) == len(set(cands))
+            assert all(H.sm90_fused_moe_options_reason(c) is None for c in cands)
+            # the template's defaults at this BLOCK_M and both BLOCK_Ms are there
+            assert _config(max_tokens=t, schedule_options=False) in cands
+            assert {c.block_m for c in cands} == {64, 128}
+            # each candidate has the most stages its options leave room for (the last: one fewer)
+            for c in cands[:-1]:
+                more = dataclasses.replace(c, num_stages=c.num_stages + 1)
+                assert H.sm90_fused_moe_options_reason(more) is not None, config_label(c)
+        singles = H.sm90_fused_moe_candidates(base)
+        assert {c.l2_lag_units for c in singles} == {0, 1, 2, 4} and any(c.early_combine for c in singles)
+        assert len(H.sm90_fused_moe_candidates(base, full=True)) > 2 * len(singles)
+
+
+def _small_slot():
+    """BLOCK_M 128 with a 128-byte weight-scale slot per math warpgroup (H 2048, I 512)."""
+    return H.sm90_fused_moe_config(max_tokens=256, hidden=2048, intermediate=512, num_experts=16, top_k=6,
+                                   num_sms=132)
+
+
+def test_a_small_weight_scale_slot_takes_row_passes_without_stmatrix():
+    c = _small_slot()
+    assert c.block_m == 128 and (c.l2_cd_passes, c.l2_stage_mode) == (4, 2)
+    reason = H.sm90_fused_moe_options_reason(dataclasses.replace(c, l2_stage_mode=4))
+    assert "l2_stage_mode:" in reason and "2, not 4" in reason and "4 with a 128-byte slot" in reason
+
+
+def test_the_kernel_refuses_the_options_the_reason_refuses(tmp_path):
+    nvcc, inc = _toolchain()
+    bad = [dataclasses.replace(_d0(), l2_cd_passes=4), dataclasses.replace(_d0(), l2_cd_passes=4, l2_stage_mode=4),
+           dataclasses.replace(_small_slot(), l2_stage_mode=4)]
+    assert all(H.sm90_fused_moe_options_reason(c) for c in bad)
+    (tmp_path / "kernel.cu").write_text(_unit(bad))
+    r = _nvcc(nvcc, tmp_path, "kernel.cu", "-ptx", "-o", "kernel.ptx", *_flags(), "-I", inc)
+    assert r.returncode != 0
+    for message in ("Scatter vector width must match cols_per_lane", "L2 row-pass staging assumes the 64x256",
+                    "stmatrix junk rows need a 256 B weight-SF scratch slot"):
+        assert message in r.stderr, r.stderr[-3000:]

@@ -91,7 +91,8 @@ def test_attributes_encode_offsets_zero_ranges_and_cooperative():
     args = pre["args"].reshape(-1, 3)
     assert args[3].tolist() == [LP.ARG_PTR, 3, cfg.buffer.regions["input_tokens"][0]]
     plan = F.fused_plan(cfg, "/f.cubin", num_tokens=128).ffi_attributes()
-    assert plan["launch"].tolist() == [132, 384, 1, cfg.smem_bytes, 1]
+    # 128 tokens: 32 expected routes per expert, the rule's 2-CTA clusters (cooperative as well)
+    assert cfg.cluster_size == 2 and plan["launch"].tolist() == [132, 384, 2, cfg.smem_bytes, 1]
     assert plan["zero"].tolist() == [0, 0, 0]  # no range: one empty triple
     tm = plan["tmaps"].reshape(-1, LP.TMAP_WORDS)
     assert tm[0, :2].tolist() == [0, cfg.buffer.regions["l1_tokens"][0]]

@@ -20,6 +20,8 @@ one compiled kernel serves every token count of that bucket, the real count trav
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import struct
 
 import jax
@@ -52,6 +54,58 @@ def fused_config(*, num_tokens: int, hidden: int, intermediate: int, num_experts
     return sm90_fused_moe_config(max_tokens=token_capacity(num_tokens), hidden=hidden, intermediate=intermediate,
                                  num_experts=num_experts, top_k=top_k, num_sms=num_sms,
                                  activation_clamp=activation_clamp)
+
+
+@functools.cache
+def resident_clusters(cubin: str, grid: int, threads: int, smem: int, cluster: int) -> int:
+    """How many clusters of ``cluster`` CTAs of the cubin's one kernel the first GPU holds at once
+    (cuOccupancyMaxActiveClusters) in a launch of ``grid`` CTAs of ``threads`` threads and ``smem``
+    bytes of dynamic shared memory."""
+    from cuda.bindings import driver as cu
+
+    def ok(res):
+        err, *rest = res if isinstance(res, tuple) else (res,)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver: {cu.cuGetErrorString(err)[1]!r} while sizing {cubin}")
+        return rest[0] if len(rest) == 1 else rest
+
+    ok(cu.cuInit(0))
+    dev = ok(cu.cuDeviceGet(0))
+    ctx = ok(cu.cuDevicePrimaryCtxRetain(dev))
+    ok(cu.cuCtxPushCurrent(ctx))
+    try:
+        with open(cubin, "rb") as f:
+            module = ok(cu.cuModuleLoadData(f.read()))
+        try:
+            (func,) = ok(cu.cuModuleEnumerateFunctions(1, module))
+            ok(cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                     smem))
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+            config = cu.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
+            config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+            config.sharedMemBytes = smem
+            config.attrs, config.numAttrs = [attr], 1
+            return int(ok(cu.cuOccupancyMaxActiveClusters(func, config)))
+        finally:
+            ok(cu.cuModuleUnload(module))
+    finally:
+        ok(cu.cuCtxPopCurrent())
+        ok(cu.cuDevicePrimaryCtxRelease(dev))
+
+
+def clusters_reason(cfg: Sm90FusedMoEConfig, cubin: str) -> str | None:
+    """Why the GPU cannot hold ``cfg``'s whole grid at once in clusters (the cooperative launch
+    needs every CTA resident), or None."""
+    if cfg.cluster_size == 1:
+        return None
+    held = resident_clusters(cubin, cfg.grid, cfg.num_threads, cfg.smem_bytes, cfg.cluster_size)
+    if held * cfg.cluster_size < cfg.grid:
+        return (f"cluster_size: the GPU holds {held} clusters of {cfg.cluster_size} CTAs of this kernel at once, "
+                f"expected {cfg.grid // cfg.cluster_size} (grid {cfg.grid}, every CTA resident)")
+    return None
 
 
 def fused_reason(*, num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int,
@@ -102,8 +156,8 @@ def fused_plan(cfg: Sm90FusedMoEConfig, cubin: str, *, num_tokens: int) -> LP.La
     t = LP._tmap
     args = (LP._ptr(5), LP.NULL, LP._u32(num_tokens), LP.KernelArg(LP.ARG_SYM_BUFFER, 0),
             t(0), t(1), t(2), LP._ptr(2), t(3), t(4), t(5), t(6), LP._ptr(4), LP.NULL)
-    return LP.LaunchPlan("sm90_fp8_mega_moe", cubin, cfg.grid, cfg.num_threads, 1, cfg.smem_bytes, args, tmaps,
-                         cooperative=True)
+    return LP.LaunchPlan("sm90_fp8_mega_moe", cubin, cfg.grid, cfg.num_threads, cfg.cluster_size, cfg.smem_bytes,
+                         args, tmaps, cooperative=True)
 
 
 def kernel_names(cfg: Sm90FusedMoEConfig) -> tuple[str, str]:
@@ -111,7 +165,17 @@ def kernel_names(cfg: Sm90FusedMoEConfig) -> tuple[str, str]:
     clamp = "none" if cfg.activation_clamp is None else f"{cfg.activation_clamp:g}"
     return ("sm90_fused_moe_pre_dispatch",
             f"sm90_fused_moe_t{cfg.max_tokens}_h{cfg.hidden}_i{cfg.intermediate}_e{cfg.num_experts}_k{cfg.top_k}"
-            f"_{cfg.block_m}x{cfg.block_n}_s{cfg.num_stages}_sms{cfg.num_sms}_clamp{clamp}")
+            f"_{config_label(cfg).replace(' ', '_')}_sms{cfg.num_sms}_clamp{clamp}")
+
+
+def config_label(cfg: Sm90FusedMoEConfig) -> str:
+    """Tile, stages and the schedule options that differ from the template's defaults, e.g.
+    ``128x256 s3 c2 lag2 ec``."""
+    opts = [f"c{cfg.cluster_size}" if cfg.cluster_size != 1 else "",
+            f"lag{cfg.l2_lag_units}" if cfg.l2_lag_units else "", "ec" if cfg.early_combine else "",
+            f"pb{cfg.pull_publish_batch}" if cfg.pull_publish_batch != 1 else "",
+            f"cd{cfg.l2_cd_passes}" if cfg.l2_cd_passes else "", f"sm{cfg.l2_stage_mode}" if cfg.l2_stage_mode else ""]
+    return " ".join([f"{cfg.block_m}x{cfg.block_n} s{cfg.num_stages}", *filter(None, opts)])
 
 
 def fused_moe_impl(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: jax.Array,
@@ -126,9 +190,31 @@ def fused_moe_impl(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
         return jnp.zeros((0, h), jnp.bfloat16)
     cfg = fused_config(num_tokens=m, hidden=h, intermediate=two_i // 2, num_experts=e, top_k=topk_ids.shape[1],
                        activation_clamp=activation_clamp)
+    if cfg.cluster_size > 1:
+        # the rule's clusters need num_sms / 2 resident CTA pairs; a GPU whose SM groups cannot pair
+        # every SM runs the same kernel without clusters (same output, weights read per CTA)
+        cubin = compiler.compile_cubin(kernel_names(cfg)[1], sm90_fused_moe_source(cfg), 90)
+        if clusters_reason(cfg, str(cubin.path)):
+            cfg = dataclasses.replace(cfg, cluster_size=1)
+    return fused_moe_with_config(cfg, x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
+                                 routed_scaling_factor=routed_scaling_factor)
+
+
+def fused_moe_with_config(cfg: Sm90FusedMoEConfig, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
+                          w13: jax.Array, w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array, *,
+                          routed_scaling_factor: float) -> jax.Array:
+    """`fused_moe_impl` with the kernel configuration given (the tuner's candidates): operands as
+    there, already checked, at most ``cfg.max_tokens`` tokens (1 or more) of ``cfg``'s shapes."""
+    m = x.shape[0]
+    if not 0 < m <= cfg.max_tokens:
+        raise ValueError(f"x: expected 1 to {cfg.max_tokens} tokens (the config's capacity), got {m}")
+    h = cfg.hidden
     pre_name, name = kernel_names(cfg)
     pre_cubin = compiler.compile_cubin(pre_name, sm90_fused_moe_pre_dispatch_source(), 90)
     cubin = compiler.compile_cubin(name, sm90_fused_moe_source(cfg), 90)
+    reason = clusters_reason(cfg, str(cubin.path))
+    if reason:
+        raise ValueError(f"fused MoE config {config_label(cfg)}: {reason}")
     buffer = jax.ShapeDtypeStruct((cfg.buffer.total_bytes,), jnp.uint8)
     (buf,) = launch(pre_dispatch_plan(cfg, str(pre_cubin.path), num_tokens=m,
                                       routed_scaling_factor=routed_scaling_factor),

@@ -456,31 +456,51 @@ def sm100_mgrouped_config(recipe: str, gemm_kind: GemmKind, n: int, k: int, num_
 #   count is capped below both k-block counts so that this always holds;
 # * grid = num_sms exactly (software grid barriers, a scheduler striding by kNumSMs), even (the
 #   scheduler pairs CTAs) and >= 2; one CTA per SM, all co-resident.
+# Schedule options (the template parameters after kHalfL2CD), from `python -m moe_jax.bench fused` on
+# one H200 (32 experts, top-8, H 7168, I 2048; every option bit-identical in output; two runs):
+# * BLOCK_M 128: the L2 output staged in four row passes through stmatrix (kL2CDPasses 4,
+#   kL2StageMode 4; plain shared stores, mode 2, where a warpgroup's weight-scale slot is under the
+#   256 bytes stmatrix parks its unused rows in) instead of two column passes; the smaller staging
+#   buffer makes room for a 4th stage. Faster by 1.8-4.0 % at 512 tokens, 0.7-9.8 % at 4096 (the
+#   spread of the traces: prefill runs under the power cap);
+# * BLOCK_M 64: 2-CTA clusters with the weight tile multicast to the pair (kClusterSize 2,
+#   kMulticastOnB) once an expert expects half a block of routes or more: the two m-blocks of an
+#   expert with more than 64 routes then read its weights once. -4 % at 128 tokens (32 expected,
+#   up to 79 routes per expert); at 32 tokens (8 expected) it costs 0.9 %, so not there;
+# * left at the template's defaults: the L2-lag schedule (9-38 % slower at every size), early
+#   combine and batched pull publish (within +-2 %, not both runs), clusters at BLOCK_M 128.
 FUSED_MOE_BLOCK_N = 256
 FUSED_MOE_BLOCK_K = 128
 _FUSED_MOE_MIN_STAGES = 2
 _FUSED_MOE_MAX_STAGES = 32  # only bounds the search; shared memory caps far below
 _FUSED_MOE_MAX_TOP_K = 32  # a token's routes are read by one warp
 _FUSED_MOE_DECODE_ROUTES = 64  # below this many expected routes per expert: BLOCK_M 64
+_FUSED_MOE_CLUSTER_ROUTES = 32  # from this many expected routes per expert, BLOCK_M 64 runs 2-CTA clusters
 _FUSED_MOE_COMBINE_WARPS = 8  # the combine runs on the 8 math warps
+
+
+def _fused_moe_weight_sf_floats(hidden: int, intermediate: int, block_m: int, block_n: int) -> int:
+    """kNumWeightSFFloatsPerWG: a math warpgroup's weight-scale slot (GEMM1's or GEMM2's, the larger)."""
+    split_n = block_m == 64 and block_n // 2 in (64, 128)  # kSplitNWarpgroups
+    wg_block_n = block_n // 2 if split_n else block_n
+    sf_groups_per_wg = wg_block_n // 128 if wg_block_n >= 128 else 1
+    return max(2 * (hidden // 128), sf_groups_per_wg * (intermediate // 128))
 
 
 def _fused_moe_shared_layout(*, max_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int,
                              block_m: int, num_stages: int, num_sms: int, half_l2_cd: bool,
-                             block_n: int = FUSED_MOE_BLOCK_N, num_dispatch_threads: int = 64
+                             block_n: int = FUSED_MOE_BLOCK_N, num_dispatch_threads: int = 64,
+                             early_combine: bool = False, pull_publish_batch: int = 1, l2_cd_passes: int = 0
                              ) -> tuple[int, int]:
     """(dynamic shared memory, SMEM_BEFORE_BARRIER_SIZE) of sm90_fp8_mega_moe_impl, its SMEM_*
-    constants restated (2 math warpgroups, cluster 1, no early combine, per-row pull publish)."""
+    constants restated (2 math warpgroups; the cluster size does not change the layout)."""
     pool = FusedMoEBuffer(max_tokens, hidden, intermediate, num_experts, top_k, block_m).pool_tokens
     dispatch_warps = num_dispatch_threads // 32
     send = align(hidden * dispatch_warps, 1024)  # one FP8 token per dispatch warp
-    split_n = block_m == 64 and block_n // 2 in (64, 128)  # kSplitNWarpgroups
-    wg_block_n = block_n // 2 if split_n else block_n
-    sf_groups_per_wg = wg_block_n // 128 if wg_block_n >= 128 else 1
-    weight_sf_floats = max(2 * (hidden // 128), sf_groups_per_wg * (intermediate // 128))
-    weight_sf = align(2 * weight_sf_floats * 4, 128)  # per math warpgroup
+    weight_sf = align(2 * _fused_moe_weight_sf_floats(hidden, intermediate, block_m, block_n) * 4, 128)
     cd_l1 = block_m * (block_n // 2)  # FP8 SwiGLU output
-    cd_l2 = block_m * (block_n // (2 if half_l2_cd else 1)) * 2  # BF16, in two N passes with kHalfL2CD
+    passes = l2_cd_passes or (2 if half_l2_cd else 1)  # kNumL2CDPasses: the BF16 tile staged in N passes
+    cd_l2 = block_m * (block_n // passes) * 2
     cd = align(max(cd_l1, cd_l2), 1024)
     a_stage, b_stage = block_m * FUSED_MOE_BLOCK_K, block_n * FUSED_MOE_BLOCK_K
     sfa_stage = align(block_m * 4, 128)
@@ -493,19 +513,26 @@ def _fused_moe_shared_layout(*, max_tokens: int, hidden: int, intermediate: int,
     # the per-expert routing counts (u32) live in the table's region before the table is built
     tile_region = max(8 * entries, 4 * num_experts)
     ec_offset = align(tile_table_offset + tile_region, 8)
-    return align(ec_offset, 16), before_barrier  # SMEM_PULL_PENDING_OFFSET + 0
+    # early combine: one more barrier per dispatch warp and a 64-byte control block
+    ec_bytes = dispatch_warps * 8 + 64 if early_combine else 0
+    # batched pull publish: each dispatch warp's pending rows (u32)
+    pending = align(dispatch_warps * pull_publish_batch * 4, 16) if pull_publish_batch > 1 else 0
+    return align(ec_offset + ec_bytes, 16) + pending, before_barrier  # SMEM_PULL_PENDING_OFFSET + _SIZE
 
 
 def sm90_fused_moe_smem_bytes(*, max_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int,
                               block_m: int, num_stages: int, num_sms: int, half_l2_cd: bool,
-                              block_n: int = FUSED_MOE_BLOCK_N, num_dispatch_threads: int = 64) -> int:
+                              block_n: int = FUSED_MOE_BLOCK_N, num_dispatch_threads: int = 64,
+                              early_combine: bool = False, pull_publish_batch: int = 1, l2_cd_passes: int = 0) -> int:
     """Dynamic shared memory of the fused MoE kernel (its SMEM_PULL_PENDING_OFFSET +
     SMEM_PULL_PENDING_SIZE): dispatch send buffers, the output staging (1 KiB aligned), the A/B
-    stages, the activation-scale stages, the weight-scale slots, the barriers, then the tile table."""
+    stages, the activation-scale stages, the weight-scale slots, the barriers, the tile table, then
+    the early-combine block and the pull-publish list when those options are on."""
     return _fused_moe_shared_layout(
         max_tokens=max_tokens, hidden=hidden, intermediate=intermediate, num_experts=num_experts, top_k=top_k,
         block_m=block_m, num_stages=num_stages, num_sms=num_sms, half_l2_cd=half_l2_cd, block_n=block_n,
-        num_dispatch_threads=num_dispatch_threads)[0]
+        num_dispatch_threads=num_dispatch_threads, early_combine=early_combine,
+        pull_publish_batch=pull_publish_batch, l2_cd_passes=l2_cd_passes)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -535,6 +562,14 @@ class Sm90FusedMoEConfig:
     l2_arrival_counter: bool
     l2_epilogue_full_sync: bool
     half_l2_cd: bool
+    # schedule and staging options (template parameters after kHalfL2CD; the defaults are the
+    # template's own, which the heuristic keeps; `sm90_fused_moe_candidates` varies them)
+    cluster_size: int = 1  # kClusterSize; 2 multicasts the weight tile to the CTA pair (kMulticastOnB)
+    l2_lag_units: int = 0  # kL2LagUnits: 0 the wave schedule, n > 0 GEMM2 of a unit n units after its GEMM1
+    early_combine: bool = False  # kEarlyCombineMode 1: combine tokens whose experts are done while others run
+    pull_publish_batch: int = 1  # kPullPublishBatch: dispatched rows published per fence
+    l2_cd_passes: int = 0  # kL2CDPasses: 0 the kernel's choice (2 with kHalfL2CD, else 1), or 1, 2, 4
+    l2_stage_mode: int = 0  # kL2StageMode: 0 column passes, 2 / 4 row passes (4 CD passes, 64x256 tiles)
 
     @property
     def buffer(self) -> FusedMoEBuffer:
@@ -557,7 +592,8 @@ class Sm90FusedMoEConfig:
             max_tokens=self.max_tokens, hidden=self.hidden, intermediate=self.intermediate,
             num_experts=self.num_experts, top_k=self.top_k, block_m=self.block_m, num_stages=self.num_stages,
             num_sms=self.num_sms, half_l2_cd=self.half_l2_cd, block_n=self.block_n,
-            num_dispatch_threads=self.num_dispatch_threads)
+            num_dispatch_threads=self.num_dispatch_threads, early_combine=self.early_combine,
+            pull_publish_batch=self.pull_publish_batch, l2_cd_passes=self.l2_cd_passes)
 
     @property
     def num_threads(self) -> int:
@@ -577,9 +613,27 @@ def _fused_moe_block_m(max_tokens: int, top_k: int, num_experts: int) -> int:
     return 64 if max_tokens * top_k < _FUSED_MOE_DECODE_ROUTES * num_experts else 128
 
 
-def _fused_moe_plan(*, hidden, intermediate, num_experts, top_k, max_tokens, num_sms
+def _fused_moe_combine_reason(hidden: int, before_barrier: int) -> str | None:
+    """The combine stages 3 rows per math warp in the shared memory before the barriers, in 1, 2 or
+    4 chunks (its static asserts)."""
+    row_bytes = 2 * hidden
+    slots = 3 * _FUSED_MOE_COMBINE_WARPS
+    if slots * row_bytes <= before_barrier and hidden <= 32 * 128:
+        chunks = 1
+    else:
+        chunks = 2 if slots * row_bytes // 2 <= before_barrier else 4
+    if slots * row_bytes // chunks > before_barrier:
+        return (f"hidden: expected the combine staging ({slots} rows of {row_bytes} bytes in {chunks} chunks) "
+                f"within the {before_barrier} bytes before the barriers, got hidden={hidden}")
+    if (row_bytes // chunks) % (32 * 16):
+        return (f"hidden: expected a combine chunk ({chunks} per row) of a multiple of 512 bytes, got "
+                f"hidden={hidden} ({row_bytes // chunks} bytes)")
+    return None
+
+
+def _fused_moe_plan(*, hidden, intermediate, num_experts, top_k, max_tokens, num_sms, block_m=None
                     ) -> tuple[str | None, int, int]:
-    """(why the kernel cannot serve this problem or None, BLOCK_M, stages)."""
+    """(why the kernel cannot serve this problem or None, BLOCK_M, stages); block_m None: the rule."""
     args = dict(hidden=hidden, intermediate=intermediate, num_experts=num_experts, top_k=top_k,
                 max_tokens=max_tokens, num_sms=num_sms)
     for name, value in args.items():
@@ -604,7 +658,10 @@ def _fused_moe_plan(*, hidden, intermediate, num_experts, top_k, max_tokens, num
         return (f"max_tokens: expected max_tokens * top_k to be a multiple of 4 (the buffer regions after the "
                 f"top-k inputs are TMA operands and must start on 16-byte boundaries), got "
                 f"{max_tokens} * {top_k} = {max_tokens * top_k}"), 0, 0
-    block_m = _fused_moe_block_m(max_tokens, top_k, num_experts)
+    if block_m is None:
+        block_m = _fused_moe_block_m(max_tokens, top_k, num_experts)
+    elif block_m not in (64, 128):
+        return f"block_m: expected 64 or 128 (one or two 64-row WGMMA tiles), got {block_m!r}", 0, 0
     try:
         buffer = FusedMoEBuffer(max_tokens, hidden, intermediate, num_experts, top_k, block_m)
     except ValueError as e:
@@ -644,21 +701,8 @@ def _fused_moe_plan(*, hidden, intermediate, num_experts, top_k, max_tokens, num
                 f"hidden={hidden}, intermediate={intermediate}, num_experts={num_experts}, num_sms={num_sms})"), 0, 0
     stages = min(fits, k_blocks[0] - 1)
 
-    # the combine stages 3 rows per math warp in the shared memory before the barriers, in 1, 2 or 4 chunks
-    row_bytes = 2 * hidden
-    before_barrier = layout(stages)[1]
-    slots = 3 * _FUSED_MOE_COMBINE_WARPS
-    if slots * row_bytes <= before_barrier and hidden <= 32 * 128:
-        chunks = 1
-    else:
-        chunks = 2 if slots * row_bytes // 2 <= before_barrier else 4
-    if slots * row_bytes // chunks > before_barrier:
-        return (f"hidden: expected the combine staging ({slots} rows of {row_bytes} bytes in {chunks} chunks) "
-                f"within the {before_barrier} bytes before the barriers, got hidden={hidden}"), 0, 0
-    if (row_bytes // chunks) % (32 * 16):
-        return (f"hidden: expected a combine chunk ({chunks} per row) of a multiple of 512 bytes, got "
-                f"hidden={hidden} ({row_bytes // chunks} bytes)"), 0, 0
-    return None, block_m, stages
+    reason = _fused_moe_combine_reason(hidden, layout(stages)[1])
+    return (reason, 0, 0) if reason else (None, block_m, stages)
 
 
 def sm90_fused_moe_reason(*, hidden: int, intermediate: int, num_experts: int, top_k: int, max_tokens: int,
@@ -671,17 +715,21 @@ def sm90_fused_moe_reason(*, hidden: int, intermediate: int, num_experts: int, t
 
 
 def sm90_fused_moe_config(*, max_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int,
-                          num_sms: int, activation_clamp: float | None = None) -> Sm90FusedMoEConfig:
+                          num_sms: int, activation_clamp: float | None = None,
+                          block_m: int | None = None, schedule_options: bool = True) -> Sm90FusedMoEConfig:
     """The fused MoE instantiation for this problem (see the rules above): BLOCK_M 64 when an expert
-    expects fewer than 64 routes (max_tokens * top_k / num_experts), else 128; the most pipeline
-    stages that fit the shared memory and stay below both GEMMs' k-block counts.
+    expects fewer than 64 routes (max_tokens * top_k / num_experts), else 128 (``block_m`` forces
+    one); the schedule options of the rules above (``schedule_options=False``: the template's
+    defaults); the most pipeline stages that fit the shared memory and stay below both GEMMs'
+    k-block counts.
 
     activation_clamp: None (no clamp) or a positive float: SwiGLU clamps the gate to at most it and
     the up projection to [-clamp, clamp]; stored as the float32 value the kernel uses, infinity as
     None (one config per kernel). ValueError with ``sm90_fused_moe_reason`` when refused.
     """
     reason, block_m, stages = _fused_moe_plan(hidden=hidden, intermediate=intermediate, num_experts=num_experts,
-                                              top_k=top_k, max_tokens=max_tokens, num_sms=num_sms)
+                                              top_k=top_k, max_tokens=max_tokens, num_sms=num_sms,
+                                              block_m=block_m)
     if reason:
         raise ValueError(reason)
     if activation_clamp is not None and (
@@ -693,10 +741,138 @@ def sm90_fused_moe_config(*, max_tokens: int, hidden: int, intermediate: int, nu
         with np.errstate(over="ignore"):
             clamp = float(np.float32(activation_clamp))  # the value the kernel compiles in
         clamp = None if math.isinf(clamp) else clamp  # above float32's range: no clamp either
-    return Sm90FusedMoEConfig(
+    cfg = Sm90FusedMoEConfig(
         max_tokens=int(max_tokens), hidden=int(hidden), intermediate=int(intermediate),
         num_experts=int(num_experts), top_k=int(top_k), experts_per_wave=int(num_experts), block_m=block_m,
         block_n=FUSED_MOE_BLOCK_N, block_k=FUSED_MOE_BLOCK_K, num_stages=stages, num_dispatch_threads=64,
         num_non_epilogue_threads=64, num_epilogue_threads=256, num_sms=int(num_sms), activation_clamp=clamp,
         fast_math=True, reuse_accum_as_final=True, l2_arrival_counter=True,
         l2_epilogue_full_sync=False, half_l2_cd=block_m == 128)
+    if not schedule_options:
+        return cfg
+    if block_m == 128:  # stmatrix row passes where the weight-scale slot can take its unused rows
+        tuned = dataclasses.replace(cfg, l2_cd_passes=4, l2_stage_mode=4)
+        if sm90_fused_moe_options_reason(dataclasses.replace(tuned, num_stages=2)) is not None:
+            tuned = dataclasses.replace(tuned, l2_stage_mode=2)
+    elif int(max_tokens) * int(top_k) >= _FUSED_MOE_CLUSTER_ROUTES * int(num_experts):
+        tuned = dataclasses.replace(cfg, cluster_size=2)
+    else:
+        return cfg
+    stages = _fused_moe_max_stages(tuned)
+    return dataclasses.replace(tuned, num_stages=stages) if stages else cfg
+
+
+_FUSED_MOE_CD_PASSES = (0, 1, 2, 4)
+_FUSED_MOE_MAX_EC_STRIPES = 32  # early combine keeps one bit per token stripe of a math warp
+
+
+def sm90_fused_moe_options_reason(cfg: Sm90FusedMoEConfig) -> str | None:
+    """Why ``cfg`` (a ``sm90_fused_moe_config`` result with its stages or schedule options changed)
+    is not a legal instantiation, or None: the option ranges and the kernel's static asserts on
+    them, the stage bound and the shared memory. The template alone decides the rest; a candidate
+    that still fails to compile is dropped by the tuner with nvcc's message."""
+    def bad(name, expected, got):
+        return f"{name}: expected {expected}, got {got!r}"
+
+    def is_int(v):
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+    k_blocks = min(cfg.hidden, cfg.intermediate) // cfg.block_k
+    if not is_int(cfg.num_stages) or not _FUSED_MOE_MIN_STAGES <= cfg.num_stages < k_blocks:
+        return bad("num_stages", f"an int in [{_FUSED_MOE_MIN_STAGES}, {k_blocks - 1}] (fewer than the "
+                   f"{k_blocks} k-blocks of the smaller GEMM K)", cfg.num_stages)
+    if cfg.cluster_size not in (1, 2) or isinstance(cfg.cluster_size, bool):
+        return bad("cluster_size", "1 or 2", cfg.cluster_size)
+    if cfg.cluster_size == 2 and cfg.num_sms % 2:
+        return bad("num_sms", "an even grid for 2-CTA clusters", cfg.num_sms)
+    if not is_int(cfg.l2_lag_units) or cfg.l2_lag_units < 0:
+        return bad("l2_lag_units", "an int >= 0 (lag + 1000 * group)", cfg.l2_lag_units)
+    if not is_int(cfg.pull_publish_batch) or not 1 <= cfg.pull_publish_batch <= 256:
+        return bad("pull_publish_batch", "an int in [1, 256]", cfg.pull_publish_batch)
+    if cfg.l2_cd_passes not in _FUSED_MOE_CD_PASSES or isinstance(cfg.l2_cd_passes, bool):
+        return bad("l2_cd_passes", f"one of {_FUSED_MOE_CD_PASSES}", cfg.l2_cd_passes)
+    if cfg.l2_stage_mode not in (0, 2, 4) or isinstance(cfg.l2_stage_mode, bool):
+        return bad("l2_stage_mode", "0, 2 or 4", cfg.l2_stage_mode)
+    # a math warpgroup's tile: BLOCK_M 64 splits N over the two warpgroups, 128 splits M
+    wg_block_n = cfg.block_n // 2 if cfg.block_m == 64 else cfg.block_n
+    passes = cfg.l2_cd_passes or (2 if cfg.half_l2_cd else 1)
+    if cfg.l2_stage_mode and (passes != 4 or wg_block_n != 256):
+        return bad("l2_stage_mode", "0 unless l2_cd_passes is 4 and each math warpgroup's tile is 64x256 "
+                   "(block_m 128, block_n 256)",
+                   f"{cfg.l2_stage_mode} with l2_cd_passes={cfg.l2_cd_passes}, tile {cfg.block_m}x{cfg.block_n}")
+    sf_slot = 4 * _fused_moe_weight_sf_floats(cfg.hidden, cfg.intermediate, cfg.block_m, cfg.block_n)
+    if cfg.l2_stage_mode == 4 and sf_slot < 256:
+        return bad("l2_stage_mode", "2, not 4, when a math warpgroup's weight-scale slot is below 256 bytes "
+                   "(stmatrix parks its unused rows there)", f"4 with a {sf_slot}-byte slot (hidden={cfg.hidden}, "
+                   f"intermediate={cfg.intermediate})")
+    if not cfg.l2_stage_mode and wg_block_n // passes not in (64, 128):
+        return bad("l2_cd_passes", f"column passes of 64 or 128 of a math warpgroup's {wg_block_n} columns "
+                   "(the scatter vector width)", f"{cfg.l2_cd_passes} ({wg_block_n // passes} columns per pass)")
+    stripes = ceil_div(cfg.max_tokens, cfg.num_sms * _FUSED_MOE_COMBINE_WARPS)
+    if cfg.early_combine and stripes > _FUSED_MOE_MAX_EC_STRIPES:
+        return bad("early_combine", f"False above {_FUSED_MOE_MAX_EC_STRIPES} token stripes per math warp",
+                   f"True with {stripes} (max_tokens={cfg.max_tokens}, num_sms={cfg.num_sms})")
+    if cfg.smem_bytes > SM90_SMEM_CAPACITY:
+        return bad("num_stages", f"a shared-memory layout <= {SM90_SMEM_CAPACITY} bytes",
+                   f"{cfg.num_stages} stages ({cfg.smem_bytes} bytes)")
+    before_barrier = _fused_moe_shared_layout(
+        max_tokens=cfg.max_tokens, hidden=cfg.hidden, intermediate=cfg.intermediate, num_experts=cfg.num_experts,
+        top_k=cfg.top_k, block_m=cfg.block_m, num_stages=cfg.num_stages, num_sms=cfg.num_sms,
+        half_l2_cd=cfg.half_l2_cd, block_n=cfg.block_n, num_dispatch_threads=cfg.num_dispatch_threads,
+        early_combine=cfg.early_combine, pull_publish_batch=cfg.pull_publish_batch,
+        l2_cd_passes=cfg.l2_cd_passes)[1]
+    return _fused_moe_combine_reason(cfg.hidden, before_barrier)
+
+
+def _fused_moe_max_stages(cfg: Sm90FusedMoEConfig) -> int:
+    """The most stages ``cfg``'s options leave room for (below the k-block bound), 0 if none fit."""
+    k_blocks = min(cfg.hidden, cfg.intermediate) // cfg.block_k
+    best = 0
+    for stages in range(_FUSED_MOE_MIN_STAGES, k_blocks):
+        if sm90_fused_moe_options_reason(dataclasses.replace(cfg, num_stages=stages)) is None:
+            best = stages
+    return best
+
+
+def sm90_fused_moe_candidates(base: Sm90FusedMoEConfig, *, full: bool = False) -> list[Sm90FusedMoEConfig]:
+    """Legal variants of ``base`` (a ``sm90_fused_moe_config`` result) for `python -m moe_jax.bench
+    fused`, ``base`` first, each with the most stages its options leave room for: from ``base``, the
+    same BLOCK_M at the template's defaults, and the other BLOCK_M with and without the rules'
+    options, one schedule option changed at a time (2-CTA clusters with the weight tile multicast,
+    the L2-lag schedule at lags 1, 2 and 4, early combine, batched pull publish, the L2 staging
+    passes and row modes); then ``base`` with one stage fewer. ``full``: also every pair of the
+    single options. Unique, in this order."""
+    def heuristic(bm, options):
+        try:
+            return sm90_fused_moe_config(
+                max_tokens=base.max_tokens, hidden=base.hidden, intermediate=base.intermediate,
+                num_experts=base.num_experts, top_k=base.top_k, num_sms=base.num_sms,
+                activation_clamp=base.activation_clamp, block_m=bm, schedule_options=options)
+        except ValueError:
+            return None
+
+    singles = [dict(cluster_size=2), dict(l2_lag_units=1), dict(l2_lag_units=2), dict(l2_lag_units=4),
+               dict(early_combine=True), dict(pull_publish_batch=4), dict(l2_cd_passes=4),
+               dict(l2_cd_passes=4, l2_stage_mode=2), dict(l2_cd_passes=4, l2_stage_mode=4), dict(l2_cd_passes=2)]
+    changes = [dict()] + singles
+    if full:
+        changes += [a | b for i, a in enumerate(singles) for b in singles[i + 1:] if not a.keys() & b.keys()]
+    # the options vary from the template's defaults, at this BLOCK_M and the other
+    other = 64 if base.block_m == 128 else 128
+    roots = [c for c in (base, heuristic(base.block_m, False), heuristic(other, True), heuristic(other, False))
+             if c is not None]
+    out: list[Sm90FusedMoEConfig] = []
+    for root in roots:
+        for change in changes:
+            cfg = dataclasses.replace(root, **change)
+            if cfg.l2_cd_passes == (2 if cfg.half_l2_cd else 1):  # the kernel's own choice: the same kernel
+                cfg = dataclasses.replace(cfg, l2_cd_passes=0)
+            stages = _fused_moe_max_stages(cfg)
+            if stages:
+                cfg = dataclasses.replace(cfg, num_stages=stages)
+                if sm90_fused_moe_options_reason(cfg) is None and cfg not in out:
+                    out.append(cfg)
+    fewer = dataclasses.replace(base, num_stages=base.num_stages - 1)
+    if sm90_fused_moe_options_reason(fewer) is None and fewer not in out:
+        out.append(fewer)
+    return out
