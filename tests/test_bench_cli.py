@@ -93,7 +93,8 @@ def test_layer_without_flags_on_cpu_runs_scaled_shapes_quickly_and_honestly(tmp_
                                           ("gemm", ["--json", "--plot", "--markdown", "--quick"]),
                                           ("triton", ["--json", "--no-sweep", "--reps", "--routing-only"]),
                                           ("parallel", ["--json", "--backend", "--model", "--tokens"]),
-                                          ("load", ["--json", "--small", "--dir", "--keep", "--ep"])])
+                                          ("load", ["--json", "--small", "--dir", "--keep", "--ep"]),
+                                          ("fused", ["--json", "--tokens", "--all", "--iters", "--top"])])
 def test_subcommand_help(capsys, sub, options):
     with pytest.raises(SystemExit) as e:
         main([sub, "--help"])
@@ -106,10 +107,10 @@ def test_top_level_help_lists_subcommands(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     out = capsys.readouterr().out
-    assert e.value.code == 0 and all(sub in out for sub in ("gemm", "layer", "triton", "parallel", "load"))
+    assert e.value.code == 0 and all(sub in out for sub in ("gemm", "layer", "triton", "parallel", "load", "fused"))
 
 
-@pytest.mark.parametrize("sub", ["gemm", "triton"])
+@pytest.mark.parametrize("sub", ["gemm", "triton", "fused"])
 def test_gpu_subcommand_without_gpu_exits_with_a_message_not_a_traceback(tmp_path, sub):
     _no_gpu()
     j = tmp_path / f"{sub}.json"

@@ -5,7 +5,8 @@ SM90 CUDA GPU), ``layer`` (the routed MoE layer: per-stage times, end to end, er
 memory; without a GPU it runs scaled shapes), ``triton`` (bandwidth of the Triton kernels and their
 tiling configs; needs a CUDA GPU), ``parallel`` (the shard_map patterns on whatever devices jax
 sees), ``load`` (writes full-size synthetic V3/V4 layers and loads them: seconds, GB/s, peak host
-RSS; ``--small`` for a scaled run). The table goes to stdout, progress to stderr. Exit status: 0
+RSS; ``--small`` for a scaled run), ``fused`` (the fused MoE kernel's template options side by side,
+kernel time; needs an SM90 GPU). The table goes to stdout, progress to stderr. Exit status: 0
 when every requested row ran, 1 when one failed, 2 when the machine cannot run the subcommand.
 ``python -m moe_jax.bench <subcommand> --help`` for the options.
 """
@@ -21,6 +22,7 @@ SUBCOMMANDS = {  # name: (module, help)
     "triton": ("triton_kernels", "Triton kernels: bandwidth per kernel and tiling config"),
     "parallel": ("parallel", "parallel patterns on the devices jax sees"),
     "load": ("load", "checkpoint loading: seconds, GB/s from disk, peak host RSS"),
+    "fused": ("fused", "the fused MoE kernel's template options side by side (kernel time)"),
 }
 
 
