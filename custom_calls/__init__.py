@@ -11,7 +11,8 @@ from custom_calls.backends import (AUTO, REFERENCE, Implementation, OpSpec, auto
                                    backends, declare_op, get_default_backend, known_backends, op_spec,
                                    register, register_lazy, resolve, set_environment, static_supports,
                                    unavailable_reason, use_backend)
-from custom_calls.contracts import canonical_m_indices, canonical_masked_m, canonical_src2dst, checked
+from custom_calls.contracts import (canonical_m_indices, canonical_masked_m, canonical_src2dst,
+                                    canonical_topk_ids, checked)
 from custom_calls.dense_gemm import gemm_nt
 from custom_calls.dispatch_map import dispatch_map_contig, dispatch_map_masked
 from custom_calls.expert_rank import rank_within_expert
@@ -25,7 +26,7 @@ from custom_calls.unpermute import unpermute
 __all__ = [
     "AUTO", "REFERENCE", "ActivationSpec", "Implementation", "OpSpec", "activation_quant_contig",
     "activation_quant_masked", "auto_order", "backend_stages", "backends", "canonical_m_indices",
-    "canonical_masked_m", "canonical_src2dst", "checked", "declare_op",
+    "canonical_masked_m", "canonical_src2dst", "canonical_topk_ids", "checked", "declare_op",
     "dequantize_lhs", "dequantize_rhs", "dispatch_map_contig", "dispatch_map_masked", "fused_moe",
     "gated_activation",
     "gemm_nt", "get_default_backend", "known_backends",

@@ -14,6 +14,9 @@ never reads an index it was not written for and the reference computes the same 
 * `src2dst` (M, k): an entry outside [-1, num_rows) becomes -1 (the route is dropped); for the
   permute ops, whose rows must be distinct, a row named again by a later route (flat (token, k)
   order) is dropped for the later route.
+* `topk_ids` (M, k) of the fused op: an id outside [-1, E) becomes -1, and an expert a token names
+  again in a later slot is dropped for that slot (the fused kernel's pool holds a token once per
+  expert).
 
 assume_canonical (permute and un-permute ops): the caller vouches that src2dst already keeps its
 contract, as the dispatcher's src2dst does by construction, and the canonicalization pass (at
@@ -96,6 +99,21 @@ def canonical_src2dst(src2dst: jax.Array, num_rows: int, *, distinct: bool) -> j
 
 # ------------------------------------------------------------------ checked mode (debug_checks=True)
 
+def _topk_repeats(ids: jax.Array) -> jax.Array:
+    """ids (M, k), -1 or valid: (M, k) bool, True where the slot names an expert an earlier slot
+    of the same token names."""
+    k = ids.shape[1]
+    earlier = jnp.tril(jnp.ones((k, k), bool), -1)  # [j, j2]: slot j2 comes before slot j
+    return jnp.any((ids[:, :, None] == ids[:, None, :]) & earlier & (ids[:, None, :] >= 0), axis=2)
+
+
+def canonical_topk_ids(topk_ids: jax.Array, num_experts: int) -> jax.Array:
+    """topk_ids (M, k) int32 -> (M, k) int32: an id outside [0, num_experts) and a repeat of an
+    expert named by an earlier slot of the same token become -1."""
+    ids = jnp.where((topk_ids >= 0) & (topk_ids < num_experts), topk_ids, -1)
+    return jnp.where(_topk_repeats(ids), -1, ids)
+
+
 def _first(mask: jax.Array) -> jax.Array:
     """The flat index of the first True of `mask` (0 when none; only read when there is one)."""
     return jnp.argmax(mask.reshape(-1)).astype(jnp.int32)
@@ -172,6 +190,26 @@ def check_src2dst(src2dst: jax.Array, num_rows: int, *, distinct: bool) -> None:
     earlier = _first((inside == inside[i]) & (idx < i))
     checkify.check(~jnp.any(again), "src2dst[{t}, {j}] = {v} names the same row as src2dst[{t0}, {j0}] "
                    "(rows must be distinct)", t=i // k, j=i % k, v=flat[i], t0=earlier // k, j0=earlier % k)
+
+
+def check_topk_ids(topk_ids: jax.Array, num_experts: int) -> None:
+    """Checks every entry of topk_ids (M, k) is -1 or an expert in [0, num_experts) and that no
+    token names an expert twice; names the first offending (token, slot) entry."""
+    if topk_ids.size == 0:
+        return
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    bad = (flat < -1) | (flat >= num_experts)
+    i = _first(bad)
+    checkify.check(~jnp.any(bad), "topk_ids[{t}, {j}] = {v} is outside [-1, num_experts=" + str(num_experts) + ")",
+                   t=i // k, j=i % k, v=flat[i])
+    ids = jnp.where(bad.reshape(topk_ids.shape), -1, topk_ids)
+    again = _topk_repeats(ids)
+    i = _first(again)
+    t, j = i // k, i % k
+    j0 = _first((ids[t] == ids[t, j]) & (jnp.arange(k) < j))
+    checkify.check(~jnp.any(again), "topk_ids[{t}, {j}] = {v} repeats topk_ids[{t}, {j0}] (a token names each "
+                   "expert at most once)", t=t, j=j, v=ids[t, j], j0=j0)
 
 
 def check_finite_rows(name: str, x: jax.Array, what: str = "tokens") -> None:

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from custom_calls import contracts
 from custom_calls.backends import declare_op, resolve
 from layouts import (
     FP8_E4M3_MAX,
@@ -167,16 +168,6 @@ declare_op(OP, stage="gemm",
                                                           "w13_interleave")))
 
 
-def canonical_topk_ids(topk_ids: jax.Array, num_experts: int) -> jax.Array:
-    """topk_ids (M, k) int32 -> (M, k) int32: an id outside [0, num_experts) and a repeat of an
-    expert named by an earlier slot of the same token become -1."""
-    ids = jnp.where((topk_ids >= 0) & (topk_ids < num_experts), topk_ids, -1)
-    k = ids.shape[1]
-    earlier = jnp.tril(jnp.ones((k, k), bool), -1)  # [j, j2]: slot j2 comes before slot j
-    repeat = jnp.any((ids[:, :, None] == ids[:, None, :]) & earlier & (ids[:, None, :] >= 0), axis=2)
-    return jnp.where(repeat, -1, ids)
-
-
 def _real(name: str, value, allow_none: bool = False, positive: bool = False) -> float | None:
     if value is None and allow_none:
         return None
@@ -190,11 +181,11 @@ def _real(name: str, value, allow_none: bool = False, positive: bool = False) ->
 def fused_moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: jax.Array,
               w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array, *, routed_scaling_factor: float = 1.0,
               activation_clamp: float | None = None, w13_interleave: int = 0, arch: int = 90,
-              backend: str | None = None) -> jax.Array:
+              backend: str | None = None, debug_checks: bool = False) -> jax.Array:
     """The routed expert branch in one op (numerics: module docstring).
 
     x: (M, H) bf16; topk_ids: (M, k) int32, expert ids in [0, E) or -1 (no route; ids outside
-    [0, E) and repeats within a token are dropped, see `canonical_topk_ids`); topk_weights: (M, k)
+    [0, E) and repeats within a token are dropped, `contracts.canonical_topk_ids`); topk_weights: (M, k)
     f32; w13: (E, 2I, H) float8_e4m3fn, rows gate (I) then up (I); w13_scale: (E, 2I/128, H/128)
     f32; w2: (E, H, I) float8_e4m3fn; w2_scale: (E, H/128, I/128) f32 (128x128 blocks). H and I are
     multiples of 128. routed_scaling_factor: multiplies every route weight; activation_clamp: None
@@ -202,7 +193,8 @@ def fused_moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: j
     w13_interleave: 0, or g > 0 when w13's rows are stored with gate and up interleaved in groups
     of g (`layouts.interleave_gate_up`; its scales stay [gate; up]): the SM90 kernel reads g = 8,
     prepared once with the weights. arch: the GPU family the weights are prepared for (the kernel
-    backend runs on 90).
+    backend runs on 90). debug_checks: checked mode (`custom_calls.contracts`): reports an id
+    outside [-1, E) or a repeated expert by (token, slot) instead of dropping it.
     """
     check_rank("x", x, 2, "(M, H)")
     check_dtype("x", x, (jnp.bfloat16,))
@@ -238,7 +230,9 @@ def fused_moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: j
         raise ValueError(f"w13_interleave: expected 0 or a positive int dividing I = {i}, got {w13_interleave!r}")
     if isinstance(arch, bool) or not isinstance(arch, int):
         raise ValueError(f"arch: expected an int (90, 100), got {arch!r}")
-    topk_ids = canonical_topk_ids(topk_ids, e)
+    if debug_checks:
+        contracts.check_topk_ids(topk_ids, e)
+    topk_ids = contracts.canonical_topk_ids(topk_ids, e)
     impl = resolve(OP, backend, m=m, hidden=h, intermediate=i, num_experts=e, top_k=topk_ids.shape[1],
                    x_dtype=x.dtype, weight_dtype=w13.dtype, routed_scaling_factor=routed_scaling_factor,
                    activation_clamp=activation_clamp, w13_interleave=w13_interleave, arch=arch)

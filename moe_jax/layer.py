@@ -23,7 +23,8 @@ Every public function here takes tokens with any leading dims, `x: (..., H)`, ch
 and returns the same leading shape.
 
 Checked mode: `debug_checks=True` (a static argument) reports non-finite tokens by index and turns
-on the ops' checks of their index contracts (m_indices, masked_m, src2dst; `custom_calls.contracts`);
+on the ops' checks of their index contracts (m_indices, masked_m, src2dst, and on the fused layout
+topk_ids: a token naming an expert twice; `custom_calls.contracts`);
 run the function under `custom_calls.checked`. Off (the default), no check is traced.
 """
 
@@ -199,16 +200,18 @@ def _routed_fused(x, topk_ids, topk_weights, params, config, *, expert_offset, b
                   routed_scaling_factor, debug_checks, addend) -> jax.Array:
     """The routed branch as one `fused_moe` op (its numerics: custom_calls/fused_moe.py: the route
     weight scales the SwiGLU output before its quantization). A route to an expert not held here
-    gets the local id E_local, which the op drops as out of range; addend is added in fp32 before
-    the cast."""
-    ids = local_expert_ids(topk_ids, expert_offset, int(params.w13.shape[0]))
+    gets -1, so that the ids keep the op's contract and checked mode reports only repeated experts;
+    addend is added in fp32 before the cast."""
+    e_loc = int(params.w13.shape[0])
+    ids = local_expert_ids(topk_ids, expert_offset, e_loc)
+    ids = jnp.where(ids < e_loc, ids, -1)
     if debug_checks:
         contracts.check_finite_rows("topk_weights", topk_weights, "tokens")
     act = config.activation
     out = fused_moe(x.astype(jnp.bfloat16), ids, topk_weights.astype(jnp.float32), params.w13, params.w13_scale,
                     params.w2, params.w2_scale, routed_scaling_factor=routed_scaling_factor,
                     activation_clamp=act.swiglu_limit, w13_interleave=params.w13_interleave,
-                    arch=params.gemm_arch, backend=backend)
+                    arch=params.gemm_arch, backend=backend, debug_checks=debug_checks)
     if addend is not None:
         return (out.astype(jnp.float32) + addend.astype(jnp.float32)).astype(out_dtype)
     return out.astype(out_dtype)

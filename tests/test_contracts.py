@@ -374,6 +374,79 @@ def test_layer_checked_mode(layout):
         cc.checked(lambda x: mj.routed_experts(x, ids, jnp.ones((3, 7, 2)), params, cfg, debug_checks=True))(bad)
 
 
+def _fused_operands(rng, m=5, h=256, i=128, e=4, k=3):
+    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    w13, s13 = layouts.quantize_fp8_per_block(jnp.asarray(rng.standard_normal((e, 2 * i, h)) * 0.05, jnp.float32), 128)
+    w2, s2 = layouts.quantize_fp8_per_block(jnp.asarray(rng.standard_normal((e, h, i)) * 0.05, jnp.float32), 128)
+    return x, jnp.asarray(rng.uniform(0.1, 1.0, (m, k)), jnp.float32), w13, s13, w2, s2
+
+
+def np_canonical_topk_ids(ids: np.ndarray, e: int) -> np.ndarray:
+    out = np.where((ids >= 0) & (ids < e), ids, -1)
+    for t in range(out.shape[0]):
+        seen = set()
+        for j in range(out.shape[1]):
+            if out[t, j] in seen:
+                out[t, j] = -1
+            elif out[t, j] >= 0:
+                seen.add(out[t, j])
+    return out
+
+
+def test_canonical_topk_ids_matches_the_model():
+    rng = np.random.default_rng(12)
+    ids = rng.integers(-3, 7, (200, 5)).astype(np.int32)  # out of range and repeats, -1 too
+    np.testing.assert_array_equal(np.asarray(cc.canonical_topk_ids(jnp.asarray(ids), 5)),
+                                  np_canonical_topk_ids(ids, 5))
+
+
+@pytest.mark.parametrize("ids,message", [
+    ([[0, 1, 2], [3, -1, 2], [1, 3, 1], [2, 0, 2], [-1, -1, -1]],
+     "topk_ids[2, 2] = 1 repeats topk_ids[2, 0] (a token names each expert at most once)"),
+    ([[0, 1, 2], [3, 3, 3], [1, 2, 0], [0, 1, 2], [0, 1, 2]],
+     "topk_ids[1, 1] = 3 repeats topk_ids[1, 0] (a token names each expert at most once)"),
+    ([[0, 1, 2], [3, -1, 2], [1, 2, 4], [0, 0, 2], [0, 1, 2]], r"topk_ids[2, 2] = 4 is outside [-1, num_experts=4)"),
+    ([[0, -2, 2], [3, -1, 2], [1, 2, 0], [0, 1, 2], [0, 1, 2]], r"topk_ids[0, 1] = -2 is outside [-1, num_experts=4)"),
+])
+def test_fused_moe_topk_ids_violations_are_named(ids, message):
+    x, w, w13, s13, w2, s2 = _fused_operands(np.random.default_rng(13))
+
+    def f(ids, debug_checks=True):
+        return cc.fused_moe(x, ids, w, w13, s13, w2, s2, backend="reference", debug_checks=debug_checks)
+
+    assert _error(f, jnp.asarray(ids, jnp.int32)) == message
+    good = jnp.asarray([[0, 1, 2], [3, -1, 2], [1, 2, 0], [2, 0, 3], [-1, -1, -1]], jnp.int32)
+    err, got = cc.checked(f, throw=False)(good)
+    assert err.get() is None
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(f(good, False), np.float32))
+    # unchecked, the violating routes are dropped: the same as passing the canonical ids
+    np.testing.assert_array_equal(np.asarray(f(jnp.asarray(ids, jnp.int32), False), np.float32),
+                                  np.asarray(f(jnp.asarray(np_canonical_topk_ids(np.asarray(ids), 4)), False),
+                                             np.float32))
+
+
+def test_layer_checked_mode_fused_layout_names_a_repeated_expert():
+    cfg = mj.MoEConfig.deepseek_v3(num_experts=8, n_shared_experts=0, n_group=4, topk_group=2, top_k=3,
+                                   hidden_size=256, intermediate_size=128, recipe="fp8_block", arch=90,
+                                   layout="fused")
+    params = mj.prepare_params(mj.init_params(jax.random.PRNGKey(3), cfg), cfg)
+    x = jax.random.normal(jax.random.key(4), (6, 256), jnp.bfloat16)
+    ids = np.tile(np.asarray([[0, 5, 7]], np.int32), (6, 1))
+    w = jnp.full((6, 3), 0.3, jnp.float32)
+
+    def f(ids):
+        return mj.routed_experts(x, ids, w, params, cfg, debug_checks=True)
+
+    err, got = cc.checked(f, throw=False)(jnp.asarray(ids))
+    assert err.get() is None and np.isfinite(np.asarray(got, np.float32)).all()
+    ids[4, 2] = 5
+    assert _error(f, jnp.asarray(ids)) == ("topk_ids[4, 2] = 5 repeats topk_ids[4, 1] (a token names each expert "
+                                           "at most once)")
+    # routing itself never repeats an expert: the whole layer passes
+    err, _ = cc.checked(lambda x, p: mj.moe_forward(x, p, cfg, debug_checks=True), throw=False)(x, params)
+    assert err.get() is None
+
+
 # ------------------------------------------------------------------ Triton under the interpreter
 
 TRITON_SCRIPT = r"""

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import custom_calls as cc
-from custom_calls.fused_moe import canonical_topk_ids
+from custom_calls.contracts import canonical_topk_ids
 
 E4M3, BF16, F32 = ml_dtypes.float8_e4m3fn, ml_dtypes.bfloat16, np.float32
 U = 2.0 ** -24  # fp32 unit roundoff

@@ -563,13 +563,14 @@ class Sm90FusedMoEConfig:
     l2_epilogue_full_sync: bool
     half_l2_cd: bool
     # schedule and staging options (template parameters after kHalfL2CD; the defaults are the
-    # template's own, which the heuristic keeps; `sm90_fused_moe_candidates` varies them)
+    # template's own; `sm90_fused_moe_config` sets some by its rule, `sm90_fused_moe_candidates`
+    # varies them all)
     cluster_size: int = 1  # kClusterSize; 2 multicasts the weight tile to the CTA pair (kMulticastOnB)
     l2_lag_units: int = 0  # kL2LagUnits: 0 the wave schedule, n > 0 GEMM2 of a unit n units after its GEMM1
     early_combine: bool = False  # kEarlyCombineMode 1: combine tokens whose experts are done while others run
     pull_publish_batch: int = 1  # kPullPublishBatch: dispatched rows published per fence
     l2_cd_passes: int = 0  # kL2CDPasses: 0 the kernel's choice (2 with kHalfL2CD, else 1), or 1, 2, 4
-    l2_stage_mode: int = 0  # kL2StageMode: 0 column passes, 2 / 4 row passes (4 CD passes, 64x256 tiles)
+    l2_stage_mode: int = 0  # kL2StageMode: 0 column passes, 2 / 4 row passes (shared stores / stmatrix)
 
     @property
     def buffer(self) -> FusedMoEBuffer:
