@@ -119,3 +119,34 @@ def test_refused_shapes_name_the_argument():
     with pytest.raises(ValueError, match="num_sms"):
         F.fused_config(num_tokens=8, hidden=1024, intermediate=512, num_experts=8, top_k=4,
                        activation_clamp=None, num_sms=131)
+
+
+@pytest.mark.parametrize("held,fits", [(66, True), (67, True), (65, False), (0, False)])
+def test_clusters_that_do_not_fit_are_left_out_by_the_layer_and_refused_when_asked_for(monkeypatch, held, fits):
+    """The rule's 2-CTA clusters need grid / 2 resident pairs: fused_moe_impl then runs the same
+    kernel without clusters; fused_moe_with_config refuses a config whose clusters do not fit."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    cfg = _cfg(128, 1024, 512, 32, 8)  # 32 expected routes per expert: clusters
+    assert cfg.cluster_size == 2 and cfg.grid == 132
+    monkeypatch.setattr(F, "detected_device", lambda: ("gpu", 90, 132))
+    monkeypatch.setattr(F, "resident_clusters", lambda cubin, grid, threads, smem, cluster: held)
+    monkeypatch.setattr(F.compiler, "compile_cubin", lambda name, src, arch: type("C", (), {"path": "/c"})())
+    reason = F.clusters_reason(cfg, "/c")
+    assert (reason is None) == fits
+    if not fits:
+        assert reason.startswith(f"cluster_size: the GPU holds {held} clusters of 2 CTAs") and "expected 66" in reason
+    assert F.clusters_reason(dataclasses.replace(cfg, cluster_size=1), "/c") is None
+    if not fits:  # asked for explicitly: refused before anything is launched
+        with pytest.raises(ValueError, match=r"fused MoE config 64x256 s3 c2: cluster_size: the GPU holds"):
+            F.fused_moe_with_config(cfg, jnp.zeros((128, 1024), jnp.bfloat16), *(None,) * 6,
+                                    routed_scaling_factor=1.0)
+    used = []
+    monkeypatch.setattr(F, "fused_moe_with_config", lambda c, *a, **kw: used.append(c))
+    x = jax.ShapeDtypeStruct((128, 1024), jnp.bfloat16)
+    F.fused_moe_impl(x, jnp.zeros((128, 8), jnp.int32), None, jnp.zeros((32, 1024, 1024), jnp.float8_e4m3fn),
+                     None, None, None, routed_scaling_factor=1.0, activation_clamp=None, w13_interleave=8)
+    assert used == [cfg if fits else dataclasses.replace(cfg, cluster_size=1)]
