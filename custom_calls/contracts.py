@@ -170,6 +170,16 @@ def check_masked_m(masked_m: jax.Array, m_pad: int) -> None:
                    g=g, v=masked_m[g])
 
 
+def _check_range(name: str, flat: jax.Array, k: int, bound_name: str, bound: int) -> jax.Array:
+    """flat: an (M, k) array flattened. Checks every entry is in [-1, bound), naming the first
+    (token, slot) outside; returns the mask of those outside."""
+    bad = (flat < -1) | (flat >= bound)
+    i = _first(bad)
+    checkify.check(~jnp.any(bad), name + "[{t}, {j}] = {v} is outside [-1, " + bound_name + "=" + str(bound) + ")",
+                   t=i // k, j=i % k, v=flat[i])
+    return bad
+
+
 def check_src2dst(src2dst: jax.Array, num_rows: int, *, distinct: bool) -> None:
     """Checks every entry of src2dst (M, k) is -1 or a row in [0, num_rows) and, with `distinct`,
     that no row is named twice; names the first offending (token, k) entry."""
@@ -177,10 +187,7 @@ def check_src2dst(src2dst: jax.Array, num_rows: int, *, distinct: bool) -> None:
         return
     k = src2dst.shape[1]
     flat = src2dst.reshape(-1)
-    bad = (flat < -1) | (flat >= num_rows)
-    i = _first(bad)
-    checkify.check(~jnp.any(bad), "src2dst[{t}, {j}] = {v} is outside [-1, num_rows=" + str(num_rows) + ")",
-                   t=i // k, j=i % k, v=flat[i])
+    bad = _check_range("src2dst", flat, k, "num_rows", num_rows)
     if not distinct or num_rows == 0:
         return
     inside = jnp.where(bad, -1, flat)
@@ -198,11 +205,7 @@ def check_topk_ids(topk_ids: jax.Array, num_experts: int) -> None:
     if topk_ids.size == 0:
         return
     k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1)
-    bad = (flat < -1) | (flat >= num_experts)
-    i = _first(bad)
-    checkify.check(~jnp.any(bad), "topk_ids[{t}, {j}] = {v} is outside [-1, num_experts=" + str(num_experts) + ")",
-                   t=i // k, j=i % k, v=flat[i])
+    bad = _check_range("topk_ids", topk_ids.reshape(-1), k, "num_experts", num_experts)
     ids = jnp.where(bad.reshape(topk_ids.shape), -1, topk_ids)
     again = _topk_repeats(ids)
     i = _first(again)
