@@ -42,6 +42,7 @@ import numpy as np
 
 from custom_calls import contracts
 from custom_calls.backends import declare_op, resolve
+from custom_calls.dispatch_map import dispatch_map_contig_xla
 from layouts import (
     FP8_E4M3_MAX,
     cast_to_e4m3,
@@ -124,23 +125,15 @@ def _reference(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, *, route
     if m == 0:
         return jnp.zeros((0, h), jnp.bfloat16)
     xd = _quantize_1x128(x.astype(jnp.float32), _token_scale)  # (M, H): once per token, not per route
-    # The routes grouped by expert, each expert's rows padded to whole blocks of 128 (a static
-    # bound of M k + E 127 rows): one GEMM per block with its expert's weights.
-    ids = topk_ids.reshape(-1)
-    valid = (ids >= 0) & (ids < e)
-    key = jnp.where(valid, ids, e)
-    order = jnp.argsort(key, stable=True)  # sorted position -> route
-    sorted_key = key[order]
-    sizes = jnp.bincount(key, length=e + 1).astype(jnp.int32)
-    padded = (sizes + _BLOCK - 1) // _BLOCK * _BLOCK
-    cap = -(-(m * k + e * (_BLOCK - 1)) // _BLOCK) * _BLOCK
-    rank = jnp.arange(m * k, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[sorted_key]
-    row = jnp.where(sorted_key < e, (jnp.cumsum(padded) - padded)[sorted_key] + rank, cap)  # cap: no row
-    row_of_route = jnp.zeros((m * k,), jnp.int32).at[order].set(row)
-    token = jnp.zeros((cap,), jnp.int32).at[row].set((order // k).astype(jnp.int32), mode="drop")
-    expert = jnp.full((cap,), -1, jnp.int32).at[row].set(sorted_key, mode="drop")
-    block_expert = jnp.max(expert.reshape(-1, _BLOCK), axis=1)
-    weight = jnp.zeros((cap,), jnp.float32).at[row].set(topk_weights.reshape(-1)[order].astype(jnp.float32),
+    # The routes grouped by expert, each expert's rows padded to whole blocks of 128 (the contig
+    # dispatch map's layout): one GEMM per block with its expert's weights.
+    src2dst, m_indices, _, _ = dispatch_map_contig_xla(topk_ids, 0, num_local_experts=e, alignment=_BLOCK)
+    cap = m_indices.shape[0]
+    row_of_route = src2dst.reshape(-1)
+    row = jnp.where(row_of_route >= 0, row_of_route, cap)  # cap: no row
+    token = jnp.zeros((cap,), jnp.int32).at[row].set(jnp.arange(m * k, dtype=jnp.int32) // k, mode="drop")
+    block_expert = m_indices.reshape(-1, _BLOCK)[:, 0]  # a block's expert is in its first row, -1: unused
+    weight = jnp.zeros((cap,), jnp.float32).at[row].set(topk_weights.reshape(-1).astype(jnp.float32),
                                                          mode="drop") * jnp.float32(routed_scaling_factor)
     # padding rows compute from token 0 and are never read
     gu = _expert_blocks(xd[token], block_expert, dequantize_fp8_per_block(w13, w13_scale, _BLOCK))
@@ -152,8 +145,8 @@ def _reference(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, *, route
     a = (gate * (jnp.float32(1.0) / (jnp.float32(1.0) + jnp.exp(-gate))) * up) * weight[:, None]
     ad = _quantize_1x128(a, _activation_scale)
     o = store_as(_expert_blocks(ad, block_expert, dequantize_fp8_per_block(w2, w2_scale, _BLOCK)), jnp.bfloat16)
-    o = o[jnp.minimum(row_of_route, cap - 1)].reshape(m, k, h)  # back to (token, slot)
-    valid = valid.reshape(m, k)
+    o = o[jnp.maximum(row_of_route, 0)].reshape(m, k, h)  # back to (token, slot)
+    valid = (row_of_route >= 0).reshape(m, k)
     acc = jnp.zeros((m, h), jnp.float32)
     for j in range(k):  # the kernel's fixed slot order; a -1 slot's row is skipped, not added as 0
         acc = jnp.where(valid[:, j:j + 1], acc + o[:, j].astype(jnp.float32), acc)
