@@ -97,8 +97,6 @@ def canonical_src2dst(src2dst: jax.Array, num_rows: int, *, distinct: bool) -> j
     return jnp.where(_first_claims(flat, num_rows), flat, -1).reshape(s.shape)
 
 
-# ------------------------------------------------------------------ checked mode (debug_checks=True)
-
 def _topk_repeats(ids: jax.Array) -> jax.Array:
     """ids (M, k), -1 or valid: (M, k) bool, True where the slot names an expert an earlier slot
     of the same token names."""
@@ -113,6 +111,8 @@ def canonical_topk_ids(topk_ids: jax.Array, num_experts: int) -> jax.Array:
     ids = jnp.where((topk_ids >= 0) & (topk_ids < num_experts), topk_ids, -1)
     return jnp.where(_topk_repeats(ids), -1, ids)
 
+
+# ------------------------------------------------------------------ checked mode (debug_checks=True)
 
 def _first(mask: jax.Array) -> jax.Array:
     """The flat index of the first True of `mask` (0 when none; only read when there is one)."""

@@ -41,7 +41,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from layouts.checks import align
+from layouts.checks import align, check_positive_int
 
 # BLOCK_M values the SM90 kernel instantiates (layout::kSM90CandidateBlockM); the pool is padded
 # for the largest of them and aligned to their LCM.
@@ -70,8 +70,7 @@ def _array_module(w):
 
 
 def _check_gate_up(name: str, w, gran) -> None:
-    if isinstance(gran, bool) or not isinstance(gran, (int, np.integer)) or gran <= 0:
-        raise ValueError(f"gran: expected a positive int, got {gran!r}")
+    check_positive_int("gran", gran)
     if not hasattr(w, "shape") or len(w.shape) < 2:
         got = tuple(w.shape) if hasattr(w, "shape") else type(w).__name__
         raise ValueError(f"{name}: expected an array of shape (..., 2I, K), got {got}")
@@ -108,12 +107,6 @@ def deinterleave_gate_up(w, gran: int = FUSED_GATE_UP_GRAN):
     return xp.reshape(xp.swapaxes(chunks, -4, -3), (*lead, rows, k))
 
 
-def _check_size(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return int(value)
-
-
 @dataclasses.dataclass(frozen=True)
 class FusedMoEBuffer:
     """The fused MoE kernel's device buffer for one static problem size (single rank).
@@ -132,7 +125,8 @@ class FusedMoEBuffer:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, _check_size(f.name, getattr(self, f.name)))
+            check_positive_int(f.name, getattr(self, f.name))
+            object.__setattr__(self, f.name, int(getattr(self, f.name)))
         if self.block_m not in FUSED_MOE_BLOCK_MS:
             raise ValueError(f"block_m: expected one of {FUSED_MOE_BLOCK_MS} (the SM90 kernel's BLOCK_M), "
                              f"got {self.block_m}")

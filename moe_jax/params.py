@@ -216,9 +216,8 @@ def prepare_params(params: MoEParams, config: MoEConfig, arch: int | None = None
     w13, s13 = _prepare_weight(params.w13, params.w13_scale, config.recipe, arch)
     w2, s2 = _prepare_weight(params.w2, params.w2_scale, config.recipe, arch)
     gr = rec.gemm_recipe(arch).name
-    out = params.replace(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, gemm_recipe=gr, gemm_arch=arch)
-    if config.layout == "fused":  # the fused kernel's w13 row order; its scales stay [gate; up]
-        out = out.replace(w13=interleave_gate_up(w13), w13_interleave=FUSED_GATE_UP_GRAN)
+    out = _gate_up_order(params.replace(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, gemm_recipe=gr,
+                                        gemm_arch=arch), config)
     if config.n_shared_experts and config.fuse_shared_experts:
         return _fuse_shared(out, params, config, arch)
     if config.n_shared_experts:
@@ -227,7 +226,8 @@ def prepare_params(params: MoEParams, config: MoEConfig, arch: int | None = None
 
 
 def _gate_up_order(params: MoEParams, config: MoEConfig) -> MoEParams:
-    """Prepared params with the w13 row order of config.layout (interleaved for "fused" only)."""
+    """Prepared params with the w13 row order of config.layout: interleaved for "fused" only (the
+    fused kernel's order; the scales stay [gate; up])."""
     want = FUSED_GATE_UP_GRAN if config.layout == "fused" else 0
     if params.w13_interleave == want:
         return params
