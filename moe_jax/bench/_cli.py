@@ -18,6 +18,14 @@ def log(*parts: object) -> None:
     print(*parts, file=sys.stderr, flush=True)
 
 
+def cannot_run(prog: str, reason: str | None) -> bool:
+    """True, after saying so on stderr ("python -m moe_jax.bench.tune: needs ..."), when ``reason``
+    says the benchmark ``prog`` cannot run on this machine; the caller then exits with status 2."""
+    if reason:
+        log(f"python -m {prog}: {reason}")
+    return bool(reason)
+
+
 class Progress:
     """Steps of a warm-up (mostly JIT compiles) on stderr.
 

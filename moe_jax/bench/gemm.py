@@ -183,12 +183,10 @@ def launch_overhead(chain: int = 32, iters: int = 300) -> dict:
 
 
 def run(args) -> int:
-    from moe_jax.bench._cli import Progress, check_plot_available, exit_status, log, write_json
+    from moe_jax.bench._cli import Progress, cannot_run, check_plot_available, exit_status, log, write_json
 
     check_plot_available(args.plot)
-    reason = gpu_reason()
-    if reason:
-        print(f"python -m moe_jax.bench gemm: {reason}", file=sys.stderr)
+    if cannot_run("moe_jax.bench gemm", gpu_reason()):
         return 2
     import jax
 

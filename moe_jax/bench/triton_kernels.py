@@ -374,11 +374,9 @@ def print_table(table: list[dict]) -> None:
 
 
 def run_cli(args) -> int:
-    from moe_jax.bench._cli import exit_status, write_json
+    from moe_jax.bench._cli import cannot_run, exit_status, write_json
 
-    reason = gpu_reason()
-    if reason:
-        log(f"python -m moe_jax.bench triton: {reason}")
+    if cannot_run("moe_jax.bench triton", gpu_reason()):
         return 2
     if args.routing_only:
         table = run_routing(args.reps, sweep=not args.no_sweep)

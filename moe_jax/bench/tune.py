@@ -222,12 +222,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from moe_jax.bench._cli import log, write_json
+    from moe_jax.bench._cli import cannot_run, log, write_json
     from moe_jax.bench.gemm import gpu_reason
 
-    reason = gpu_reason()
-    if reason:
-        print(f"python -m moe_jax.bench.tune: {reason}", file=sys.stderr)
+    if cannot_run("moe_jax.bench.tune", gpu_reason()):
         return 2
     import jax
 
