@@ -21,11 +21,12 @@ correctly rounded division (`_div_rn`). Hence a quantizer of its own here rather
 helpers. The route weight scales `a` before its quantization, so the combine is an unweighted sum
 of bf16 rows (unlike the un-permute of the staged path, which weights the bf16 GEMM2 rows).
 
-Routes: the public op maps an id outside [0, E) to -1 and drops a repeat of an expert already
-named by an earlier slot of the same token (-1), for every backend (the kernel takes distinct
-experts per token). A -1 slot contributes nothing. Implementations are called as
-impl(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, *, routed_scaling_factor,
-activation_clamp) with these canonical ids and w13 in the op's row order.
+Routes: an id outside [0, E) counts as -1 and a repeat of an expert already named by an earlier
+slot of the same token is dropped (-1), for every backend (the kernel takes distinct experts per
+token). A -1 slot contributes nothing. Implementations are called as impl(x, topk_ids,
+topk_weights, w13, w13_scale, w2, w2_scale, *, routed_scaling_factor, activation_clamp,
+w13_interleave) with w13 in the op's row order and the ids as given: each canonicalizes them
+(`contracts.canonical_topk_ids`; the SM90 path inside its input kernel, no separate pass).
 
 The reference groups the routes by expert in blocks of 128 rows, one fp32 GEMM per block (no
 per-route copy of the weights): on one H200, about 0.1 s and 7 GiB at M 4096, H 7168, I 2048,
@@ -45,6 +46,7 @@ from custom_calls.backends import declare_op, resolve
 from custom_calls.dispatch_map import dispatch_map_contig_xla
 from layouts import (
     FP8_E4M3_MAX,
+    FusedMoEBuffer,
     cast_to_e4m3,
     deinterleave_gate_up,
     dequantize_fp8_per_block,
@@ -92,14 +94,41 @@ def _activation_scale(amax: jax.Array) -> jax.Array:
     return amax * jnp.float32(1.0 / FP8_E4M3_MAX)  # the epilogue multiplies by fl(1/448)
 
 
-def _quantize_1x128(v: jax.Array, scale_of_amax) -> jax.Array:
-    """v (R, K) f32, K % 128 == 0 -> dequant(e4m3 quantization) (R, K) f32, 1x128 groups, amax floor 1e-10."""
+def _quantize_1x128_parts(v: jax.Array, scale_of_amax) -> tuple[jax.Array, jax.Array]:
+    """v (R, K) f32, K % 128 == 0 -> (q (R, K) e4m3, sf (R, K/128) f32), 1x128 groups, amax floor 1e-10."""
     r, k = v.shape
     grp = v.reshape(r, k // _BLOCK, _BLOCK)
     sf = scale_of_amax(jnp.maximum(jnp.max(jnp.abs(grp), axis=-1), jnp.float32(_AMAX_FLOOR)))
     inv = _div_rn(jnp.ones_like(sf), sf)  # the kernels' 1 / sf, then x * (1 / sf): two roundings
-    q = cast_to_e4m3(grp * inv[..., None]).reshape(r, k)
-    return dequantize_fp8_per_token_group(q, sf, _BLOCK)
+    return cast_to_e4m3(grp * inv[..., None]).reshape(r, k), sf
+
+
+def _quantize_1x128(v: jax.Array, scale_of_amax) -> jax.Array:
+    """v (R, K) f32, K % 128 == 0 -> dequant(e4m3 quantization) (R, K) f32, 1x128 groups, amax floor 1e-10."""
+    return dequantize_fp8_per_token_group(*_quantize_1x128_parts(v, scale_of_amax), _BLOCK)
+
+
+def fused_input_reference(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *,
+                          buffer: FusedMoEBuffer, routed_scaling_factor: float) -> jax.Array:
+    """The fused kernel's input stage (`custom_calls.triton.fused_input_kernel`, which writes the
+    same bytes): x (M, H) bf16, topk_ids (M, k) int32, topk_weights (M, k) f32, M <= buffer.max_tokens
+    -> the buffer (buffer.total_bytes,) uint8: workspace zero; input_tokens / input_scales the 1x128
+    e4m3 quantization of x (sf = max(amax, 1e-10) / 448); input_topk_ids the canonical ids as int64;
+    input_topk_weights topk_weights * fl32(routed_scaling_factor); every other byte 0 here (the
+    kernel leaves the scratch regions as they are)."""
+    if not 0 < x.shape[0] <= buffer.max_tokens:
+        raise ValueError(f"x: expected 1 to {buffer.max_tokens} tokens (the buffer's capacity), got {x.shape[0]}")
+    q, sf = _quantize_1x128_parts(x.astype(jnp.float32), _token_scale)
+    ids = contracts.canonical_topk_ids(topk_ids, buffer.num_experts)
+    ids64 = jnp.stack([ids, ids >> 31], axis=-1)  # int64 as (low, high) int32 words: -1 stays -1
+    weights = topk_weights.astype(jnp.float32) * jnp.float32(routed_scaling_factor)
+    out = jnp.zeros((buffer.total_bytes,), jnp.uint8)
+    regions = buffer.regions
+    for name, value in (("input_tokens", q), ("input_scales", sf), ("input_topk_ids", ids64),
+                        ("input_topk_weights", weights)):
+        data = jax.lax.bitcast_convert_type(value, jnp.uint8).reshape(-1)  # little-endian bytes
+        out = jax.lax.dynamic_update_slice(out, data, (regions[name][0],))
+    return out
 
 
 def _expert_blocks(rows: jax.Array, block_expert: jax.Array, w: jax.Array) -> jax.Array:
@@ -121,6 +150,7 @@ def _reference(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, *, route
         w13 = deinterleave_gate_up(w13, w13_interleave)
     m, h = x.shape
     e, two_i, _ = w13.shape
+    topk_ids = contracts.canonical_topk_ids(topk_ids, e)
     i, k = two_i // 2, topk_ids.shape[1]
     if m == 0:
         return jnp.zeros((0, h), jnp.bfloat16)
@@ -225,7 +255,6 @@ def fused_moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: j
         raise ValueError(f"arch: expected an int (90, 100), got {arch!r}")
     if debug_checks:
         contracts.check_topk_ids(topk_ids, e)
-    topk_ids = contracts.canonical_topk_ids(topk_ids, e)
     impl = resolve(OP, backend, m=m, hidden=h, intermediate=i, num_experts=e, top_k=topk_ids.shape[1],
                    x_dtype=x.dtype, weight_dtype=w13.dtype, routed_scaling_factor=routed_scaling_factor,
                    activation_clamp=activation_clamp, w13_interleave=w13_interleave, arch=arch)

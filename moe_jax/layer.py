@@ -200,13 +200,15 @@ def _routed_fused(x, topk_ids, topk_weights, params, config, *, expert_offset, b
                   routed_scaling_factor, debug_checks, addend) -> jax.Array:
     """The routed branch as one `fused_moe` op (its numerics: custom_calls/fused_moe.py: the route
     weight scales the SwiGLU output before its quantization). A route to an expert not held here
-    gets -1, so that the ids keep the op's contract and checked mode reports only repeated experts;
-    addend is added in fp32 before the cast."""
+    becomes an id outside [0, E_local), which the op drops; in checked mode it gets -1, so that the
+    check reports only repeated experts. addend is added in fp32 before the cast."""
     e_loc = int(params.w13.shape[0])
-    ids = local_expert_ids(topk_ids, expert_offset, e_loc)
-    ids = jnp.where(ids < e_loc, ids, -1)
     if debug_checks:
+        ids = local_expert_ids(topk_ids, expert_offset, e_loc)
+        ids = jnp.where(ids < e_loc, ids, -1)
         contracts.check_finite_rows("topk_weights", topk_weights, "tokens")
+    else:  # the op drops ids outside [0, E_local) itself (no separate pass over the ids)
+        ids = topk_ids.astype(jnp.int32) - jnp.asarray(expert_offset, jnp.int32)
     act = config.activation
     out = fused_moe(x.astype(jnp.bfloat16), ids, topk_weights.astype(jnp.float32), params.w13, params.w13_scale,
                     params.w2, params.w2_scale, routed_scaling_factor=routed_scaling_factor,

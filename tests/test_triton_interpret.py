@@ -39,7 +39,7 @@ CASES = [
     # the host entry points (custom_calls.triton.*_kernel), launches run by the interpreter: the
     # heuristic config against the models, a non-default config bit for bit against the heuristic
     "host_quant_configs", "host_permute_configs", "host_act_configs", "host_unpermute_config",
-    "host_rank_config", "host_route_config", "host_dispatch_map_configs",
+    "host_rank_config", "host_route_config", "host_dispatch_map_configs", "host_fused_input_configs",
 ]
 
 
@@ -247,7 +247,7 @@ class _Buf:
     """The little of torch.Tensor that Triton's interpreter touches, over a numpy array."""
 
     _NAMES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16", "int32": "int32",
-              "float8_e4m3fn": "float8_e4m3fn"}
+              "float8_e4m3fn": "float8_e4m3fn", "uint8": "uint8"}
 
     def __init__(self, arr, dtype=None):
         self.arr = arr
@@ -940,7 +940,7 @@ def _record_launches():
         return launch.triton_call(*args, kernel=kernel, out_shape=out_shape, grid=grid, num_warps=num_warps,
                                   name=name, zeroed_outputs=zeroed_outputs, **constexprs)
 
-    for name in ("permute", "activation", "quant", "unpermute", "dispatch", "dispatch_map", "routing"):
+    for name in ("permute", "activation", "quant", "unpermute", "dispatch", "dispatch_map", "routing", "fused_input"):
         importlib.import_module(f"custom_calls.triton.{name}_kernel").triton_call = recording
 
 
@@ -1204,6 +1204,82 @@ def case_host_dispatch_map_configs():
                 _same_bytes(g, w, f"dispatch map m={m} config={cfg}")
             model = model_dispatch_map(np.asarray(ids), offset, e, alignment=64)
             assert np.array_equal(np.asarray(got_c[1]), model[1]) and int(got_c[2]) == model[2]
+
+
+def model_fused_input(x32, ids, weights, e, rsf):
+    """numpy model of the fused kernel's input stage: (q e4m3 (M, H), sf (M, H/128) f32, ids int64,
+    weights f32); scales amax floored at 1e-10 / 448 (IEEE f32), ids outside [0, e) or repeating an
+    earlier slot's expert -> -1, weights * f32(rsf)."""
+    m, h = x32.shape
+    amax = np.maximum(np.abs(x32.reshape(m, h // 128, 128)).max(-1), np.float32(1e-10))
+    sf = (amax / np.float32(E4M3_MAX)).astype(np.float32)
+    q = model_quant_values(x32, sf, 128)
+    canon = np.full(ids.shape, -1, np.int64)
+    for t in range(m):
+        seen = set()
+        for j, v in enumerate(ids[t]):
+            if 0 <= v < e and v not in seen:
+                canon[t, j] = v
+            seen.add(int(v))
+    return q, sf, canon, (weights * np.float32(rsf)).astype(np.float32)
+
+
+def case_host_fused_input_configs():
+    """The fused kernel's input stage (one launch: workspace zeroing, quantization, routes) on a
+    0xFF-filled buffer: the four input regions against the numpy model and, bit for bit, the
+    reference; the workspace zero; every other byte untouched; a second tiling gives the same bytes.
+    13 tokens of a 16-token buffer, H 1536 (12 groups: a partial second chunk of 8), ids with
+    repeats, -1 and ids outside [0, E)."""
+    import jax.numpy as jnp
+
+    from custom_calls.fused_moe import fused_input_reference
+    from custom_calls.triton import fused_input_kernel as fk
+    from layouts import FusedMoEBuffer
+
+    ml = _ml()
+    rng = _rng(80)
+    m, h, e, k = 13, 1536, 6, 3
+    buffer = FusedMoEBuffer(max_tokens=16, hidden=h, intermediate=256, num_experts=e, top_k=k, block_m=64)
+    x = (rng.standard_normal((m, h)) * rng.uniform(0.01, 30, (m, 1))).astype(ml.bfloat16)
+    x[4, 128:256] = x[4, 128:256] * 0 + ml.bfloat16(3e-12)  # a group below the amax floor
+    ids = rng.integers(-1, e, (m, k)).astype(np.int32)
+    ids[2] = [3, 3, 3]
+    ids[5] = [e, 100, -7]
+    ids[7] = [1, -1, 1]
+    weights = rng.uniform(0.05, 1, (m, k)).astype(np.float32)
+    rsf = 2.826  # not an f32: the kernel and the model multiply by f32(rsf)
+    regions = buffer.regions
+    q, sf, canon, w = model_fused_input(x.astype(np.float32), ids, weights, e, rsf)
+    want = {"input_tokens": q.view(np.uint8).reshape(-1), "input_scales": sf.view(np.uint8).reshape(-1),
+            "input_topk_ids": canon.view(np.uint8).reshape(-1), "input_topk_weights": w.view(np.uint8).reshape(-1)}
+    ref = np.asarray(fused_input_reference(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(weights), buffer=buffer,
+                                           routed_scaling_factor=rsf))
+    outs = []
+    for cfg in (None, fk.FusedInputConfig(tile=512, block_m=4, num_warps=2, chunks_fastest=False, zero_block=256)):
+        buf = np.asarray(fk.fused_input(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(weights), buffer=buffer,
+                                        routed_scaling_factor=rsf, config=cfg))
+        if cfg is None:
+            _launched_with("fused_input_kernel", num_warps=4, BLOCK_M=1, GROUPS=8, ZERO_BLOCK=2048)
+        else:
+            _launched_with("fused_input_kernel", num_warps=2, BLOCK_M=4, GROUPS=4, ZERO_BLOCK=256)
+        assert buf.shape == (buffer.total_bytes,) and buf.dtype == np.uint8
+        touched = np.zeros(buf.shape, bool)
+        off, n = regions["workspace"]
+        assert (buf[off:off + n] == 0).all(), "workspace not zeroed"
+        touched[off:off + n] = True
+        for name, data in want.items():
+            off = regions[name][0]
+            got = buf[off:off + data.size]
+            assert np.array_equal(got, data), f"{name}: differs from the model at {np.argwhere(got != data)[:5]}"
+            assert np.array_equal(ref[off:off + data.size], data), f"{name}: the reference differs from the model"
+            touched[off:off + data.size] = True
+        assert (buf[~touched] == 0xFF).all(), f"bytes outside the input regions written: {np.argwhere(buf[~touched] != 0xFF)[:5]}"
+        assert (ref[~touched] == 0).all()
+        outs.append(buf)
+    _same_bytes(outs[0], outs[1], "fused input configs")
+    with pytest.raises(ValueError, match="x: expected 1 to 16 tokens"):
+        fused_input_reference(jnp.zeros((17, h), jnp.bfloat16), jnp.zeros((17, k), jnp.int32),
+                              jnp.zeros((17, k), jnp.float32), buffer=buffer, routed_scaling_factor=1.0)
 
 
 def _main() -> None:

@@ -92,8 +92,3 @@ def sm90_fused_moe_source(cfg: Sm90FusedMoEConfig) -> str:
               str(int(cfg.early_combine)), str(cfg.pull_publish_batch), "false"]  # kPullEagerPublish
     return _unit("sm90_fp8_mega_moe.cuh", "sm90_fp8_mega_moe_impl", params)
 
-
-def sm90_fused_moe_pre_dispatch_source() -> str:
-    """The fused kernel's input stage: per-128 FP8 quantization of the tokens into the buffer, the
-    top-k ids widened to int64 and the weights times routed_scaling_factor (no PDL)."""
-    return _unit("sm90_mega_moe_pre_dispatch.cuh", "sm90_mega_moe_pre_dispatch_kernel", ["128", "false"])

@@ -5,10 +5,10 @@ driven for one GPU.
 Two custom calls share one device buffer (`layouts.FusedMoEBuffer`, the kernel's "symmetric
 buffer" for a single rank):
 
-1. the input stage zeroes the buffer's workspace on the stream (the kernel's counters and flags
-   start from zero every call, so no state outlives a call) and writes the tokens (per-128 FP8
-   quantization), the top-k ids (as int64) and the top-k weights times `routed_scaling_factor`
-   into the buffer's input regions;
+1. the input stage, one Triton kernel (`custom_calls.triton.fused_input_kernel`), zeroes the
+   buffer's workspace (the kernel's counters and flags start from zero every call, so no state
+   outlives a call) and writes the tokens (per-128 FP8 quantization), the canonical top-k ids (as
+   int64) and the top-k weights times `routed_scaling_factor` into the buffer's input regions;
 2. the fused kernel (cooperative launch: its grid barriers need every block resident) takes the
    buffer in and out (aliased) and writes y (M, H) bf16.
 
@@ -22,21 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import struct
 
 import jax
 import jax.numpy as jnp
 
+from custom_calls.triton.launch import missing_dependencies
 from layouts import FUSED_GATE_UP_GRAN
 
 from . import compiler, launch_plan as LP
-from .codegen import sm90_fused_moe_pre_dispatch_source, sm90_fused_moe_source
+from .codegen import sm90_fused_moe_source
 from .heuristics import Sm90FusedMoEConfig, sm90_fused_moe_config, sm90_fused_moe_reason
 from .launch import launch
 from .toolchain import detected_device
-
-# the input stage: one block per token, one thread per 8 bf16 values (a 16-byte load)
-_PRE_VALUES_PER_THREAD = 8
 
 
 def token_capacity(num_tokens: int) -> int:
@@ -111,26 +108,8 @@ def clusters_reason(cfg: Sm90FusedMoEConfig, cubin: str) -> str | None:
 def fused_reason(*, num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int,
                  num_sms: int) -> str | None:
     """Why the fused kernel cannot run this shape (None when it can)."""
-    if hidden // _PRE_VALUES_PER_THREAD > 1024:
-        return f"hidden: the input stage runs one thread per 8 values of a token, at most 8192, got {hidden}"
     return sm90_fused_moe_reason(hidden=hidden, intermediate=intermediate, num_experts=num_experts, top_k=top_k,
                                  max_tokens=token_capacity(num_tokens), num_sms=num_sms)
-
-
-def pre_dispatch_plan(cfg: Sm90FusedMoEConfig, cubin: str, *, num_tokens: int,
-                      routed_scaling_factor: float) -> LP.LaunchPlan:
-    """Operands: 0 x bf16 (M, H), 1 topk_ids int32 (M, k), 2 topk_weights f32 (M, k); output 3 the
-    buffer (bytes). Zeroes the workspace, then fills the input regions."""
-    r = cfg.buffer.regions
-    h, k = cfg.hidden, cfg.top_k
-    args = (LP._ptr(0), LP._ptr(1), LP._ptr(2),
-            LP._ptr(3, r["input_tokens"][0]), LP._ptr(3, r["input_scales"][0]),
-            LP._ptr(3, r["input_topk_ids"][0]), LP._ptr(3, r["input_topk_weights"][0]),
-            LP._u32(num_tokens), LP._u32(num_tokens),  # num_tokens, padded_max: no -1 padding rows
-            LP._u32(h), LP._u32(h // 128), LP._u32(k),
-            LP.KernelArg(LP.ARG_BYTES, data=struct.pack("<f", routed_scaling_factor)))
-    return LP.LaunchPlan("sm90_mega_moe_pre_dispatch", cubin, num_tokens, h // _PRE_VALUES_PER_THREAD, 1, 0,
-                         args, (), zero=(LP.ZeroRange(3, 0, r["workspace"][1]),))
 
 
 def fused_plan(cfg: Sm90FusedMoEConfig, cubin: str, *, num_tokens: int) -> LP.LaunchPlan:
@@ -160,11 +139,10 @@ def fused_plan(cfg: Sm90FusedMoEConfig, cubin: str, *, num_tokens: int) -> LP.La
                          args, tmaps, cooperative=True)
 
 
-def kernel_names(cfg: Sm90FusedMoEConfig) -> tuple[str, str]:
-    """Cache names of the two kernels."""
+def kernel_name(cfg: Sm90FusedMoEConfig) -> str:
+    """Cache name of the kernel."""
     clamp = "none" if cfg.activation_clamp is None else f"{cfg.activation_clamp:g}"
-    return ("sm90_fused_moe_pre_dispatch",
-            f"sm90_fused_moe_t{cfg.max_tokens}_h{cfg.hidden}_i{cfg.intermediate}_e{cfg.num_experts}_k{cfg.top_k}"
+    return (f"sm90_fused_moe_t{cfg.max_tokens}_h{cfg.hidden}_i{cfg.intermediate}_e{cfg.num_experts}_k{cfg.top_k}"
             f"_{config_label(cfg).replace(' ', '_')}_sms{cfg.num_sms}_clamp{clamp}")
 
 
@@ -193,7 +171,7 @@ def fused_moe_impl(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
     if cfg.cluster_size > 1:
         # the rule's clusters need num_sms / 2 resident CTA pairs; a GPU whose SM groups cannot pair
         # every SM runs the same kernel without clusters (same output, weights read per CTA)
-        cubin = compiler.compile_cubin(kernel_names(cfg)[1], sm90_fused_moe_source(cfg), 90)
+        cubin = compiler.compile_cubin(kernel_name(cfg), sm90_fused_moe_source(cfg), 90)
         if clusters_reason(cfg, str(cubin.path)):
             cfg = dataclasses.replace(cfg, cluster_size=1)
     return fused_moe_with_config(cfg, x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
@@ -211,16 +189,15 @@ def fused_moe_with_config(cfg: Sm90FusedMoEConfig, x: jax.Array, topk_ids: jax.A
     if not 0 < m <= cfg.max_tokens:
         raise ValueError(f"x: expected 1 to {cfg.max_tokens} tokens (the config's capacity), got {m}")
     h = cfg.hidden
-    pre_name, name = kernel_names(cfg)
-    pre_cubin = compiler.compile_cubin(pre_name, sm90_fused_moe_pre_dispatch_source(), 90)
+    name = kernel_name(cfg)
     cubin = compiler.compile_cubin(name, sm90_fused_moe_source(cfg), 90)
     reason = clusters_reason(cfg, str(cubin.path))
     if reason:
         raise ValueError(f"fused MoE config {config_label(cfg)}: {reason}")
+    from custom_calls.triton.fused_input_kernel import fused_input  # imports triton
+
+    buf = fused_input(x, topk_ids, topk_weights, buffer=cfg.buffer, routed_scaling_factor=routed_scaling_factor)
     buffer = jax.ShapeDtypeStruct((cfg.buffer.total_bytes,), jnp.uint8)
-    (buf,) = launch(pre_dispatch_plan(cfg, str(pre_cubin.path), num_tokens=m,
-                                      routed_scaling_factor=routed_scaling_factor),
-                    [x, topk_ids, topk_weights], [buffer])
     y, _ = launch(fused_plan(cfg, str(cubin.path), num_tokens=m), [buf, w13, w13_scale, w2, w2_scale],
                   [jax.ShapeDtypeStruct((m, h), jnp.bfloat16), buffer], input_output_aliases={0: 1})
     return y
@@ -238,6 +215,10 @@ def static_supports_fused(*, m: int, hidden: int, intermediate: int, num_experts
                        f"{FUSED_GATE_UP_GRAN} (layouts.interleave_gate_up), got {w13_interleave}")
     if jnp.dtype(x_dtype) != jnp.bfloat16 or jnp.dtype(weight_dtype) != jnp.float8_e4m3fn:
         return False, f"dtypes: expected x bf16 and weights float8_e4m3fn, got {x_dtype} and {weight_dtype}"
+    missing = missing_dependencies()
+    if missing:
+        return False, (f"dependencies: the fused kernel's input stage is a Triton kernel; not importable here: "
+                       f"{', '.join(missing)} (pip install 'moe-jax[gpu]')")
     if num_sms is None:
         num_sms = detected_device()[2] or 132
     reason = fused_reason(num_tokens=max(m, 1), hidden=hidden, intermediate=intermediate, num_experts=num_experts,

@@ -101,15 +101,6 @@ class KernelArg:
 
 
 @dataclasses.dataclass(frozen=True)
-class ZeroRange:
-    """Bytes [offset, offset + nbytes) of an operand, zeroed on the stream before the launch."""
-
-    operand: int
-    offset: int
-    nbytes: int
-
-
-@dataclasses.dataclass(frozen=True)
 class LaunchPlan:
     kernel: str
     cubin: str
@@ -119,7 +110,6 @@ class LaunchPlan:
     smem: int
     args: tuple[KernelArg, ...]
     tmaps: tuple[TensorMap, ...]
-    zero: tuple[ZeroRange, ...] = ()
     # all blocks resident at once (the driver fails the launch otherwise): kernels with grid barriers
     cooperative: bool = False
     # May XLA record the launch into a command buffer (CUDA graph)? Safe by construction (see
@@ -155,9 +145,6 @@ class LaunchPlan:
             if a.kind == ARG_PTR and not 0 <= a.offset < max(nbytes[a.value], 1):
                 raise ValueError(f"{self.kernel}: pointer offset {a.offset} outside operand {a.value} "
                                  f"of {nbytes[a.value]} bytes")
-        for z in self.zero:
-            if not (0 <= z.operand < len(nbytes) and 0 <= z.offset and z.offset + z.nbytes <= nbytes[z.operand]):
-                raise ValueError(f"{self.kernel}: zero range {z} outside its operand")
 
     def ffi_attributes(self) -> dict:
         """Static attributes of the custom call (hashable by XLA; part of the compiled program)."""
@@ -170,14 +157,12 @@ class LaunchPlan:
             else:
                 args += [a.kind, a.value, a.offset]
         tm = [w for t in self.tmaps for w in t.words()]
-        zero = [v for z in self.zero for v in (z.operand, z.offset, z.nbytes)]
         return {
             "cubin": self.cubin,
             "launch": np.array([self.grid, self.block, self.cluster, self.smem, int(self.cooperative)], np.int64),
             "args": np.array(args, np.int64),
             "tmaps": np.array(tm or [0], np.int64),
             "blob": np.frombuffer(bytes(blob) or b"\0" * 8, np.int64).copy(),
-            "zero": np.array(zero or [0, 0, 0], np.int64),  # an empty range when there is none
         }
 
 

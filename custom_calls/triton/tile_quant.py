@@ -74,14 +74,15 @@ def zero_row_scale(UE8M0: tl.constexpr):
 
 @triton.jit
 def quantize_tile(x, ROWS: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
-                  UE8M0: tl.constexpr):
-    """x: [ROWS, GROUPS * GROUP] fp32 (out-of-range elements already 0).
+                  UE8M0: tl.constexpr, FLOOR: tl.constexpr = AMAX_FLOOR):
+    """x: [ROWS, GROUPS * GROUP] fp32 (out-of-range elements already 0). FLOOR: the amax floor
+    (1e-4 as `layouts.fp8`; the fused MoE kernel's input stage floors at 1e-10).
 
     Returns q [ROWS, GROUPS * GROUP] fp8e4nv, sf [ROWS, GROUPS] fp32, exp [ROWS, GROUPS] int32
     (the UE8M0 exponent byte of sf; meaningful only when UE8M0).
     """
     xg = tl.reshape(x, (ROWS, GROUPS, GROUP))
-    amax = tl.maximum(tl.max(tl.abs(xg), axis=2), AMAX_FLOOR)
+    amax = tl.maximum(tl.max(tl.abs(xg), axis=2), FLOOR)
     sf, exp = scale_from_amax(amax, UE8M0)
     inv = tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf)
     y = xg * tl.expand_dims(inv, 2)

@@ -72,7 +72,7 @@ def sweep(tokens: int, setup, *, full: bool, iters: int, log) -> dict:
     cands = sm90_fused_moe_candidates(base, full=full)
     labels = [F.config_label(c) for c in cands]
     log(f"# {tokens} tokens: compiling {len(cands)} candidates")
-    cubins = autotune.compile_all([(F.kernel_names(c)[1], sm90_fused_moe_source(c)) for c in cands])
+    cubins = autotune.compile_all([(F.kernel_name(c), sm90_fused_moe_source(c)) for c in cands])
     rejected, fns, outs = {}, {}, {}
     for c, lab in zip(cands, labels):
         err = cubins[sm90_fused_moe_source(c)]

@@ -17,9 +17,8 @@
 // memory and never synchronizes or queries the stream; its one-time kernel load per cubin and
 // context runs in relaxed capture mode (it is not stream work), see GetKernel.
 //
-// A launch may first zero byte ranges of its operands on the stream (attribute "zero": operand,
-// offset, bytes triples; the fused MoE kernel needs its workspace zeroed) and may be cooperative
-// (launch[4]: the driver then guarantees that all blocks are resident at once, or fails the launch).
+// A launch may be cooperative (launch[4]: the driver then guarantees that all blocks are resident
+// at once, or fails the launch).
 
 #include <dlfcn.h>
 
@@ -55,7 +54,6 @@ struct Driver {
   CUresult (*KernelGetFunction)(CUfunction*, CUkernel) = nullptr;
   CUresult (*FuncSetAttribute)(CUfunction, CUfunction_attribute, int) = nullptr;
   CUresult (*LaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**) = nullptr;
-  CUresult (*MemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream) = nullptr;
   CUresult (*TensorMapEncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                    const cuuint64_t*, const cuuint32_t*, const cuuint32_t*,
                                    CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
@@ -91,7 +89,6 @@ const Driver& GetDriver() {
     Load(lib, "cuFuncSetAttribute", &d.FuncSetAttribute, &d.error);
     Load(lib, "cuLaunchKernelEx", &d.LaunchKernelEx, &d.error);
     Load(lib, "cuTensorMapEncodeTiled", &d.TensorMapEncodeTiled, &d.error);
-    Load(lib, "cuMemsetD8Async", &d.MemsetD8Async, &d.error);
     Load(lib, "cuStreamGetCtx", &d.StreamGetCtx, &d.error);
     Load(lib, "cuCtxGetCurrent", &d.CtxGetCurrent, &d.error);
     Load(lib, "cuCtxPushCurrent_v2", &d.CtxPushCurrent, &d.error);
@@ -196,11 +193,10 @@ ffi::Error GetKernel(const Driver& d, const std::string& path, CUcontext ctx, in
 
 ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64_t> launch,
                   ffi::Span<const int64_t> args, ffi::Span<const int64_t> tmaps, ffi::Span<const int64_t> blob,
-                  ffi::Span<const int64_t> zero, ffi::RemainingArgs ins, ffi::RemainingRets outs) {
+                  ffi::RemainingArgs ins, ffi::RemainingRets outs) {
   const Driver& d = GetDriver();
   if (!d.error.empty()) return ffi::Error::Internal(d.error);
   if (launch.size() != 5) return ffi::Error::InvalidArgument("launch attribute must hold 5 values");
-  if (zero.size() % 3 != 0) return ffi::Error::InvalidArgument("zero attribute must hold triples");
   if (args.size() % 3 != 0) return ffi::Error::InvalidArgument("args attribute must hold triples");
 
   if (launch[0] <= 0 || launch[1] <= 0 || launch[2] <= 0 || launch[3] < 0 || launch[4] < 0 || launch[4] > 1)
@@ -329,18 +325,6 @@ ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64
   const int smem = static_cast<int>(launch[3]);
   CUfunction fn = nullptr;
   ffi::Error err = GetKernel(d, std::string(cubin), ctx, smem, &fn);
-  for (size_t z = 0; err.success() && z < zero.size(); z += 3) {
-    const int64_t operand = zero[z], offset = zero[z + 1], bytes = zero[z + 2];
-    if (operand < 0 || operand >= static_cast<int64_t>(buffers.size()) || offset < 0 || bytes < 0 ||
-        static_cast<uint64_t>(offset + bytes) > sizes[operand]) {
-      err = ffi::Error::InvalidArgument("zero range outside its operand");
-      break;
-    }
-    if (bytes == 0) continue;
-    r = d.MemsetD8Async(reinterpret_cast<CUdeviceptr>(static_cast<char*>(buffers[operand]) + offset), 0,
-                        static_cast<size_t>(bytes), stream);
-    if (r != CUDA_SUCCESS) err = ffi::Error::Internal(CuError(d, r, "cuMemsetD8Async"));
-  }
   if (err.success()) {
     CUlaunchAttribute attrs[2];
     std::memset(attrs, 0, sizeof(attrs));
@@ -389,7 +373,6 @@ auto LaunchBinding() {
       .Attr<ffi::Span<const int64_t>>("args")
       .Attr<ffi::Span<const int64_t>>("tmaps")
       .Attr<ffi::Span<const int64_t>>("blob")
-      .Attr<ffi::Span<const int64_t>>("zero")
       .RemainingArgs()
       .RemainingRets();
 }

@@ -1,0 +1,135 @@
+"""Triton kernel: the fused MoE kernel's input stage, in one launch.
+
+x (M, H) bf16, topk_ids (M, k) int32, topk_weights (M, k) f32 -> the kernel's buffer
+(`layouts.FusedMoEBuffer`, bytes) with
+  workspace           zeroed (the kernel's counters and flags start from zero every call)
+  input_tokens        [token][H] e4m3, per-128 quantization with the amax floored at 1e-10
+  input_scales        [token][H/128] fp32 scales (amax / 448, IEEE division)
+  input_topk_ids      [token][k] int64, canonical (`contracts.canonical_topk_ids`: an id outside
+                      [0, E) or a repeat of an earlier slot's expert becomes -1)
+  input_topk_weights  [token][k] fp32, topk_weights * routed_scaling_factor
+for the M tokens; the other regions (the kernel's scratch) are left as they are. Model:
+`custom_calls.fused_moe.fused_input_reference`.
+
+One grid covers the three jobs, so the layer pays one launch where a memset, the id
+canonicalization and a quantization kernel stood: programs [0, row_blocks * chunks) quantize one
+[block_m, tile] block of x each (the programs of chunk 0 also write their rows' routes), the rest
+zero `zero_block` words of the workspace each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+
+from layouts import FusedMoEBuffer, ceil_div
+from custom_calls.triton.launch import triton_call
+from custom_calls.triton.tile_quant import quantize_tile, tile_ids
+from custom_calls.triton.tuning import BlockTiling, check_powers_of_two, config_or_default, tile_groups
+
+GROUP = 128  # the input stage's scale group (the kernel's per-128 token scales)
+AMAX_FLOOR = 1e-10  # the fused kernel's input floor (layouts.fp8 uses 1e-4)
+SMALL_M = 1024  # below: one row per program, so that a decode batch still fills the GPU
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedInputConfig(BlockTiling):
+    """Tiling of `fused_input_kernel` (see `custom_calls.triton.tuning`): one [block_m, tile] block
+    of x per program (tile: whole groups of 128), and zero_block int32 words of the workspace per
+    zeroing program (a power of two)."""
+
+    zero_block: int = 2048
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_powers_of_two(self, "zero_block")
+
+
+def heuristic_config(num_tokens: int) -> FusedInputConfig:
+    """The default tiling: 1024 columns (8 groups) per program, 1 row below `SMALL_M` tokens and
+    4 rows from there, 4 warps."""
+    return FusedInputConfig(tile=1024, block_m=1 if num_tokens < SMALL_M else 4, num_warps=4,
+                            chunks_fastest=True)
+
+
+@triton.jit
+def fused_input_kernel(
+    x_ptr, ids_ptr, w_ptr, buf_ptr,
+    M: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, E: tl.constexpr,
+    RSF: tl.constexpr, FLOOR: tl.constexpr,
+    WORKSPACE_OFF: tl.constexpr, WORKSPACE_WORDS: tl.constexpr, TOKENS_OFF: tl.constexpr,
+    SCALES_OFF: tl.constexpr, IDS_OFF: tl.constexpr, WEIGHTS_OFF: tl.constexpr,
+    BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, ROW_BLOCKS: tl.constexpr, CHUNKS_FASTEST: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr,
+):
+    """Grid (ROW_BLOCKS * cdiv(H / 128, GROUPS) + cdiv(WORKSPACE_WORDS, ZERO_BLOCK),)."""
+    G: tl.constexpr = H // 128
+    CHUNKS: tl.constexpr = (G + GROUPS - 1) // GROUPS
+    pid = tl.program_id(0)
+    if pid < ROW_BLOCKS * CHUNKS:
+        row_block, chunk = tile_ids(ROW_BLOCKS, CHUNKS, CHUNKS_FASTEST)
+        m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = m < M
+        row = m.to(tl.int64)
+        group0 = chunk * GROUPS
+        k = group0 * 128 + tl.arange(0, GROUPS * 128)
+        ok = tl.expand_dims(row_ok, 1) & tl.expand_dims(k < H, 0)
+        offs = tl.expand_dims(row * H, 1) + tl.expand_dims(k, 0)
+        x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        q, sf, _ = quantize_tile(x, BLOCK_M, GROUPS, 128, False, FLOOR)
+        tl.store((buf_ptr + TOKENS_OFF).to(tl.pointer_type(tl.float8e4nv)) + offs, q, mask=ok)
+        g = group0 + tl.arange(0, GROUPS)
+        sf_offs = tl.expand_dims(row * G, 1) + tl.expand_dims(g, 0)
+        sf_ok = tl.expand_dims(row_ok, 1) & tl.expand_dims(g < G, 0)
+        tl.store((buf_ptr + SCALES_OFF).to(tl.pointer_type(tl.float32)) + sf_offs, sf, mask=sf_ok)
+        if chunk == 0:
+            j = tl.arange(0, TOPK_P2)
+            r_ok = tl.expand_dims(row_ok, 1) & tl.expand_dims(j < TOPK, 0)
+            r_offs = tl.expand_dims(row * TOPK, 1) + tl.expand_dims(j, 0)
+            ids = tl.load(ids_ptr + r_offs, mask=r_ok, other=-1)
+            ids = tl.where((ids >= 0) & (ids < E), ids, -1)
+            # slot j repeats an expert that an earlier slot i < j of the same token names
+            same = (tl.expand_dims(ids, 2) == tl.expand_dims(ids, 1)) & \
+                (tl.expand_dims(tl.expand_dims(j, 0), 0) < tl.expand_dims(tl.expand_dims(j, 0), 2))
+            repeat = tl.max(same.to(tl.int32), axis=2) > 0
+            ids = tl.where(repeat, -1, ids)
+            tl.store((buf_ptr + IDS_OFF).to(tl.pointer_type(tl.int64)) + r_offs, ids.to(tl.int64), mask=r_ok)
+            w = tl.load(w_ptr + r_offs, mask=r_ok, other=0.0)
+            tl.store((buf_ptr + WEIGHTS_OFF).to(tl.pointer_type(tl.float32)) + r_offs, w * RSF, mask=r_ok)
+    else:
+        word = (pid - ROW_BLOCKS * CHUNKS) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+        tl.store((buf_ptr + WORKSPACE_OFF).to(tl.pointer_type(tl.int32)) + word,
+                 tl.zeros([ZERO_BLOCK], tl.int32), mask=word < WORKSPACE_WORDS)
+
+
+def fused_input(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, buffer: FusedMoEBuffer,
+                routed_scaling_factor: float, config: FusedInputConfig | None = None) -> jax.Array:
+    """Same signature and result (on the regions it writes, module docstring) as
+    `custom_calls.fused_moe.fused_input_reference`: x (M, H) bf16, topk_ids (M, k) int32,
+    topk_weights (M, k) f32, 1 <= M <= buffer.max_tokens -> (buffer.total_bytes,) uint8.
+    config: the tiling (None: `heuristic_config(M)`)."""
+    m, h = x.shape
+    k = topk_ids.shape[1]
+    config = config_or_default(config, FusedInputConfig, lambda: heuristic_config(m))
+    groups = tile_groups(config, "tile", group=GROUP, packed=False)
+    regions = buffer.regions
+    ws_off, ws_bytes = regions["workspace"]
+    row_blocks = ceil_div(m, config.block_m)
+    grid = row_blocks * ceil_div(h // GROUP, groups) + ceil_div(ws_bytes // 4, config.zero_block)
+    (buf,) = triton_call(
+        x, topk_ids, topk_weights, kernel=fused_input_kernel,
+        out_shape=[jax.ShapeDtypeStruct((buffer.total_bytes,), jnp.uint8)], grid=(grid,),
+        num_warps=config.num_warps, name="moe_fused_input",
+        M=m, H=h, TOPK=k, TOPK_P2=1 << (k - 1).bit_length(), E=buffer.num_experts,
+        RSF=float(np.float32(routed_scaling_factor)), FLOOR=AMAX_FLOOR,
+        WORKSPACE_OFF=ws_off, WORKSPACE_WORDS=ws_bytes // 4, TOKENS_OFF=regions["input_tokens"][0],
+        SCALES_OFF=regions["input_scales"][0], IDS_OFF=regions["input_topk_ids"][0],
+        WEIGHTS_OFF=regions["input_topk_weights"][0],
+        BLOCK_M=config.block_m, GROUPS=groups, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=config.chunks_fastest,
+        ZERO_BLOCK=config.zero_block)
+    return buf
