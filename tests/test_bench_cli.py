@@ -94,7 +94,8 @@ def test_layer_without_flags_on_cpu_runs_scaled_shapes_quickly_and_honestly(tmp_
                                           ("triton", ["--json", "--no-sweep", "--reps", "--routing-only"]),
                                           ("parallel", ["--json", "--backend", "--model", "--tokens"]),
                                           ("load", ["--json", "--small", "--dir", "--keep", "--ep"]),
-                                          ("fused", ["--json", "--tokens", "--all", "--iters", "--top"])])
+                                          ("fused", ["--json", "--tokens", "--all", "--iters", "--top"]),
+                                          ("timeline", ["--json", "--tokens", "--layout", "--reps", "--chain"])])
 def test_subcommand_help(capsys, sub, options):
     with pytest.raises(SystemExit) as e:
         main([sub, "--help"])
@@ -107,10 +108,11 @@ def test_top_level_help_lists_subcommands(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     out = capsys.readouterr().out
-    assert e.value.code == 0 and all(sub in out for sub in ("gemm", "layer", "triton", "parallel", "load", "fused"))
+    assert e.value.code == 0 and all(sub in out for sub in ("gemm", "layer", "triton", "parallel", "load", "fused",
+                                                                  "timeline"))
 
 
-@pytest.mark.parametrize("sub", ["gemm", "triton", "fused"])
+@pytest.mark.parametrize("sub", ["gemm", "triton", "fused", "timeline"])
 def test_gpu_subcommand_without_gpu_exits_with_a_message_not_a_traceback(tmp_path, sub):
     _no_gpu()
     j = tmp_path / f"{sub}.json"
@@ -119,6 +121,23 @@ def test_gpu_subcommand_without_gpu_exits_with_a_message_not_a_traceback(tmp_pat
     assert proc.returncode == 2
     assert f"python -m moe_jax.bench {sub}: needs a CUDA GPU" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == "" and not j.exists()
+
+
+def test_timeline_summary_of_a_known_stream():
+    """Two layers of three kernels with known starts and durations (ns): per-kernel medians, the
+    idle gap before each kernel, busy and span per layer, the start-up before the first long kernel."""
+    from moe_jax.bench.timeline import _summary, short_names
+
+    events = [("route", 0, 2000), ("big", 50000, 300000), ("combine", 351000, 1000),
+              ("route", 354000, 4000), ("big", 359000, 300000), ("combine", 661000, 3000)]
+    res = _summary(list(reversed(events)), layers=2)  # any order: sorted by start
+    rows = {r["kernel"]: r for r in res["rows"]}
+    assert rows["big"]["median_us"] == 300 and rows["big"]["per_layer"] == 1
+    assert rows["big"]["gap_mean_us"] == (48 + 1) / 2 and rows["route"]["gap_median_us"] == 2
+    assert rows["combine"]["median_us"] == 2 and rows["combine"]["gap_median_us"] == 1.5
+    assert res["busy_us"] == 610 / 2 and res["span_us"] == 664 / 2 and res["startup_us"] == 50
+    names = short_names(["void deep_gemm::gemm_impl<1u, 2u>(int)", "route_kernel", "void deep_gemm::gemm_impl<3u>(int)"])
+    assert list(names.values()) == ["deep_gemm::gemm_impl", "route_kernel", "deep_gemm::gemm_impl #2"]
 
 
 def test_triton_routing_only_parses_and_needs_a_gpu(tmp_path, monkeypatch):

@@ -6,7 +6,8 @@ memory; without a GPU it runs scaled shapes), ``triton`` (bandwidth of the Trito
 tiling configs; needs a CUDA GPU), ``parallel`` (the shard_map patterns on whatever devices jax
 sees), ``load`` (writes full-size synthetic V3/V4 layers and loads them: seconds, GB/s, peak host
 RSS; ``--small`` for a scaled run), ``fused`` (the fused MoE kernel's template options side by side,
-kernel time; needs an SM90 GPU). The table goes to stdout, progress to stderr. Exit status: 0
+kernel time; needs an SM90 GPU), ``timeline`` (a steady stream of the layer kernel by kernel:
+durations, the idle gaps between them, start-up; needs an SM90 GPU). The table goes to stdout, progress to stderr. Exit status: 0
 when every requested row ran, 1 when one failed, 2 when the machine cannot run the subcommand.
 ``python -m moe_jax.bench <subcommand> --help`` for the options.
 """
@@ -23,6 +24,7 @@ SUBCOMMANDS = {  # name: (module, help)
     "parallel": ("parallel", "parallel patterns on the devices jax sees"),
     "load": ("load", "checkpoint loading: seconds, GB/s from disk, peak host RSS"),
     "fused": ("fused", "the fused MoE kernel's template options side by side (kernel time)"),
+    "timeline": ("timeline", "a steady stream of the layer, kernel by kernel: durations and idle gaps"),
 }
 
 
