@@ -269,3 +269,26 @@ def test_kernels_compile_for_sm90_and_sm100(arch):
             assert res["stack"] == 0 and res["reg"] <= max_reg, res
     c = _compile(route_topk_kernel, route_ptrs, dict(M=4096, BLOCK_T=8, **v3), arch)
     assert _resources(c)["stack"] == 0
+
+
+def test_fused_input_kernel_compiles_for_sm90():
+    """The fused MoE kernel's input stage (SM90 only, as the kernel it feeds) at the layer's prefill
+    and decode tilings: vector loads, e4m3 conversions, 64-bit id stores, no spills."""
+    pytest.importorskip("triton")
+    from custom_calls.triton.fused_input_kernel import AMAX_FLOOR, fused_input_kernel, heuristic_config
+    from layouts import FusedMoEBuffer
+
+    for m in (128, 4096):
+        buf = FusedMoEBuffer(max_tokens=m, hidden=7168, intermediate=2048, num_experts=32, top_k=8,
+                             block_m=64 if m == 128 else 128)
+        r, cfg = buf.regions, heuristic_config(m)
+        c = _compile(fused_input_kernel, {"x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": "*fp32", "buf_ptr": "*u8"},
+                     dict(M=m, H=7168, TOPK=8, TOPK_P2=8, E=32, RSF=2.5, FLOOR=AMAX_FLOOR,
+                          WORKSPACE_OFF=r["workspace"][0], WORKSPACE_WORDS=r["workspace"][1] // 4,
+                          TOKENS_OFF=r["input_tokens"][0], SCALES_OFF=r["input_scales"][0],
+                          IDS_OFF=r["input_topk_ids"][0], WEIGHTS_OFF=r["input_topk_weights"][0],
+                          BLOCK_M=cfg.block_m, GROUPS=cfg.tile // 128, ROW_BLOCKS=-(-m // cfg.block_m),
+                          CHUNKS_FASTEST=cfg.chunks_fastest, ZERO_BLOCK=cfg.zero_block), 90, cfg.num_warps)
+        ptx = c.asm["ptx"]
+        assert _vector_loads(ptx) > 0 and "e4m3x2" in ptx and re.search(r"st\.global(?:\.\w+)*\.b64", ptx), m
+        _lean(c)
