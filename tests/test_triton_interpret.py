@@ -67,7 +67,8 @@ def _kernel_modules():
     import importlib
 
     return {name: importlib.import_module(f"custom_calls.triton.{name}_kernel")
-            for name in ("permute", "activation", "quant", "unpermute", "dispatch", "dispatch_map", "routing")}
+            for name in ("permute", "activation", "quant", "unpermute", "dispatch", "dispatch_map", "routing",
+                         "fused_input")}
 
 
 def test_heuristic_configs_are_the_measured_defaults():
@@ -90,6 +91,9 @@ def test_heuristic_configs_are_the_measured_defaults():
     # decode: one token per single-warp program; in between, fewer tokens per program than at prefill
     assert k["routing"].heuristic_config(256, 128, 8) == k["routing"].RouteTopkConfig(1, 1)
     assert k["routing"].heuristic_config(256, 1024, 8) == k["routing"].RouteTopkConfig(4, 4)
+    # the fused kernel's input stage: one row per program at decode, four at prefill (23.6 µs at 4096)
+    assert k["fused_input"].heuristic_config(128) == k["fused_input"].FusedInputConfig(1024, 1, 4, True, 2048)
+    assert k["fused_input"].heuristic_config(4096) == k["fused_input"].FusedInputConfig(1024, 4, 4, True, 2048)
     cfg = k["permute"].heuristic_config("mxfp8")
     assert hash(cfg) == hash(dataclasses.replace(cfg)) and cfg == dataclasses.replace(cfg)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -161,6 +165,16 @@ def test_bad_configs_are_refused_naming_the_field():
     with pytest.raises(TypeError, match="config: expected a PermuteConfig or None, got GroupQuantConfig"):
         pk.permute_contig(x, src2dst, num_rows=128, recipe="fp8_block", arch=90,
                           config=qk.heuristic_config("fp8_block", 90))
+    fk = k["fused_input"]
+    with pytest.raises(ValueError, match=r"FusedInputConfig\.zero_block: expected a power of two, got 100"):
+        fk.FusedInputConfig(1024, 1, 4, True, zero_block=100)
+    from layouts import FusedMoEBuffer
+
+    with pytest.raises(ValueError, match=r"FusedInputConfig\.tile: expected a multiple of the scale group size 128"):
+        fk.fused_input(jnp.ones((8, 512), jnp.bfloat16), src2dst, jnp.ones((8, 2), jnp.float32),
+                       buffer=FusedMoEBuffer(max_tokens=8, hidden=512, intermediate=256, num_experts=4, top_k=2,
+                                             block_m=64), routed_scaling_factor=1.0,
+                       config=fk.FusedInputConfig(64, 1, 4, True))
     with pytest.raises(ValueError, match=r"RankConfig\.chunk: 1 routes per chunk make 20000 chunks .* at most 16384"):
         k["dispatch"].rank_within_expert(jnp.zeros((20000,), jnp.int32), num_experts=4,
                                          config=k["dispatch"].RankConfig(chunk=1, num_warps=4))
