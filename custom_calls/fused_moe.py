@@ -58,7 +58,7 @@ from layouts.checks import check_dtype, check_multiple, check_rank, check_shape
 OP = "fused_moe"
 _HI = jax.lax.Precision.HIGHEST
 _BLOCK = 128  # activation group, weight block (both axes)
-_AMAX_FLOOR = 1e-10
+AMAX_FLOOR = 1e-10  # the fused kernel's amax floor, input stage and epilogue (layouts.fp8 uses 1e-4)
 
 
 def _div_rn(num: jax.Array, den: jax.Array) -> jax.Array:
@@ -98,7 +98,7 @@ def _quantize_1x128_parts(v: jax.Array, scale_of_amax) -> tuple[jax.Array, jax.A
     """v (R, K) f32, K % 128 == 0 -> (q (R, K) e4m3, sf (R, K/128) f32), 1x128 groups, amax floor 1e-10."""
     r, k = v.shape
     grp = v.reshape(r, k // _BLOCK, _BLOCK)
-    sf = scale_of_amax(jnp.maximum(jnp.max(jnp.abs(grp), axis=-1), jnp.float32(_AMAX_FLOOR)))
+    sf = scale_of_amax(jnp.maximum(jnp.max(jnp.abs(grp), axis=-1), jnp.float32(AMAX_FLOOR)))
     inv = _div_rn(jnp.ones_like(sf), sf)  # the kernels' 1 / sf, then x * (1 / sf): two roundings
     return cast_to_e4m3(grp * inv[..., None]).reshape(r, k), sf
 

@@ -28,12 +28,12 @@ import triton
 import triton.language as tl
 
 from layouts import FusedMoEBuffer, ceil_div
+from custom_calls.fused_moe import AMAX_FLOOR
 from custom_calls.triton.launch import triton_call
 from custom_calls.triton.tile_quant import quantize_tile, tile_ids
 from custom_calls.triton.tuning import BlockTiling, check_powers_of_two, config_or_default, tile_groups
 
 GROUP = 128  # the input stage's scale group (the kernel's per-128 token scales)
-AMAX_FLOOR = 1e-10  # the fused kernel's input floor (layouts.fp8 uses 1e-4)
 SMALL_M = 1024  # below: one row per program, so that a decode batch still fills the GPU
 
 

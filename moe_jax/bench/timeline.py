@@ -47,24 +47,31 @@ def _summary(events: list[tuple[str, int, int]], layers: int) -> dict:
                 startup_us=(first_long[1] - events[0][1]) / 1e3)
 
 
-def measure(tokens: int, layout: str, *, reps: int, chain: int, log) -> dict:
+def setup(layout: str) -> tuple:
+    """(config, params, the layout moe_forward is called with) of the benchmark layer in `layout`,
+    built once for every token count (1.4 GB of weights)."""
+    from moe_jax.bench.layer import _bench_params, _config
+    from moe_jax.params import prepare_params
+
+    cfg = _config()
+    params = _bench_params(cfg)
+    if layout != "fused":
+        return cfg, params, layout
+    cfg = dataclasses.replace(cfg, layout="fused")
+    return cfg, prepare_params(params, cfg), "auto"  # w13 in the fused kernel's row order (a copy)
+
+
+def measure(tokens: int, layout: str, layer: tuple, *, reps: int, chain: int, log) -> dict:
+    """One token count; layer: `setup(layout)`."""
     import jax
     import jax.numpy as jnp
 
     from custom_calls.profiling import gpu_kernel_events
     from moe_jax.bench._timing import _over_sets, time_op
-    from moe_jax.bench.layer import _bench_params, _config, _weight_bytes
+    from moe_jax.bench.layer import _weight_bytes
     from moe_jax.layer import moe_forward
-    from moe_jax.params import prepare_params
 
-    cfg = _config()
-    params = _bench_params(cfg)
-    call_layout = "auto"
-    if layout == "fused":
-        cfg = dataclasses.replace(cfg, layout="fused")
-        params = prepare_params(params, cfg)  # w13 in the fused kernel's row order (a copy)
-    else:
-        call_layout = layout
+    cfg, params, call_layout = layer
     keys = jax.random.split(jax.random.PRNGKey(1), reps)
     sets = [(params, jax.random.normal(k, (tokens, cfg.hidden_size), jnp.bfloat16)) for k in keys]
     fn = lambda p, x: moe_forward(x, p, cfg, layout=call_layout, backend="auto")  # noqa: E731
@@ -132,7 +139,8 @@ def run(args) -> int:
     if args.reps < 1 or args.chain < 1:
         log(f"--reps and --chain: expected >= 1, got {args.reps} and {args.chain}")
         return 2
-    results = [measure(m, args.layout, reps=args.reps, chain=args.chain, log=log) for m in tokens]
+    layer = setup(args.layout)
+    results = [measure(m, args.layout, layer, reps=args.reps, chain=args.chain, log=log) for m in tokens]
     bw = _copy_bandwidth(1 << 30)
     roofline_us = results[0]["weights_bytes"] / bw * 1e6
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; weights-once roofline {roofline_us:.1f} µs")
