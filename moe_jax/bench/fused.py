@@ -4,7 +4,8 @@ For each token count, the benchmark layer's weights (32 experts, top-8, H 7168, 
 and two routed inputs (the layer's own grouped top-k): every candidate instantiation of
 ``heuristics.sm90_fused_moe_candidates`` (the other BLOCK_M, 2-CTA clusters with the weight tile
 multicast, the L2-lag schedule, early combine, batched pull publish, the L2 staging passes, one
-stage fewer; ``--all`` adds every pair of options) is compiled, run, and its output compared
+stage fewer; ``--all`` adds every pair of options; ``--grids`` the rule's config on fewer CTAs than
+the GPU has SMs) is compiled, run, and its output compared
 with the heuristic config's: every option changes only the schedule, so the outputs must be
 bit-identical, and a candidate that differs is reported and not timed. Kernel time (the fused
 kernel alone, profiler trace, median over ``--iters`` rounds, both inputs) is taken in two traces,
@@ -51,7 +52,7 @@ def layer_setup():
     return cfg, params, (fparams.w13, fparams.w13_scale, fparams.w2, fparams.w2_scale)
 
 
-def sweep(tokens: int, setup, *, full: bool, iters: int, log) -> dict:
+def sweep(tokens: int, setup, *, full: bool, iters: int, log, grids: tuple[int, ...] = ()) -> dict:
     """One token count: {tokens, routes_per_expert, heuristic, rows, rejected}; setup: `layer_setup()`."""
     import jax
     import jax.numpy as jnp
@@ -71,6 +72,12 @@ def sweep(tokens: int, setup, *, full: bool, iters: int, log) -> dict:
                           num_experts=cfg.num_experts, top_k=cfg.top_k, activation_clamp=None)
     cands = sm90_fused_moe_candidates(base, full=full)
     labels = [F.config_label(c) for c in cands]
+    for g in grids:  # the rule's choice for a grid of g CTAs (the kernel's kNumSMs)
+        c = F.fused_config(num_tokens=tokens, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
+                           num_experts=cfg.num_experts, top_k=cfg.top_k, activation_clamp=None, num_sms=g)
+        if c not in cands:
+            cands.append(c)
+            labels.append(f"{F.config_label(c)} grid {g}")
     log(f"# {tokens} tokens: compiling {len(cands)} candidates")
     cubins = autotune.compile_all([(F.kernel_name(c), sm90_fused_moe_source(c)) for c in cands])
     rejected, fns, outs = {}, {}, {}
@@ -127,6 +134,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0] if __doc__ else None
     p.add_argument("--tokens", default="32,128,512,4096", help="token counts (default 32,128,512,4096)")
     p.add_argument("--all", action="store_true", help="also every pair of options (~67 configs per count)")
+    p.add_argument("--grids", default="", help="comma-separated grid sizes (CTAs, even, at most the SM count) "
+                   "to time the rule's config on as well (default: none)")
     p.add_argument("--iters", type=int, default=6, help="rounds per trace (default 6)")
     p.add_argument("--top", type=int, default=12, help="rows printed per token count (default 12)")
     p.add_argument("--json", metavar="PATH", help="write every row as JSON here")
@@ -143,14 +152,23 @@ def run(args) -> int:
 
     try:
         tokens = [int(t) for t in args.tokens.split(",")]
+        grids = tuple(int(g) for g in args.grids.split(",") if g)
     except ValueError:
-        print(f"--tokens: expected comma-separated ints, got {args.tokens!r}", file=sys.stderr)
+        print(f"--tokens, --grids: expected comma-separated ints, got {args.tokens!r}, {args.grids!r}",
+              file=sys.stderr)
+        return 2
+    from custom_calls.deep_gemm.toolchain import detected_device
+
+    sms = detected_device()[2]
+    bad = [g for g in grids if g < 2 or g % 2 or (sms and g > sms)]
+    if bad:
+        print(f"--grids: expected even sizes in [2, {sms}] (the GPU's SMs), got {bad}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     out = dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind), sweeps=[])
     setup = layer_setup()
     for m in tokens:
-        res = sweep(m, setup, full=args.all, iters=args.iters, log=log)
+        res = sweep(m, setup, full=args.all, iters=args.iters, log=log, grids=grids)
         out["sweeps"].append(res)
         print_sweep(res, args.top)
     log(f"# done in {time.perf_counter() - t0:.0f} s")
