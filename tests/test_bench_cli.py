@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from custom_calls import ActivationSpec
-from moe_jax.bench import layer as bench_layer
+from moe_jax.bench import _timing, layer as bench_layer
 from moe_jax.bench.__main__ import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -359,23 +360,40 @@ def test_goal_ratios_come_first_and_follow_their_definitions(capsys):
     common = dict(backend="auto", end_to_end_us=1.0, e2e_over_gemms=1.0, temp_MB=1.0, temp_bound_MB=2.0,
                   stages_us=stages, implementations={"m_grouped_gemm_contig": "deep_gemm"})
     prefill = dict(shape="prefill", tokens=4096, layout="contig", weights_GB=1.0, platform="gpu",
-                   auto=dict(common, with_routing_us=1100.0, gemms_us=1000.0,
-                             with_routing_kernel_us=dict(total=1050.0, gemms=1000.0, triton=40.0, other=10.0)))
+                   auto=dict(common, with_routing_us=1100.0, gemms_us=1000.0, with_routing_marginal_us=1030.0,
+                             gemms_marginal_us=1000.0,
+                             with_routing_kernel_us=dict(total=1050.0, gemms=1000.0, triton=40.0, other=10.0),
+                             fused_end_to_end_us=1060.0, fused_vs_staged_rel=1e-2,
+                             fused_with_routing_us=1080.0, fused_with_routing_marginal_us=1070.0,
+                             fused_with_routing_stream_fixed_us=320.0,
+                             fused_with_routing_kernel_us=dict(total=1020.0)))
+    # no marginal measured (e.g. a row written before it existed): no marginal figure, not met
     decode = dict(shape="decode", tokens=128, layout="masked", weights_GB=0.5, platform="gpu",
                   auto=dict(common, with_routing_us=520.0, gemms_us=400.0,
                             with_routing_kernel_us=dict(error="no profiler")))
     fell_back = dict(prefill, shape="prefill16k", auto=dict(prefill["auto"], fell_back=True))
     rows = bench_layer.goals([prefill, decode, fell_back], copy_gbps=1000.0)
-    assert [r["shape"] for r in rows] == ["prefill", "decode"]  # a fallback row gets no goal figure
-    assert rows[0]["wall"] == pytest.approx(1.1) and rows[0]["kernel"] == pytest.approx(1.05)
-    assert not rows[0]["met"]  # 1.1 > 1.06
-    assert rows[1]["roofline_us"] == pytest.approx(500.0)  # 0.5 GB at 1000 GB/s
-    assert rows[1]["wall"] == pytest.approx(500 / 520) and rows[1]["kernel"] is None and rows[1]["met"]
+    assert [r["shape"] for r in rows] == ["prefill", "prefill", "decode"]  # a fallback row gets no goal figure
+    staged, fused, dec = rows
+    assert staged["wall"] == pytest.approx(1.1) and staged["kernel"] == pytest.approx(1.05)
+    assert staged["marginal"] == pytest.approx(1.03) and staged["met_marginal"]
+    assert not staged["met"]  # 1.1 > 1.06
+    # the fused layout against the staged GEMMs: steady, marginal and kernel time alike
+    assert fused["metric"].startswith("fused layout") and fused["wall"] == pytest.approx(1.08)
+    assert fused["marginal"] == pytest.approx(1.07) and not fused["met_marginal"]
+    assert fused["kernel"] == pytest.approx(1.02)
+    assert dec["roofline_us"] == pytest.approx(500.0)  # 0.5 GB at 1000 GB/s
+    assert dec["wall"] == pytest.approx(500 / 520) and dec["kernel"] is None and dec["met"]
+    assert dec["marginal"] is None and not dec["met_marginal"]
     bench_layer.print_table([prefill, decode], ["auto"], "test device", 1000.0)
     out = capsys.readouterr().out.splitlines()
-    assert out[2].startswith("  goal prefill") and "1.100 steady wall, 1.050 GPU kernel time" in out[2]
-    assert "(goal <= 1.06: not met)" in out[2]
-    assert out[3].startswith("  goal decode") and "96.2 % steady wall, – GPU kernel time (goal >= 90 %: met)" in out[3]
+    assert out[2].startswith("  goal prefill") and "1.100 steady wall, 1.030 marginal, 1.050 GPU kernel time" in out[2]
+    assert "(goal <= 1.06: not met; marginal met)" in out[2]
+    assert out[3].startswith("  goal prefill") and "fused layout" in out[3] and "1.070 marginal" in out[3]
+    assert out[4].startswith("  goal decode") and \
+        "96.2 % steady wall, – marginal, – GPU kernel time (goal >= 90 %: met; marginal not met)" in out[4]
+    fused_line = next(line for line in out if "fused layout: end to end" in line)
+    assert "with routing 1080.0 us steady, 1070.0 us marginal (320 us once per stream)" in fused_line
 
 
 def test_layer_shared_variants_side_by_side_on_cpu(tmp_path):
@@ -404,3 +422,45 @@ def test_layer_shared_variants_side_by_side_on_cpu(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "moe_jax.bench", "layer", "--shared", "fp4"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--shared: expected a comma list of bf16, fp8, fused, got 'fp4'" in bad.stderr
+
+
+def test_stream_fit_recovers_fixed_and_marginal_costs():
+    fit = _timing.stream_fit(0.3 + 32 * 0.01, 32, 0.3 + 96 * 0.01, 96)
+    assert fit.marginal == pytest.approx(0.01) and fit.fixed == pytest.approx(0.3)
+    assert fit.per_call == pytest.approx(0.62 / 32)
+    for short, long in ((0, 8), (8, 8), (9, 8)):
+        with pytest.raises(ValueError, match="calls"):
+            _timing.stream_fit(1.0, short, 2.0, long)
+
+
+def test_time_stream_times_two_stream_lengths_and_fits_them(monkeypatch):
+    """Against a fake clock: each dispatch of the jitted function over the argument sets costs
+    `per_set` per set, each sync a fixed `sync`; time_stream must recover both exactly (the short
+    stream is `chain` dispatches, the long one `long_factor` times that) and keep only one result
+    of a stream alive at a time."""
+    clock = {"t": 0.0}
+    per_set, sync, live = 1e-3, 0.25, weakref.WeakSet()
+
+    class Out:
+        pass
+
+    def many(sets):
+        clock["t"] += per_set * len(sets)
+        assert len(live) <= 1, "a stream kept more than its last result alive"
+        out = Out()
+        live.add(out)
+        return out
+
+    def block(x):
+        clock["t"] += sync
+        return x
+
+    monkeypatch.setattr(_timing, "_over_sets", lambda fn: many)
+    monkeypatch.setattr(_timing.jax, "block_until_ready", block)
+    monkeypatch.setattr(_timing.time, "perf_counter", lambda: clock["t"])
+    sets = [(None,)] * 4
+    st = _timing.time_stream(lambda x: x, sets, rounds=3, chain=5, long_factor=4)
+    assert st.marginal == pytest.approx(per_set) and st.fixed == pytest.approx(sync)
+    assert st.per_call == pytest.approx(per_set + sync / 20)
+    with pytest.raises(ValueError, match="long_factor"):
+        _timing.time_stream(lambda x: x, sets, long_factor=1)

@@ -1,8 +1,10 @@
-"""Timing of jitted device work, shared by the benchmark tools: wall clock (`time_op`) and GPU
-kernel time read from a profiler trace (`trace_kernels`, `device_time`)."""
+"""Timing of jitted device work, shared by the benchmark tools: wall clock (`time_op`; `time_stream`
+adds the marginal cost per call of a steady stream) and GPU kernel time read from a profiler trace
+(`trace_kernels`, `device_time`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import time
@@ -37,6 +39,52 @@ def time_op(fn: Callable, arg_sets: list[tuple], rounds: int = 5, chain: int = 4
         del outs
         times.append((time.perf_counter() - t0) / (chain * len(arg_sets)))
     return statistics.median(times)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamTime:
+    """A steady stream timed at two lengths (seconds). per_call: wall time per call of the shorter
+    stream, `time_op`'s figure (the stream's fixed costs shared by its calls); marginal: what one
+    more call adds to a running stream (the slope between the two lengths); fixed: the rest of the
+    shorter stream's time, paid once per stream whatever its length (the host's dispatch of the
+    first program before its first kernel, the GPU waiting while the host launches the first small
+    kernels, the final sync)."""
+
+    per_call: float
+    marginal: float
+    fixed: float
+
+
+def stream_fit(short_s: float, short_calls: int, long_s: float, long_calls: int) -> StreamTime:
+    """Fit time = fixed + calls * marginal through two streams' wall times (s) and call counts."""
+    if not 0 < short_calls < long_calls:
+        raise ValueError(f"calls: expected 0 < short < long, got {short_calls} and {long_calls}")
+    marginal = (long_s - short_s) / (long_calls - short_calls)
+    return StreamTime(per_call=short_s / short_calls, marginal=marginal, fixed=short_s - short_calls * marginal)
+
+
+def time_stream(fn: Callable, arg_sets: list[tuple], rounds: int = 5, chain: int = 8,
+                long_factor: int = 3) -> StreamTime:
+    """`time_op`'s steady stream (`chain` dispatches over the argument sets, one sync) and one
+    `long_factor` times as long, alternating, median of `rounds` each; `stream_fit` of the two.
+    Each stream keeps only its last result alive (the long stream's results would not fit beside a
+    large layer's intermediates otherwise)."""
+    if long_factor < 2:
+        raise ValueError(f"long_factor: expected >= 2, got {long_factor}")
+    many = _over_sets(fn)
+    jax.block_until_ready(many(arg_sets))
+    times: dict[int, list[float]] = {chain: [], chain * long_factor: []}
+    for _ in range(rounds):
+        for n in times:
+            t0 = time.perf_counter()
+            for _ in range(n):  # only the last result is kept: the programs run in order on one stream
+                out = many(arg_sets)
+            jax.block_until_ready(out)
+            del out
+            times[n].append(time.perf_counter() - t0)
+    calls = {n: n * len(arg_sets) for n in times}
+    (short, ts), (long, tl) = times.items()
+    return stream_fit(statistics.median(ts), calls[short], statistics.median(tl), calls[long])
 
 
 def trace_kernels(run: Callable[[], Any]) -> dict[str, list[float]]:

@@ -10,13 +10,20 @@ JAX through XLA).
 
 Goals, printed first: prefill `moe_forward` including routing / its two GEMMs (<= 1.06) and decode
 weights-once roofline / `moe_forward` including routing (>= 90 %), each from the steady-stream wall
-time and from GPU kernel time.
+time (the goal's measure), from the marginal cost per call of a running stream and from GPU kernel
+time.
 
 Method: fresh random inputs; every timing is a jitted function run over R distinct input sets in
 one dispatch (inputs rotate so they are not L2-resident), 8 such dispatches back to back (the
 host's start-up of a dispatch, before its first kernel, is then paid once per 8 R layers, as a
 model's program would pay it once per step), wall time / 8 R, median of 5 rounds after a warm-up
-(sustained clock): the steady stream a serving loop makes. "burst": one input set in one dispatch
+(sustained clock): the steady stream a serving loop makes. "marginal" (`moe_forward` and the two
+GEMMs, `_timing.time_stream`): the same stream and one three times as long, alternating; the
+slope between them is what one more call adds to a running stream, and the rest of the stream's
+time ("once per stream": the first dispatch's start-up, the final sync) is what the steady figure
+spreads over its 8 R calls. At prefill the power cap moves the clock by more than a stream's fixed
+cost, so there the two figures agree within the run-to-run spread and the fixed part is noise.
+"burst": one input set in one dispatch
 after 0.5 s of idle, median of 5: what a lone call after a pause costs (the host's dispatch start-up,
 no overlap with the previous call, clocks ramping up). The reference backend runs one input set,
 2 rounds. Stages are timed one by one on the layer's own intermediate tensors. End to end and
@@ -52,7 +59,7 @@ import argparse
 import dataclasses
 import json
 
-from moe_jax.bench._timing import time_op
+from moe_jax.bench._timing import StreamTime, time_op, time_stream
 
 
 # name: (tokens, layout, tokens at --small)
@@ -193,7 +200,7 @@ def _implementations(backend: str, backends: list[str], forward, *args) -> dict:
     return row
 
 
-def _bench_fused(name, be, cfg, params, xs, routed, staged_out, ref32, progress, timed) -> dict:
+def _bench_fused(name, be, cfg, params, xs, routed, staged_out, ref32, progress, timed, streamed) -> dict:
     """The fused layout (`MoEConfig(layout="fused")`: the routed branch as one kernel) on the same
     weights and inputs: fused_* keys of a row (times in us, its kernel time, errors)."""
     import dataclasses as dc
@@ -210,7 +217,9 @@ def _bench_fused(name, be, cfg, params, xs, routed, staged_out, ref32, progress,
     e2e_sets = [(fparams, x, *r) for x, r in zip(xs, routed)]
     fwd_sets = [(fparams, x) for x in xs]
     out = dict(fused_end_to_end_us=timed("fused: end to end", f, e2e_sets) * 1e6)
-    out["fused_with_routing_us"] = timed("fused: with routing", fwd, fwd_sets) * 1e6
+    st = streamed("fused: with routing", fwd, fwd_sets)
+    out.update(fused_with_routing_us=st.per_call * 1e6, fused_with_routing_marginal_us=st.marginal * 1e6,
+               fused_with_routing_stream_fixed_us=st.fixed * 1e6)
     progress.step(f"{name} {be}: fused, kernel time and output")
     out["fused_with_routing_kernel_us"] = _kernel_time_by_family(fwd, fwd_sets)
     y = jax.jit(f)(fparams, xs[0], *routed[0]).astype(staged_out.dtype)
@@ -288,6 +297,14 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
             progress.step(f"{name} {be}: {label}")
             return time_op(fn, arg_sets[:n_sets], **kw)
 
+        def streamed(label, fn, arg_sets) -> StreamTime:
+            """The steady stream and its marginal cost per call (`time_stream`); the slow
+            reference gets `timed`'s figure and no marginal."""
+            if slow:
+                return StreamTime(timed(label, fn, arg_sets), float("nan"), float("nan"))
+            progress.step(f"{name} {be}: {label}")
+            return time_stream(fn, arg_sets[:n_sets], **kw)
+
         try:
             f = forward(be)
             e2e_sets = [(params, x, *r) for x, r in zip(xs, routed)]
@@ -297,7 +314,9 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
                 row["kernel_time_us"] = _kernel_time_by_family(f, e2e_sets)
             fwd = lambda p, x: moe_forward(x, p, cfg, layout=layout, backend=be)  # noqa: E731
             fwd_sets = [(params, x) for x in xs]
-            row["with_routing_us"] = timed("with routing", fwd, fwd_sets) * 1e6
+            st = streamed("with routing", fwd, fwd_sets)
+            row.update(with_routing_us=st.per_call * 1e6, with_routing_marginal_us=st.marginal * 1e6,
+                       with_routing_stream_fixed_us=st.fixed * 1e6)
             progress.step(f"{name} {be}: with routing, burst and kernel time")
             if not slow:
                 row["with_routing_burst_us"] = time_op(fwd, fwd_sets[:1], rounds=5, chain=1,
@@ -333,14 +352,16 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
                 g1 = lambda w, ws, a, s, mi: m_grouped_gemm_contig(a, w, mi, lhs_scale=s, rhs_scale=ws,  # noqa: E731
                                                                    recipe=recipe, arch=arch, alignment=cfg.alignment,
                                                                    backend=be)
-                stages[STAGES[3]] = timed(STAGES[3], g1, [(*w13, a, s, d.m_indices) for (a, s), d in zip(lhs, disp)])
+                gemm_streams = [streamed(STAGES[3], g1, [(*w13, a, s, d.m_indices) for (a, s), d in zip(lhs, disp)])]
+                stages[STAGES[3]] = gemm_streams[0].per_call
                 gu = [g1(*w13, a, s, d.m_indices) for (a, s), d in zip(lhs, disp)]
                 del lhs
                 aq = lambda g: activation_quant_contig(g, act=act, recipe=recipe, arch=arch, backend=be)  # noqa: E731
                 stages[STAGES[4]] = timed(STAGES[4], aq, [(g,) for g in gu])
                 acts = [aq(g) for g in gu]
                 del gu
-                stages[STAGES[5]] = timed(STAGES[5], g1, [(*w2, a, s, d.m_indices) for (a, s), d in zip(acts, disp)])
+                gemm_streams.append(streamed(STAGES[5], g1, [(*w2, a, s, d.m_indices) for (a, s), d in zip(acts, disp)]))
+                stages[STAGES[5]] = gemm_streams[1].per_call
                 ds = [g1(*w2, a, s, d.m_indices) for (a, s), d in zip(acts, disp)]
                 del acts
                 gemm_in_out = _gemm_activation_bytes(rows, h, cfg.intermediate_size)
@@ -355,14 +376,16 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
                 em = disp[0].expected_m
                 g1 = lambda w, ws, a, s, mm: m_grouped_gemm_masked(a, w, mm, expected_m=em, lhs_scale=s,  # noqa: E731
                                                                    rhs_scale=ws, recipe=recipe, arch=arch, backend=be)
-                stages[STAGES[3]] = timed(STAGES[3], g1, [(*w13, a, s, d.masked_m) for (a, s), d in zip(lhs, disp)])
+                gemm_streams = [streamed(STAGES[3], g1, [(*w13, a, s, d.masked_m) for (a, s), d in zip(lhs, disp)])]
+                stages[STAGES[3]] = gemm_streams[0].per_call
                 gu = [g1(*w13, a, s, d.masked_m) for (a, s), d in zip(lhs, disp)]
                 del lhs
                 aq = lambda g, mm: activation_quant_masked(g, mm, act=act, recipe=recipe, arch=arch, backend=be)  # noqa: E731
                 stages[STAGES[4]] = timed(STAGES[4], aq, [(g, d.masked_m) for g, d in zip(gu, disp)])
                 acts = [aq(g, d.masked_m) for g, d in zip(gu, disp)]
                 del gu
-                stages[STAGES[5]] = timed(STAGES[5], g1, [(*w2, a, s, d.masked_m) for (a, s), d in zip(acts, disp)])
+                gemm_streams.append(streamed(STAGES[5], g1, [(*w2, a, s, d.masked_m) for (a, s), d in zip(acts, disp)]))
+                stages[STAGES[5]] = gemm_streams[1].per_call
                 ds = [g1(*w2, a, s, d.masked_m).reshape(e * m_pad, h) for (a, s), d in zip(acts, disp)]
                 del acts
                 gemm_in_out = _gemm_activation_bytes(e * m_pad, h, cfg.intermediate_size)
@@ -374,11 +397,12 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
             row["stages_us"] = {s: t * 1e6 for s, t in stages.items()}
             gemms = stages["GEMM1"] + stages["GEMM2"]
             row["gemms_us"] = gemms * 1e6
+            row["gemms_marginal_us"] = sum(g.marginal for g in gemm_streams) * 1e6
             row["e2e_over_gemms"] = row["end_to_end_us"] / row["gemms_us"]
             row["temp_bound_MB"] = 1.25 * gemm_in_out / 1e6
             if fused and not slow:
                 try:
-                    row.update(_bench_fused(name, be, cfg, params, xs, routed, out, ref32, progress, timed))
+                    row.update(_bench_fused(name, be, cfg, params, xs, routed, out, ref32, progress, timed, streamed))
                 except Exception as exc:  # the staged row stands; the fused one failed
                     row["fused_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
         except Exception as exc:  # report and go on with the other backends
@@ -412,6 +436,14 @@ def _f(v, fmt: str) -> str:
     return "–" if v is None else format(v, fmt)
 
 
+def _marginal(row: dict, key: str) -> str:
+    """", M us marginal (F us per stream)" for a row's `time_stream` figures, "" where not measured."""
+    m, fixed = row.get(f"{key}_marginal_us"), row.get(f"{key}_stream_fixed_us")
+    if m is None or m != m:
+        return ""
+    return f", {m:.1f} us marginal ({_f(fixed, '.0f')} us once per stream)"
+
+
 def _accelerated(row: dict) -> bool:
     """The row was measured and ran at least one accelerated implementation (not only the reference)."""
     return "end_to_end_us" in row and row.get("backend") != "reference" and not row.get("fell_back")
@@ -429,40 +461,45 @@ def goals(results: list[dict], copy_gbps: float, backend: str = "auto") -> list[
     """The layer's two speed goals per measured shape of `backend` (only where it ran accelerated code):
     contig shapes: `moe_forward` including routing / (GEMM1 + GEMM2), goal <= PREFILL_GOAL; masked
     shapes: weights-once roofline / `moe_forward` including routing, goal >= DECODE_GOAL. "wall":
-    steady-stream wall time (stages timed alone for the GEMMs); "kernel": GPU kernel time of
-    `moe_forward` (its own GEMM kernels for the prefill ratio), no host time."""
+    steady-stream wall time (stages timed alone for the GEMMs), the goal's measure; "marginal": the
+    same from what one more call adds to a running stream (`_timing.time_stream`: the stream's
+    once-per-stream start-up and sync left out, GEMMs likewise), None where not measured;
+    "kernel": GPU kernel time of `moe_forward` (its own GEMM kernels for the prefill ratio), no
+    host time."""
     out = []
+
+    def row_for(res, metric, us, marginal_us, kernel_us, gemms_kernel_us, row):
+        if res["layout"] == "contig":
+            def ratio(v, d):
+                return v / d if v and d and v == v and d == d else None
+            wall, marg = us / row["gemms_us"], ratio(marginal_us, row.get("gemms_marginal_us"))
+            return dict(shape=res["shape"], tokens=res["tokens"], metric=f"{metric} / GEMMs", wall=wall,
+                        marginal=marg, kernel=ratio(kernel_us, gemms_kernel_us), goal=PREFILL_GOAL,
+                        met=wall <= PREFILL_GOAL, met_marginal=marg is not None and marg <= PREFILL_GOAL)
+        roof = res["weights_GB"] * 1e9 / (copy_gbps * 1e9) * 1e6
+        wall = roof / us
+        marg = roof / marginal_us if marginal_us and marginal_us == marginal_us else None
+        return dict(shape=res["shape"], tokens=res["tokens"], metric=f"roofline / {metric}", wall=wall,
+                    marginal=marg, kernel=roof / kernel_us if kernel_us else None, goal=DECODE_GOAL,
+                    met=wall >= DECODE_GOAL, met_marginal=marg is not None and marg >= DECODE_GOAL,
+                    roofline_us=roof)
+
     for res in results:
         row = res.get(backend, {})
         if not _accelerated(row) or "with_routing_us" not in row:
             continue
         kt = row.get("with_routing_kernel_us") or {}
         ok_kt = "error" not in kt and kt.get("total")
-        if res["layout"] == "contig":
-            wall = row["with_routing_us"] / row["gemms_us"]
-            kernel = kt["total"] / kt["gemms"] if ok_kt and kt.get("gemms") else None
-            out.append(dict(shape=res["shape"], tokens=res["tokens"], metric="with routing / GEMMs",
-                            wall=wall, kernel=kernel, goal=PREFILL_GOAL, met=wall <= PREFILL_GOAL))
-        else:
-            roof = res["weights_GB"] * 1e9 / (copy_gbps * 1e9) * 1e6
-            wall = roof / row["with_routing_us"]
-            kernel = roof / kt["total"] if ok_kt else None
-            out.append(dict(shape=res["shape"], tokens=res["tokens"], metric="roofline / with routing",
-                            wall=wall, kernel=kernel, goal=DECODE_GOAL, met=wall >= DECODE_GOAL, roofline_us=roof))
+        gemms_kernel = kt.get("gemms") if ok_kt else None
+        out.append(row_for(res, "with routing", row["with_routing_us"], row.get("with_routing_marginal_us"),
+                           kt["total"] if ok_kt else None, gemms_kernel, row))
         if "fused_with_routing_us" in row:
             # the fused layout against the same yardsticks: the staged path's GEMM-only time (prefill),
             # the weights-once roofline (decode); its kernel time has no separate GEMM kernels
             fk = row.get("fused_with_routing_kernel_us") or {}
-            fk_total = fk.get("total") if "error" not in fk else None
-            fused_us = row["fused_with_routing_us"]
-            if res["layout"] == "contig":
-                wall, kernel = fused_us / row["gemms_us"], (fk_total / kt["gemms"] if fk_total and ok_kt and kt.get("gemms") else None)
-                out.append(dict(shape=res["shape"], tokens=res["tokens"], metric="fused layout, with routing / GEMMs",
-                                wall=wall, kernel=kernel, goal=PREFILL_GOAL, met=wall <= PREFILL_GOAL))
-            else:
-                wall, kernel = roof / fused_us, (roof / fk_total if fk_total else None)
-                out.append(dict(shape=res["shape"], tokens=res["tokens"], metric="roofline / fused layout with routing",
-                                wall=wall, kernel=kernel, goal=DECODE_GOAL, met=wall >= DECODE_GOAL, roofline_us=roof))
+            out.append(row_for(res, "fused layout with routing", row["fused_with_routing_us"],
+                               row.get("fused_with_routing_marginal_us"),
+                               fk.get("total") if "error" not in fk else None, gemms_kernel, row))
     return out
 
 
@@ -472,7 +509,8 @@ def print_goals(rows: list[dict]) -> None:
         fmt = (lambda v: "–" if v is None else f"{100 * v:.1f} %") if pct else (lambda v: _f(v, ".3f"))
         goal = f">= {100 * g['goal']:.0f} %" if pct else f"<= {g['goal']:.2f}"
         print(f"  goal {g['shape']:10s} {g['tokens']:6d} tokens: {g['metric']} {fmt(g['wall'])} steady wall, "
-              f"{fmt(g['kernel'])} GPU kernel time (goal {goal}: {'met' if g['met'] else 'not met'})")
+              f"{fmt(g.get('marginal'))} marginal, {fmt(g['kernel'])} GPU kernel time (goal {goal}: "
+              f"{'met' if g['met'] else 'not met'}; marginal {'met' if g.get('met_marginal') else 'not met'})")
 
 
 def print_table(results: list[dict], backends: list[str], device: str, copy_gbps: float, scaled: bool = False) -> None:
@@ -497,7 +535,8 @@ def print_table(results: list[dict], backends: list[str], device: str, copy_gbps
                    if "rel_err" in row else "rel err not computed (--no-error)")
             burst = row.get("with_routing_burst_us")
             print(f"  {_label(row, platform)}: end to end {row['end_to_end_us']:.1f} us (with routing "
-                  f"{row['with_routing_us']:.1f} us steady" + (f", {burst:.1f} us burst" if burst else "")
+                  f"{row['with_routing_us']:.1f} us steady" + _marginal(row, "with_routing")
+                  + (f", {burst:.1f} us burst" if burst else "")
                   + f"), GEMMs {row['gemms_us']:.1f} us (e2e/GEMMs "
                   f"{row['e2e_over_gemms']:.3f}), {err}, contig vs masked {_f(other, '.1e')}, temp "
                   f"{_f(row.get('temp_MB'), '.0f')} MB (bound {row['temp_bound_MB']:.0f} MB)")
@@ -521,7 +560,7 @@ def print_table(results: list[dict], backends: list[str], device: str, copy_gbps
             if "fused_with_routing_us" in row:
                 fk = row.get("fused_with_routing_kernel_us") or {}
                 print(f"      fused layout: end to end {row['fused_end_to_end_us']:.1f} us, with routing "
-                      f"{row['fused_with_routing_us']:.1f} us steady"
+                      f"{row['fused_with_routing_us']:.1f} us steady" + _marginal(row, "fused_with_routing")
                       + (f", {fk['total']:.1f} us GPU kernel time" if fk.get("total") else "")
                       + (f", rel err {_f(row['fused_rel_err'], '.2e')}" if "fused_rel_err" in row else "")
                       + f", vs the staged output {_f(row['fused_vs_staged_rel'], '.1e')}")

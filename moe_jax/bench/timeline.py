@@ -6,8 +6,10 @@ fp8_block, routing included, `moe_forward`) in the layout asked for, run the way
 steady stream runs it (``--reps`` input sets per dispatch, ``--chain`` dispatches back to back). One
 chain is traced with the profiler; per GPU kernel name the table gives the launches per layer, the
 median duration and the median and mean idle gap before it (the time between the end of the
-previous kernel on the stream and its start). Per layer: the steady-stream wall time
-(`_timing.time_op`, median of 5 rounds), the host's enqueue time (the chain's dispatch calls
+previous kernel on the stream and its start). Per layer: the steady-stream wall time and what
+one more layer adds to a running stream (`_timing.time_stream`: streams of ``--chain`` and 3 x
+``--chain`` dispatches, median of 5 rounds; the rest of the stream's time is paid once per stream),
+the host's enqueue time (the chain's dispatch calls
 returning, the GPU still busy), GPU busy time (sum of kernel durations) and span (first kernel's
 start to last kernel's end, over the layers); the start-up is the idle before the chain's first
 long kernel (the host launching the first dispatch). The weights-once roofline is taken at the
@@ -67,7 +69,7 @@ def measure(tokens: int, layout: str, layer: tuple, *, reps: int, chain: int, lo
     import jax.numpy as jnp
 
     from custom_calls.profiling import gpu_kernel_events
-    from moe_jax.bench._timing import _over_sets, time_op
+    from moe_jax.bench._timing import _over_sets, time_stream
     from moe_jax.bench.layer import _weight_bytes
     from moe_jax.layer import moe_forward
 
@@ -76,7 +78,7 @@ def measure(tokens: int, layout: str, layer: tuple, *, reps: int, chain: int, lo
     sets = [(params, jax.random.normal(k, (tokens, cfg.hidden_size), jnp.bfloat16)) for k in keys]
     fn = lambda p, x: moe_forward(x, p, cfg, layout=call_layout, backend="auto")  # noqa: E731
     log(f"# {tokens} tokens, layout {layout}: compile and steady stream")
-    steady = time_op(fn, sets, chain=chain) * 1e6
+    stream = time_stream(fn, sets, chain=chain)
     many = _over_sets(fn)
     t0 = time.perf_counter()
     outs = [many(sets) for _ in range(chain)]
@@ -85,7 +87,8 @@ def measure(tokens: int, layout: str, layer: tuple, *, reps: int, chain: int, lo
     del outs
     log(f"# {tokens} tokens, layout {layout}: trace")
     events = gpu_kernel_events(lambda: jax.block_until_ready([many(sets) for _ in range(chain)]))
-    return dict(tokens=tokens, layout=layout, reps=reps, chain=chain, steady_us=steady, enqueue_us=enqueue,
+    return dict(tokens=tokens, layout=layout, reps=reps, chain=chain, steady_us=stream.per_call * 1e6,
+                marginal_us=stream.marginal * 1e6, stream_fixed_us=stream.fixed * 1e6, enqueue_us=enqueue,
                 weights_bytes=_weight_bytes(params), **_summary(events, chain * reps))
 
 
@@ -102,10 +105,11 @@ def short_names(names: list[str]) -> dict[str, str]:
 
 def print_result(res: dict, roofline_us: float) -> None:
     print(f"\n{res['tokens']} tokens, layout {res['layout']} ({res['chain']} dispatches of {res['reps']} layers): "
-          f"steady {res['steady_us']:.1f} µs/layer, host enqueue {res['enqueue_us']:.1f}, GPU busy "
+          f"steady {res['steady_us']:.1f} µs/layer (marginal {res['marginal_us']:.1f}, "
+          f"{res['stream_fixed_us']:.0f} µs once per stream), host enqueue {res['enqueue_us']:.1f}, GPU busy "
           f"{res['busy_us']:.1f}, span {res['span_us']:.1f}; start-up {res['startup_us']:.0f} µs per chain; "
-          f"roofline / steady {100 * roofline_us / res['steady_us']:.1f} %, roofline / busy "
-          f"{100 * roofline_us / res['busy_us']:.1f} %")
+          f"roofline / steady {100 * roofline_us / res['steady_us']:.1f} %, / marginal "
+          f"{100 * roofline_us / res['marginal_us']:.1f} %, / busy {100 * roofline_us / res['busy_us']:.1f} %")
     print(f"  {'kernel':44s} {'/layer':>6s} {'µs':>8s} {'gap med':>8s} {'gap mean':>8s}")
     names = short_names([r["kernel"] for r in res["rows"]])
     for r in res["rows"]:
