@@ -10,7 +10,11 @@ with the heuristic config's: every option changes only the schedule, so the outp
 bit-identical, and a candidate that differs is reported and not timed. Kernel time (the fused
 kernel alone, profiler trace, median over ``--iters`` rounds, both inputs) is taken in two traces,
 the candidates interleaved round by round, the second in reverse order; a gain counts only when
-both traces show it.
+both traces show it. ``--steady`` times each candidate instead as a steady stream of calls (input
+and fused kernel, `_timing.time_op`: 8 dispatches over the inputs, median of ``--iters`` rounds),
+in two passes, the second in reverse order: the GPU then runs at its power limit, as it does
+under a serving loop, where an option that moves less data can win although a short trace shows
+it slower (the clusters at BLOCK_M 128).
 
 Needs an SM90 GPU (exits with status 2 elsewhere). Table on stdout, progress on stderr;
 ``--json PATH`` writes the rows.
@@ -41,6 +45,14 @@ def _traced_medians(fns: dict, args: list[tuple], iters: int, reverse: bool) -> 
     return {lab: statistics.median(ts) for lab, ts in per.items()}
 
 
+def _steady_medians(fns: dict, args: list[tuple], iters: int, reverse: bool) -> dict[str, float]:
+    """Steady-stream µs per call of each candidate over ``args``, one after the other."""
+    from moe_jax.bench._timing import time_op
+
+    order = list(reversed(fns)) if reverse else list(fns)
+    return {lab: time_op(fns[lab], args, rounds=iters, chain=8) * 1e6 for lab in order}
+
+
 def layer_setup():
     """(config, params, the fused layout's weight operands) of the benchmark layer."""
     from moe_jax.bench.layer import _bench_params, _config
@@ -52,7 +64,8 @@ def layer_setup():
     return cfg, params, (fparams.w13, fparams.w13_scale, fparams.w2, fparams.w2_scale)
 
 
-def sweep(tokens: int, setup, *, full: bool, iters: int, log, grids: tuple[int, ...] = ()) -> dict:
+def sweep(tokens: int, setup, *, full: bool, iters: int, log, grids: tuple[int, ...] = (),
+          steady: bool = False) -> dict:
     """One token count: {tokens, routes_per_expert, heuristic, rows, rejected}; setup: `layer_setup()`."""
     import jax
     import jax.numpy as jnp
@@ -102,20 +115,23 @@ def sweep(tokens: int, setup, *, full: bool, iters: int, log, grids: tuple[int, 
             rejected[lab] = f"output differs from the heuristic's in {diff} elements"
             del fns[lab]
     jax.block_until_ready([fns[labels[0]](*args[0]) for _ in range(8)])  # clock up from idle
-    a = _traced_medians(fns, args, iters, reverse=False)
-    b = _traced_medians(fns, args, iters, reverse=True)
+    timer = _steady_medians if steady else _traced_medians
+    a = timer(fns, args, iters, reverse=False)
+    b = timer(fns, args, iters, reverse=True)
     h = labels[0]
     rows = [dict(config=lab, us_a=a[lab], us_b=b[lab], gain_a=a[h] / a[lab] - 1, gain_b=b[h] / b[lab] - 1)
             for lab in fns]
     rows.sort(key=lambda r: r["us_a"] + r["us_b"])
     return dict(tokens=tokens, routes_per_expert=(int(counts.min()), int(counts.max())), heuristic=h, rows=rows,
-                rejected=rejected)
+                rejected=rejected, timing="steady stream" if steady else "kernel time")
 
 
 def print_sweep(res: dict, top: int) -> None:
     lo, hi = res["routes_per_expert"]
+    what = ("steady-stream µs per call, pass A / pass B (reversed order)" if res.get("timing") == "steady stream"
+            else "kernel µs, trace A / trace B (reversed order)")
     print(f"\n{res['tokens']} tokens (routes per expert {lo}..{hi}); heuristic {res['heuristic']}; "
-          f"kernel µs, trace A / trace B (reversed order), gain over the heuristic:")
+          f"{what}, gain over the heuristic:")
     print(f"  {'config':32s} {'A':>9s} {'B':>9s} {'gain A':>7s} {'gain B':>7s}")
     rows = res["rows"]
     shown = rows[:top] + [r for r in rows[top:] if r["config"] == res["heuristic"]]
@@ -136,7 +152,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all", action="store_true", help="also every pair of options (~67 configs per count)")
     p.add_argument("--grids", default="", help="comma-separated grid sizes (CTAs, even, at most the SM count) "
                    "to time the rule's config on as well (default: none)")
-    p.add_argument("--iters", type=int, default=6, help="rounds per trace (default 6)")
+    p.add_argument("--steady", action="store_true",
+                   help="time a steady stream of calls per candidate (the GPU at its power limit) instead of "
+                        "kernel time in traces")
+    p.add_argument("--iters", type=int, default=6, help="rounds per trace or steady pass (default 6)")
     p.add_argument("--top", type=int, default=12, help="rows printed per token count (default 12)")
     p.add_argument("--json", metavar="PATH", help="write every row as JSON here")
     p.set_defaults(func=run)
@@ -168,7 +187,7 @@ def run(args) -> int:
     out = dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind), sweeps=[])
     setup = layer_setup()
     for m in tokens:
-        res = sweep(m, setup, full=args.all, iters=args.iters, log=log, grids=grids)
+        res = sweep(m, setup, full=args.all, iters=args.iters, log=log, grids=grids, steady=args.steady)
         out["sweeps"].append(res)
         print_sweep(res, args.top)
     log(f"# done in {time.perf_counter() - t0:.0f} s")
