@@ -152,7 +152,8 @@ def test_layer_fused_layout(tokens, shared):
 
 def test_schedule_options_keep_the_output_bits():
     """Every schedule option changes only the order of work: the same bits as the template's
-    defaults, at both BLOCK_Ms, and the H200 holds the rule's 2-CTA clusters of the whole grid."""
+    defaults, at both BLOCK_Ms, and the H200 holds the rule's 2-CTA clusters of the whole grid (at
+    both BLOCK_Ms, the benchmark layer's sizes too)."""
     import dataclasses
 
     from custom_calls.deep_gemm import compiler
@@ -183,3 +184,11 @@ def test_schedule_options_keep_the_output_bits():
     assert F.clusters_reason(c2, str(cubin.path)) is None
     held = F.resident_clusters(str(cubin.path), c2.grid, c2.num_threads, c2.smem_bytes, 2)
     assert held * 2 >= c2.grid
+    # the rule's clusters at the benchmark layer's decode and prefill sizes (BLOCK_M 64 and 128, the
+    # latter with 231 KB of shared memory per CTA): the whole grid resident as CTA pairs
+    for tokens, bm in ((128, 64), (4096, 128)):
+        rule = F.fused_config(num_tokens=tokens, hidden=7168, intermediate=2048, num_experts=32, top_k=8,
+                              activation_clamp=None)
+        assert (rule.block_m, rule.cluster_size) == (bm, 2)
+        cubin = compiler.compile_cubin(F.kernel_name(rule), sm90_fused_moe_source(rule), 90)
+        assert F.clusters_reason(rule, str(cubin.path)) is None, F.config_label(rule)

@@ -45,8 +45,9 @@ DEFAULT_OPTIONS = (1, 0, False, 1, 0, 0)
 
 def test_model_configs():
     # Stage counts and shared-memory totals read from the kernel's own constants (its SMEM_* constexprs).
-    p = _config(max_tokens=4096)  # four row passes of the L2 staging free room for a 4th stage
-    assert (p.block_m, p.num_stages, p.smem_bytes, _options(p)) == (128, 4, 231264, (1, 0, False, 1, 4, 4))
+    p = _config(max_tokens=4096)  # four row passes of the L2 staging free room for a 4th stage; 1024
+    # expected routes per expert: 2-CTA clusters
+    assert (p.block_m, p.num_stages, p.smem_bytes, _options(p)) == (128, 4, 231264, (2, 0, False, 1, 4, 4))
     assert p.reuse_accum_as_final and p.half_l2_cd
     d = _config(max_tokens=128)  # 32 expected routes per expert: 2-CTA clusters
     assert (d.block_m, d.num_stages, d.smem_bytes, _options(d)) == (64, 4, 213312, (2, 0, False, 1, 0, 0))
@@ -78,12 +79,18 @@ def test_block_m_rule(max_tokens, top_k, num_experts, block_m):
 
 @pytest.mark.parametrize("max_tokens,top_k,num_experts,cluster", [
     (128, 8, 32, 2), (127, 8, 32, 1), (124, 8, 32, 1),  # 32 and 31.75 / 31 expected routes per expert
-    (32, 8, 32, 1), (255, 8, 32, 2), (256, 8, 32, 1),  # 256: BLOCK_M 128, no clusters there
+    (32, 8, 32, 1), (255, 8, 32, 2),
+    # BLOCK_M 128: clusters from 128 expected routes per expert while 4 stages fit
+    (256, 8, 32, 1), (511, 8, 32, 1), (512, 8, 32, 2), (4096, 8, 32, 2), (8192, 8, 32, 2),
+    (16384, 8, 32, 1),  # 3 stages
     (1024, 8, 256, 2), (1020, 8, 256, 1),
 ])
 def test_cluster_rule(max_tokens, top_k, num_experts, cluster):
     c = _config(max_tokens=max_tokens, top_k=top_k, num_experts=num_experts)
     assert c.cluster_size == cluster
+    if c.block_m == 128 and c.max_tokens * c.top_k >= 128 * c.num_experts:
+        # clusters exactly where they keep 4 stages
+        assert (cluster == 2) == (H._fused_moe_max_stages(dataclasses.replace(c, cluster_size=2)) >= 4)
     assert _options(c)[1:4] == (0, False, 1)  # lag, early combine, pull batch: the template's defaults
 
 

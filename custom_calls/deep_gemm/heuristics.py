@@ -467,8 +467,14 @@ def sm100_mgrouped_config(recipe: str, gemm_kind: GemmKind, n: int, k: int, num_
 #   kMulticastOnB) once an expert expects half a block of routes or more: the two m-blocks of an
 #   expert with more than 64 routes then read its weights once. -4 % at 128 tokens (32 expected,
 #   up to 79 routes per expert); at 32 tokens (8 expected) it costs 0.9 %, so not there;
+# * BLOCK_M 128: the same clusters once an expert expects a whole block of routes, while the
+#   pipeline keeps 4 stages. Measured in a steady stream (back-to-back layers, the GPU at its power
+#   limit), not in short traces, where they lose 0.4-1.5 %: faster by 1.5-3.8 % at 512 tokens,
+#   2.2-4.7 % at 1024, 3.9-5.9 % at 4096 and 1.1-3.9 % at 8192 (2048: three of four passes);
+#   at 256 tokens (64 expected) within +-1.8 %, and at 16384, whose token pool leaves room for 3
+#   stages only, 0.3-3.4 % slower;
 # * left at the template's defaults: the L2-lag schedule (9-38 % slower at every size), early
-#   combine and batched pull publish (within +-2 %, not both runs), clusters at BLOCK_M 128.
+#   combine and batched pull publish (within +-2 %, not both runs).
 FUSED_MOE_BLOCK_N = 256
 FUSED_MOE_BLOCK_K = 128
 _FUSED_MOE_MIN_STAGES = 2
@@ -476,6 +482,8 @@ _FUSED_MOE_MAX_STAGES = 32  # only bounds the search; shared memory caps far bel
 _FUSED_MOE_MAX_TOP_K = 32  # a token's routes are read by one warp
 _FUSED_MOE_DECODE_ROUTES = 64  # below this many expected routes per expert: BLOCK_M 64
 _FUSED_MOE_CLUSTER_ROUTES = 32  # from this many expected routes per expert, BLOCK_M 64 runs 2-CTA clusters
+_FUSED_MOE_CLUSTER_ROUTES_M128 = 128  # and BLOCK_M 128 from this many,
+_FUSED_MOE_CLUSTER_MIN_STAGES = 4  # where its clusters keep at least this many stages
 _FUSED_MOE_COMBINE_WARPS = 8  # the combine runs on the 8 math warps
 
 
@@ -751,11 +759,16 @@ def sm90_fused_moe_config(*, max_tokens: int, hidden: int, intermediate: int, nu
         l2_epilogue_full_sync=False, half_l2_cd=block_m == 128)
     if not schedule_options:
         return cfg
+    routes = int(max_tokens) * int(top_k)
     if block_m == 128:  # stmatrix row passes where the weight-scale slot can take its unused rows
         tuned = dataclasses.replace(cfg, l2_cd_passes=4, l2_stage_mode=4)
         if sm90_fused_moe_options_reason(dataclasses.replace(tuned, num_stages=2)) is not None:
             tuned = dataclasses.replace(tuned, l2_stage_mode=2)
-    elif int(max_tokens) * int(top_k) >= _FUSED_MOE_CLUSTER_ROUTES * int(num_experts):
+        if routes >= _FUSED_MOE_CLUSTER_ROUTES_M128 * int(num_experts):
+            clustered = dataclasses.replace(tuned, cluster_size=2)
+            if (_fused_moe_max_stages(clustered) or 0) >= _FUSED_MOE_CLUSTER_MIN_STAGES:
+                tuned = clustered
+    elif routes >= _FUSED_MOE_CLUSTER_ROUTES * int(num_experts):
         tuned = dataclasses.replace(cfg, cluster_size=2)
     else:
         return cfg
