@@ -464,3 +464,23 @@ def test_time_stream_times_two_stream_lengths_and_fits_them(monkeypatch):
     assert st.per_call == pytest.approx(per_set + sync / 20)
     with pytest.raises(ValueError, match="long_factor"):
         _timing.time_stream(lambda x: x, sets, long_factor=1)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_fused_steady_timer_times_every_candidate_once_in_the_pass_order(monkeypatch, reverse):
+    """`bench fused --steady`: each candidate is timed as one steady stream (`time_op`, 8 dispatches,
+    --iters rounds) over the routed inputs, in the given order or its reverse, in µs."""
+    from moe_jax.bench import fused as bench_fused
+
+    calls = []
+
+    def fake_time_op(fn, arg_sets, rounds, chain):
+        calls.append((fn, len(arg_sets), rounds, chain))
+        return {"a": 1e-3, "b": 2e-3, "c": 3e-3}[fn]
+
+    monkeypatch.setattr(_timing, "time_op", fake_time_op)
+    fns = {"x": "a", "y": "b", "z": "c"}
+    got = bench_fused._steady_medians(fns, [(1,), (2,)], iters=3, reverse=reverse)
+    assert got == pytest.approx({"x": 1e3, "y": 2e3, "z": 3e3})
+    order = ["c", "b", "a"] if reverse else ["a", "b", "c"]
+    assert calls == [(f, 2, 3, 8) for f in order]
