@@ -470,7 +470,7 @@ def sm100_mgrouped_config(recipe: str, gemm_kind: GemmKind, n: int, k: int, num_
 # * BLOCK_M 128: the same clusters once an expert expects a whole block of routes, while the
 #   pipeline keeps 4 stages. Measured in a steady stream (back-to-back layers, the GPU at its power
 #   limit), not in short traces, where they lose 0.4-1.5 %: faster by 1.5-3.8 % at 512 tokens,
-#   2.2-4.7 % at 1024, 3.9-5.9 % at 4096 and 1.1-3.9 % at 8192 (2048: three of four passes);
+#   2.2-4.7 % at 1024, 2.2-5.9 % at 4096 and 1.1-3.9 % at 8192 (2048: three of four passes);
 #   at 256 tokens (64 expected) within +-1.8 %, and at 16384, whose token pool leaves room for 3
 #   stages only, 0.3-3.4 % slower;
 # * left at the template's defaults: the L2-lag schedule (9-38 % slower at every size), early
@@ -766,7 +766,7 @@ def sm90_fused_moe_config(*, max_tokens: int, hidden: int, intermediate: int, nu
             tuned = dataclasses.replace(tuned, l2_stage_mode=2)
         if routes >= _FUSED_MOE_CLUSTER_ROUTES_M128 * int(num_experts):
             clustered = dataclasses.replace(tuned, cluster_size=2)
-            if (_fused_moe_max_stages(clustered) or 0) >= _FUSED_MOE_CLUSTER_MIN_STAGES:
+            if _fused_moe_max_stages(clustered) >= _FUSED_MOE_CLUSTER_MIN_STAGES:
                 tuned = clustered
     elif routes >= _FUSED_MOE_CLUSTER_ROUTES * int(num_experts):
         tuned = dataclasses.replace(cfg, cluster_size=2)

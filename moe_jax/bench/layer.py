@@ -436,8 +436,14 @@ def _f(v, fmt: str) -> str:
     return "–" if v is None else format(v, fmt)
 
 
+def _ratio(num: float | None, den: float | None) -> float | None:
+    """num / den, None where either is missing, NaN or zero (a figure not measured)."""
+    return num / den if num and den and num == num and den == den else None
+
+
 def _marginal(row: dict, key: str) -> str:
-    """", M us marginal (F us per stream)" for a row's `time_stream` figures, "" where not measured."""
+    """", M us marginal (F us once per stream)" for a row's `time_stream` figures, "" where not
+    measured."""
     m, fixed = row.get(f"{key}_marginal_us"), row.get(f"{key}_stream_fixed_us")
     if m is None or m != m:
         return ""
@@ -470,17 +476,14 @@ def goals(results: list[dict], copy_gbps: float, backend: str = "auto") -> list[
 
     def row_for(res, metric, us, marginal_us, kernel_us, gemms_kernel_us, row):
         if res["layout"] == "contig":
-            def ratio(v, d):
-                return v / d if v and d and v == v and d == d else None
-            wall, marg = us / row["gemms_us"], ratio(marginal_us, row.get("gemms_marginal_us"))
+            wall, marg = us / row["gemms_us"], _ratio(marginal_us, row.get("gemms_marginal_us"))
             return dict(shape=res["shape"], tokens=res["tokens"], metric=f"{metric} / GEMMs", wall=wall,
-                        marginal=marg, kernel=ratio(kernel_us, gemms_kernel_us), goal=PREFILL_GOAL,
+                        marginal=marg, kernel=_ratio(kernel_us, gemms_kernel_us), goal=PREFILL_GOAL,
                         met=wall <= PREFILL_GOAL, met_marginal=marg is not None and marg <= PREFILL_GOAL)
         roof = res["weights_GB"] * 1e9 / (copy_gbps * 1e9) * 1e6
-        wall = roof / us
-        marg = roof / marginal_us if marginal_us and marginal_us == marginal_us else None
+        wall, marg = roof / us, _ratio(roof, marginal_us)
         return dict(shape=res["shape"], tokens=res["tokens"], metric=f"roofline / {metric}", wall=wall,
-                    marginal=marg, kernel=roof / kernel_us if kernel_us else None, goal=DECODE_GOAL,
+                    marginal=marg, kernel=_ratio(roof, kernel_us), goal=DECODE_GOAL,
                     met=wall >= DECODE_GOAL, met_marginal=marg is not None and marg >= DECODE_GOAL,
                     roofline_us=roof)
 
