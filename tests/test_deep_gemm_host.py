@@ -220,7 +220,7 @@ def test_ffi_attribute_encoding():
     c = H.sm100_mgrouped_config("mxfp4", "contig", 512, 1024, 2, 148)
     attrs = LP.sm100_plan(c, "/x.cubin", m=256, n=512, k=1024).ffi_attributes()
     assert attrs["cubin"] == "/x.cubin"
-    assert attrs["launch"].tolist() == [148, 256, 2, c.smem_bytes, 0]
+    assert attrs["launch"].tolist() == [148, 256, 2, c.smem_bytes, 0, 0]
     args = attrs["args"].reshape(-1, 3)
     assert args.shape[0] == 10 and args[4].tolist() == [LP.ARG_BYTES, 0, 48]
     assert attrs["blob"].tobytes()[:48] == LP.SM100_EPILOGUE_ARGS

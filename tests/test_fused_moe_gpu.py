@@ -5,6 +5,8 @@ layer's fused layout end to end."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -150,12 +152,34 @@ def test_layer_fused_layout(tokens, shared):
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2
 
 
+def test_programmatic_launch_waits_for_the_input_stage():
+    """With programmatic dependent launch the fused kernel may start while the input kernel still
+    writes its buffer: three dependent layers in one program (each layer's tokens are the previous
+    one's output, so a kernel that read its buffer early would read stale or half-written tokens)
+    give the same bits with and without it, at both BLOCK_Ms."""
+    from custom_calls.deep_gemm import fused_moe as F
+
+    x, ids, w, w1, s1, w2, s2 = _problem(5, 200, 2048, 512, 16, 6, drop=0.1)
+    w1 = interleave_gate_up(w1)
+    for tokens in (40, 200):  # BLOCK_M 64 and 128
+        base = F.fused_config(num_tokens=tokens, hidden=2048, intermediate=512, num_experts=16, top_k=6,
+                              activation_clamp=None)
+        outs = []
+        for cfg in (dataclasses.replace(base, pdl=False), dataclasses.replace(base, pdl=True)):
+            def chain(x, *rest, c=cfg):
+                for _ in range(3):
+                    x = F.fused_moe_with_config(c, x, *rest, routed_scaling_factor=0.5)
+                return x
+            outs.append(np.asarray(jax.jit(chain)(x[:tokens], ids[:tokens], w[:tokens], w1, s1, w2, s2)
+                                   .astype(jnp.float32)))
+        assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
+        np.testing.assert_array_equal(outs[1], outs[0], err_msg=f"{tokens} tokens")
+
+
 def test_schedule_options_keep_the_output_bits():
     """Every schedule option changes only the order of work: the same bits as the template's
     defaults, at both BLOCK_Ms, and the H200 holds the rule's 2-CTA clusters of the whole grid (at
     both BLOCK_Ms, the benchmark layer's sizes too)."""
-    import dataclasses
-
     from custom_calls.deep_gemm import compiler
     from custom_calls.deep_gemm import fused_moe as F
     from custom_calls.deep_gemm.codegen import sm90_fused_moe_source
@@ -171,7 +195,8 @@ def test_schedule_options_keep_the_output_bits():
     configs = [base, dataclasses.replace(base, l2_cd_passes=0, l2_stage_mode=0, num_stages=3),
                dataclasses.replace(base, cluster_size=2), dataclasses.replace(base, l2_lag_units=2),
                dataclasses.replace(base, early_combine=True), dataclasses.replace(base, pull_publish_batch=4),
-               d0, dataclasses.replace(d0, cluster_size=2)]
+               dataclasses.replace(base, pdl=not base.pdl), d0, dataclasses.replace(d0, cluster_size=2),
+               dataclasses.replace(d0, cluster_size=2, pdl=not d0.pdl)]
     outs = []
     for cfg in configs:
         f = jax.jit(lambda *a, c=cfg: F.fused_moe_with_config(c, *a, routed_scaling_factor=1.5))

@@ -242,7 +242,7 @@ def _template_args(c) -> list[tuple[str, str]]:
         ("kL2EpilogueRequiresFullSync", b(c.l2_epilogue_full_sync)), ("kHalfL2CD", b(c.half_l2_cd)),
         ("kClusterSize", c.cluster_size), ("kMulticastOnB", b(c.cluster_size == 2)), ("kL2LagUnits", c.l2_lag_units),
         ("kL2CDPasses", c.l2_cd_passes), ("kTrace", "false"), ("kTraceEpi", "false"),
-        ("kL2StageMode", c.l2_stage_mode), ("kPDL", "false"), ("kEarlyCombineMode", int(c.early_combine)),
+        ("kL2StageMode", c.l2_stage_mode), ("kPDL", b(c.pdl)), ("kEarlyCombineMode", int(c.early_combine)),
         ("kPullPublishBatch", c.pull_publish_batch), ("kPullEagerPublish", "false"),
     ]
 
@@ -279,7 +279,7 @@ def _probe_configs():
     options = [dataclasses.replace(p0, early_combine=True, pull_publish_batch=16),
                dataclasses.replace(d0, early_combine=True, l2_cd_passes=2),
                dataclasses.replace(p0, l2_cd_passes=4, l2_stage_mode=2, num_stages=3),
-               dataclasses.replace(d, l2_lag_units=2, pull_publish_batch=3)]
+               dataclasses.replace(d, l2_lag_units=2, pull_publish_batch=3, pdl=True)]
     out = [p, d, p0, d0, *options, dataclasses.replace(p, num_stages=2), dataclasses.replace(d, num_stages=2),
            # the per-expert routing counts outgrow the tile table: they size that region
            H.sm90_fused_moe_config(max_tokens=8, hidden=1024, intermediate=512, num_experts=2048, top_k=8,
@@ -386,6 +386,7 @@ OPTION_BAD = [
     (dict(l2_cd_passes=3), ["l2_cd_passes:", "one of (0, 1, 2, 4)", "3"]),
     (dict(l2_cd_passes=4), ["l2_cd_passes:", "64 or 128", "(32 columns per pass)"]),
     (dict(l2_stage_mode=1), ["l2_stage_mode:", "0, 2 or 4", "1"]),
+    (dict(pdl=1), ["pdl:", "a bool", "1"]),
     (dict(l2_cd_passes=4, l2_stage_mode=4), ["l2_stage_mode:", "64x256", "tile 64x256"]),
     (dict(num_stages=16), ["num_stages:", "[2, 15]", "16"]),
     (dict(num_stages=1), ["num_stages:", "[2, 15]", "1"]),
@@ -422,6 +423,7 @@ def test_rule_configs_and_candidates_are_legal_unique_and_start_with_the_rule():
                 assert H.sm90_fused_moe_options_reason(more) is not None, config_label(c)
         singles = H.sm90_fused_moe_candidates(base)
         assert {c.l2_lag_units for c in singles} == {0, 1, 2, 4} and any(c.early_combine for c in singles)
+        assert {c.pdl for c in singles} == {False, True}
         assert len(H.sm90_fused_moe_candidates(base, full=True)) > 2 * len(singles)
 
 

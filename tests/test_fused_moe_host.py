@@ -5,6 +5,8 @@ Triton kernel: tests/test_triton_interpret.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -75,7 +77,12 @@ def test_attributes_encode_offsets_clusters_and_cooperative():
     cfg = _cfg(128, 7168, 2048, 32, 8)
     plan = F.fused_plan(cfg, "/f.cubin", num_tokens=128).ffi_attributes()
     # 128 tokens: 32 expected routes per expert, the rule's 2-CTA clusters (cooperative as well)
-    assert cfg.cluster_size == 2 and plan["launch"].tolist() == [132, 384, 2, cfg.smem_bytes, 1]
+    assert cfg.cluster_size == 2 and plan["launch"].tolist()[:5] == [132, 384, 2, cfg.smem_bytes, 1]
+    # programmatic dependent launch exactly when the kernel is compiled to wait for the input kernel
+    assert plan["launch"].tolist()[5] == int(cfg.pdl)
+    flipped = dataclasses.replace(cfg, pdl=not cfg.pdl)
+    assert F.fused_plan(flipped, "/f.cubin", num_tokens=128).ffi_attributes()["launch"].tolist()[5] == int(flipped.pdl)
+    assert ("_pdl_" in F.kernel_name(flipped)) != ("_pdl_" in F.kernel_name(cfg))
     tm = plan["tmaps"].reshape(-1, LP.TMAP_WORDS)
     assert tm[0, :2].tolist() == [0, cfg.buffer.regions["l1_tokens"][0]]
     assert plan["args"].reshape(-1, 3)[3].tolist() == [LP.ARG_SYM_BUFFER, 0, 0]

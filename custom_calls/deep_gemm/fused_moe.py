@@ -136,7 +136,7 @@ def fused_plan(cfg: Sm90FusedMoEConfig, cubin: str, *, num_tokens: int) -> LP.La
     args = (LP._ptr(5), LP.NULL, LP._u32(num_tokens), LP.KernelArg(LP.ARG_SYM_BUFFER, 0),
             t(0), t(1), t(2), LP._ptr(2), t(3), t(4), t(5), t(6), LP._ptr(4), LP.NULL)
     return LP.LaunchPlan("sm90_fp8_mega_moe", cubin, cfg.grid, cfg.num_threads, cfg.cluster_size, cfg.smem_bytes,
-                         args, tmaps, cooperative=True)
+                         args, tmaps, cooperative=True, programmatic=cfg.pdl)
 
 
 def kernel_name(cfg: Sm90FusedMoEConfig) -> str:
@@ -152,7 +152,8 @@ def config_label(cfg: Sm90FusedMoEConfig) -> str:
     opts = [f"c{cfg.cluster_size}" if cfg.cluster_size != 1 else "",
             f"lag{cfg.l2_lag_units}" if cfg.l2_lag_units else "", "ec" if cfg.early_combine else "",
             f"pb{cfg.pull_publish_batch}" if cfg.pull_publish_batch != 1 else "",
-            f"cd{cfg.l2_cd_passes}" if cfg.l2_cd_passes else "", f"sm{cfg.l2_stage_mode}" if cfg.l2_stage_mode else ""]
+            f"cd{cfg.l2_cd_passes}" if cfg.l2_cd_passes else "", f"sm{cfg.l2_stage_mode}" if cfg.l2_stage_mode else "",
+            "pdl" if cfg.pdl else ""]
     return " ".join([f"{cfg.block_m}x{cfg.block_n} s{cfg.num_stages}", *filter(None, opts)])
 
 

@@ -579,6 +579,9 @@ class Sm90FusedMoEConfig:
     pull_publish_batch: int = 1  # kPullPublishBatch: dispatched rows published per fence
     l2_cd_passes: int = 0  # kL2CDPasses: 0 the kernel's choice (2 with kHalfL2CD, else 1), or 1, 2, 4
     l2_stage_mode: int = 0  # kL2StageMode: 0 column passes, 2 / 4 row passes (shared stores / stmatrix)
+    # kPDL: launched with programmatic dependent launch, so the CTA-local prologue (barrier init,
+    # shared-memory setup) overlaps the end of the input kernel before griddepcontrol.wait
+    pdl: bool = False
 
     @property
     def buffer(self) -> FusedMoEBuffer:
@@ -807,6 +810,8 @@ def sm90_fused_moe_options_reason(cfg: Sm90FusedMoEConfig) -> str | None:
         return bad("l2_cd_passes", f"one of {_FUSED_MOE_CD_PASSES}", cfg.l2_cd_passes)
     if cfg.l2_stage_mode not in (0, 2, 4) or isinstance(cfg.l2_stage_mode, bool):
         return bad("l2_stage_mode", "0, 2 or 4", cfg.l2_stage_mode)
+    if not isinstance(cfg.pdl, bool):
+        return bad("pdl", "a bool", cfg.pdl)
     # a math warpgroup's tile: BLOCK_M 64 splits N over the two warpgroups, 128 splits M
     wg_block_n = cfg.block_n // 2 if cfg.block_m == 64 else cfg.block_n
     passes = cfg.l2_cd_passes or (2 if cfg.half_l2_cd else 1)
@@ -854,7 +859,7 @@ def sm90_fused_moe_candidates(base: Sm90FusedMoEConfig, *, full: bool = False) -
     same BLOCK_M at the template's defaults, and the other BLOCK_M with and without the rules'
     options, one schedule option changed at a time (2-CTA clusters with the weight tile multicast,
     the L2-lag schedule at lags 1, 2 and 4, early combine, batched pull publish, the L2 staging
-    passes and row modes); then ``base`` with one stage fewer. ``full``: also every pair of the
+    passes and row modes, programmatic dependent launch toggled); then ``base`` with one stage fewer. ``full``: also every pair of the
     single options. Unique, in this order."""
     def heuristic(bm, options):
         try:
@@ -867,7 +872,8 @@ def sm90_fused_moe_candidates(base: Sm90FusedMoEConfig, *, full: bool = False) -
 
     singles = [dict(cluster_size=2), dict(l2_lag_units=1), dict(l2_lag_units=2), dict(l2_lag_units=4),
                dict(early_combine=True), dict(pull_publish_batch=4), dict(l2_cd_passes=4),
-               dict(l2_cd_passes=4, l2_stage_mode=2), dict(l2_cd_passes=4, l2_stage_mode=4), dict(l2_cd_passes=2)]
+               dict(l2_cd_passes=4, l2_stage_mode=2), dict(l2_cd_passes=4, l2_stage_mode=4), dict(l2_cd_passes=2),
+               dict(pdl=not base.pdl)]
     changes = [dict()] + singles
     if full:
         changes += [a | b for i, a in enumerate(singles) for b in singles[i + 1:] if not a.keys() & b.keys()]

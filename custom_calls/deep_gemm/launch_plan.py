@@ -112,6 +112,10 @@ class LaunchPlan:
     tmaps: tuple[TensorMap, ...]
     # all blocks resident at once (the driver fails the launch otherwise): kernels with grid barriers
     cooperative: bool = False
+    # programmatic dependent launch: the kernel may be scheduled while the previous kernel on the
+    # stream is still running; only for kernels compiled to wait (griddepcontrol.wait) before they
+    # read anything a previous kernel wrote
+    programmatic: bool = False
     # May XLA record the launch into a command buffer (CUDA graph)? Safe by construction (see
     # csrc/launch_handler.cc); off unless $MOE_JAX_DEEP_GEMM_COMMAND_BUFFER=1 until measured to help.
     command_buffer: bool = dataclasses.field(default_factory=command_buffer_default)
@@ -159,7 +163,8 @@ class LaunchPlan:
         tm = [w for t in self.tmaps for w in t.words()]
         return {
             "cubin": self.cubin,
-            "launch": np.array([self.grid, self.block, self.cluster, self.smem, int(self.cooperative)], np.int64),
+            "launch": np.array([self.grid, self.block, self.cluster, self.smem, int(self.cooperative),
+                                int(self.programmatic)], np.int64),
             "args": np.array(args, np.int64),
             "tmaps": np.array(tm or [0], np.int64),
             "blob": np.frombuffer(bytes(blob) or b"\0" * 8, np.int64).copy(),

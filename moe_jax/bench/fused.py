@@ -3,7 +3,8 @@
 For each token count, the benchmark layer's weights (32 experts, top-8, H 7168, I 2048, fp8_block)
 and two routed inputs (the layer's own grouped top-k): every candidate instantiation of
 ``heuristics.sm90_fused_moe_candidates`` (the other BLOCK_M, 2-CTA clusters with the weight tile
-multicast, the L2-lag schedule, early combine, batched pull publish, the L2 staging passes, one
+multicast, the L2-lag schedule, early combine, batched pull publish, the L2 staging passes,
+programmatic dependent launch, one
 stage fewer; ``--all`` adds every pair of options; ``--grids`` the rule's config on fewer CTAs than
 the GPU has SMs) is compiled, run, and its output compared
 with the heuristic config's: every option changes only the schedule, so the outputs must be

@@ -18,7 +18,9 @@
 // context runs in relaxed capture mode (it is not stream work), see GetKernel.
 //
 // A launch may be cooperative (launch[4]: the driver then guarantees that all blocks are resident
-// at once, or fails the launch).
+// at once, or fails the launch) and programmatic (launch[5]: programmatic stream serialization, so
+// the kernel's blocks may start before the previous kernel on the stream has finished; only for
+// kernels that wait with griddepcontrol.wait before reading what an earlier kernel wrote).
 
 #include <dlfcn.h>
 
@@ -196,12 +198,13 @@ ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64
                   ffi::RemainingArgs ins, ffi::RemainingRets outs) {
   const Driver& d = GetDriver();
   if (!d.error.empty()) return ffi::Error::Internal(d.error);
-  if (launch.size() != 5) return ffi::Error::InvalidArgument("launch attribute must hold 5 values");
+  if (launch.size() != 6) return ffi::Error::InvalidArgument("launch attribute must hold 6 values");
   if (args.size() % 3 != 0) return ffi::Error::InvalidArgument("args attribute must hold triples");
 
-  if (launch[0] <= 0 || launch[1] <= 0 || launch[2] <= 0 || launch[3] < 0 || launch[4] < 0 || launch[4] > 1)
+  if (launch[0] <= 0 || launch[1] <= 0 || launch[2] <= 0 || launch[3] < 0 || launch[4] < 0 || launch[4] > 1 ||
+      launch[5] < 0 || launch[5] > 1)
     return ffi::Error::InvalidArgument(
-        "launch attribute: grid, block and cluster must be > 0, smem >= 0, cooperative 0 or 1");
+        "launch attribute: grid, block and cluster must be > 0, smem >= 0, cooperative and programmatic 0 or 1");
   // an attribute array cannot be empty: a lone word stands for "no tensor maps"
   if (tmaps.size() % kTmapWords != 0 && tmaps.size() != 1)
     return ffi::Error::InvalidArgument("tmaps attribute must hold " + std::to_string(kTmapWords) + " words per map");
@@ -326,7 +329,7 @@ ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64
   CUfunction fn = nullptr;
   ffi::Error err = GetKernel(d, std::string(cubin), ctx, smem, &fn);
   if (err.success()) {
-    CUlaunchAttribute attrs[2];
+    CUlaunchAttribute attrs[3];
     std::memset(attrs, 0, sizeof(attrs));
     CUlaunchConfig cfg;
     std::memset(&cfg, 0, sizeof(cfg));
@@ -346,6 +349,11 @@ ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64
     if (launch[4] == 1) {
       attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
       attrs[num_attrs].value.cooperative = 1;
+      ++num_attrs;
+    }
+    if (launch[5] == 1) {
+      attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+      attrs[num_attrs].value.programmaticStreamSerializationAllowed = 1;
       ++num_attrs;
     }
     cfg.attrs = num_attrs ? attrs : nullptr;
