@@ -16,7 +16,7 @@ from custom_calls.contracts import (canonical_m_indices, canonical_masked_m, can
 from custom_calls.dense_gemm import gemm_nt
 from custom_calls.dispatch_map import dispatch_map_contig, dispatch_map_masked
 from custom_calls.expert_rank import rank_within_expert
-from custom_calls.fused_moe import fused_moe
+from custom_calls.fused_moe import fused_moe, fused_moe_routed
 from custom_calls.grouped_gemm import (dequantize_lhs, dequantize_rhs, m_grouped_gemm_contig,
                                        m_grouped_gemm_masked)
 from custom_calls.permute import permute_contig, permute_masked, scatter_rows
@@ -28,7 +28,7 @@ __all__ = [
     "activation_quant_masked", "auto_order", "backend_stages", "backends", "canonical_m_indices",
     "canonical_masked_m", "canonical_src2dst", "canonical_topk_ids", "checked", "declare_op",
     "dequantize_lhs", "dequantize_rhs", "dispatch_map_contig", "dispatch_map_masked", "fused_moe",
-    "gated_activation",
+    "fused_moe_routed", "gated_activation",
     "gemm_nt", "get_default_backend", "known_backends",
     "m_grouped_gemm_contig", "m_grouped_gemm_masked", "op_spec", "permute_contig", "permute_masked",
     "quantize_activation", "rank_within_expert", "register", "register_lazy", "resolve",

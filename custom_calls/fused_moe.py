@@ -44,6 +44,7 @@ import numpy as np
 from custom_calls import contracts
 from custom_calls.backends import declare_op, resolve
 from custom_calls.dispatch_map import dispatch_map_contig_xla
+from custom_calls.route_topk import route_topk, sum_partials
 from layouts import (
     FP8_E4M3_MAX,
     FusedMoEBuffer,
@@ -261,3 +262,100 @@ def fused_moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: j
     return impl.impl(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
                      routed_scaling_factor=routed_scaling_factor, activation_clamp=activation_clamp,
                      w13_interleave=w13_interleave)
+
+
+# --- the routed branch with its routing: router GEMM, routing epilogue and the fused kernel ----
+
+OP_ROUTED = "fused_moe_routed"
+
+
+def _route_reference(logits, bias, expert_offset, *, top_k, scoring, n_group, topk_group, norm_topk_prob):
+    ids, weights = route_topk(logits, bias, top_k=top_k, scoring=scoring, n_group=n_group, topk_group=topk_group,
+                              norm_topk_prob=norm_topk_prob, backend="reference")
+    return ids - jnp.asarray(expert_offset, jnp.int32), weights
+
+
+def fused_input_routed_reference(x: jax.Array, partials: jax.Array, bias: jax.Array | None,
+                                 expert_offset: jax.Array, *, buffer: FusedMoEBuffer, routed_scaling_factor: float,
+                                 top_k: int, scoring: str, n_group: int = 1, topk_group: int = 1,
+                                 norm_topk_prob: bool = True) -> jax.Array:
+    """The routed input stage (`custom_calls.triton.fused_input_kernel.fused_input_routed`): the
+    logits are the partials (S, M, E_route) f32 added in order (`route_topk.sum_partials`), routed
+    by the routing epilogue's reference (`route_topk`), the ids minus expert_offset (ids outside
+    the buffer's [0, E) dropped), then `fused_input_reference`."""
+    ids, weights = _route_reference(sum_partials(partials), bias, expert_offset, top_k=top_k, scoring=scoring,
+                                    n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob)
+    return fused_input_reference(x, ids, weights, buffer=buffer, routed_scaling_factor=routed_scaling_factor)
+
+
+def _routed_reference(x, gate_weight, bias, expert_offset, w13, w13_scale, w2, w2_scale, *, top_k, scoring,
+                      n_group, topk_group, norm_topk_prob, routed_scaling_factor, activation_clamp, w13_interleave):
+    logits = jnp.einsum("mh,eh->me", x, gate_weight, preferred_element_type=jnp.float32)
+    ids, weights = _route_reference(logits, bias, expert_offset, top_k=top_k, scoring=scoring, n_group=n_group,
+                                    topk_group=topk_group, norm_topk_prob=norm_topk_prob)
+    return _reference(x, ids, weights, w13, w13_scale, w2, w2_scale, routed_scaling_factor=routed_scaling_factor,
+                      activation_clamp=activation_clamp, w13_interleave=w13_interleave)
+
+
+_ROUTED_STATIC = ("top_k", "scoring", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
+                  "activation_clamp", "w13_interleave")
+declare_op(OP_ROUTED, stage="gemm",
+           static_args=("m", "hidden", "intermediate", "num_experts", "num_route_experts", "top_k", "scoring",
+                        "n_group", "topk_group", "x_dtype", "gate_dtype", "weight_dtype", "routed_scaling_factor",
+                        "activation_clamp", "w13_interleave", "arch"),
+           reference=jax.jit(_routed_reference, static_argnames=_ROUTED_STATIC))
+
+
+def fused_moe_routed(x: jax.Array, gate_weight: jax.Array, e_score_correction_bias: jax.Array | None,
+                     w13: jax.Array, w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array, *, top_k: int,
+                     scoring: str, n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
+                     expert_offset=0, routed_scaling_factor: float = 1.0, activation_clamp: float | None = None,
+                     w13_interleave: int = 0, arch: int = 90, backend: str | None = None) -> jax.Array:
+    """`fused_moe` with its routing: the router GEMM and the routing epilogue of `route_topk` in
+    the same op, so that a backend can fuse them with the branch's own launches (on SM90: the router
+    GEMM as split-K partials, the epilogue inside the fused kernel's input stage: three launches).
+
+    x: (M, H) bf16; gate_weight: (E_route, H) bf16, the router over all E_route experts (logits =
+    x @ gate_weight^T, bf16 products summed in fp32; a backend may sum in another order, which can
+    reorder experts whose selection scores tie to the last bits); e_score_correction_bias:
+    (E_route,) f32 or None; top_k, scoring, n_group, topk_group, norm_topk_prob: as `route_topk`;
+    expert_offset: python int or traced int32 scalar, the global id of local expert 0 (the E
+    experts of w13 are global ids [expert_offset, expert_offset + E); routes to other experts
+    contribute nothing); the rest as `fused_moe` -> y: (M, H) bf16.
+    """
+    check_rank("x", x, 2, "(M, H)")
+    check_dtype("x", x, (jnp.bfloat16,))
+    check_rank("gate_weight", gate_weight, 2, "(E_route, H)")
+    check_dtype("gate_weight", gate_weight, (jnp.bfloat16,))
+    m, h = x.shape
+    e_route = gate_weight.shape[0]
+    if gate_weight.shape[1] != h or e_route == 0:
+        raise ValueError(f"gate_weight: expected shape (E_route, H) with E_route >= 1 and H = {h} (as x), "
+                         f"got {tuple(gate_weight.shape)}")
+    if e_score_correction_bias is not None:
+        check_shape("e_score_correction_bias", e_score_correction_bias, (e_route,), "(E_route,) of gate_weight")
+        check_dtype("e_score_correction_bias", e_score_correction_bias, (jnp.float32,))
+    if jnp.ndim(expert_offset) != 0 or not jnp.issubdtype(jnp.result_type(expert_offset), jnp.integer):
+        raise ValueError(f"expert_offset: expected an int or an integer scalar array, got {expert_offset!r}")
+    # the routing arguments as route_topk checks them; the branch as fused_moe checks it
+    ids, weights = jax.eval_shape(
+        lambda lg, b: route_topk(lg, b, top_k=top_k, scoring=scoring, n_group=n_group, topk_group=topk_group,
+                                 norm_topk_prob=norm_topk_prob, backend="reference"),
+        jax.ShapeDtypeStruct((m, e_route), jnp.float32), e_score_correction_bias)
+    jax.eval_shape(lambda *a: fused_moe(*a, routed_scaling_factor=routed_scaling_factor,
+                                        activation_clamp=activation_clamp, w13_interleave=w13_interleave,
+                                        arch=arch, backend="reference"),
+                   x, ids, weights, w13, w13_scale, w2, w2_scale)
+    routed_scaling_factor = _real("routed_scaling_factor", routed_scaling_factor)
+    activation_clamp = _real("activation_clamp", activation_clamp, allow_none=True, positive=True)
+    e, two_i, _ = w13.shape
+    static = dict(top_k=top_k, scoring=scoring, n_group=n_group, topk_group=topk_group,
+                  norm_topk_prob=bool(norm_topk_prob), routed_scaling_factor=routed_scaling_factor,
+                  activation_clamp=activation_clamp, w13_interleave=w13_interleave)
+    impl = resolve(OP_ROUTED, backend, m=m, hidden=h, intermediate=two_i // 2, num_experts=e,
+                   num_route_experts=e_route, top_k=top_k, scoring=scoring, n_group=n_group, topk_group=topk_group,
+                   x_dtype=x.dtype, gate_dtype=gate_weight.dtype, weight_dtype=w13.dtype,
+                   routed_scaling_factor=routed_scaling_factor, activation_clamp=activation_clamp,
+                   w13_interleave=w13_interleave, arch=arch)
+    return impl.impl(x, gate_weight, e_score_correction_bias, jnp.asarray(expert_offset, jnp.int32), w13, w13_scale,
+                     w2, w2_scale, **static)

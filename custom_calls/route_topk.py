@@ -61,6 +61,28 @@ def renormalize(weights: jax.Array) -> jax.Array:
     return weights / (jnp.sum(weights, axis=-1, keepdims=True) + NORM_EPS)
 
 
+def router_partials_reference(x: jax.Array, gate_weight: jax.Array, *, split_k: int) -> jax.Array:
+    """The router GEMM as split-K partial sums: x (M, H) bf16, gate_weight (E, H) bf16 ->
+    (S, M, E) f32 with S = ceil(H / split_k), partials[s] = x[:, cols] @ gate_weight[:, cols]^T over
+    the columns [s * split_k, (s + 1) * split_k) (bf16 products, exact in fp32; fp32 sums)."""
+    m, h = x.shape
+    e = gate_weight.shape[0]
+    s = -(-h // split_k)
+    pad = s * split_k - h
+    xs = jnp.pad(x, ((0, 0), (0, pad))).reshape(m, s, split_k)
+    ws = jnp.pad(gate_weight, ((0, 0), (0, pad))).reshape(e, s, split_k)
+    return jnp.einsum("msk,esk->sme", xs, ws, preferred_element_type=jnp.float32)
+
+
+def sum_partials(partials: jax.Array) -> jax.Array:
+    """(S, M, E) f32 -> (M, E): the partials added in order s = 0, 1, ..., as the kernels that read
+    them do (so the logits are the same bits everywhere)."""
+    acc = partials[0]
+    for s in range(1, partials.shape[0]):
+        acc = acc + partials[s]
+    return acc
+
+
 def _reference(logits, bias, *, top_k, scoring, n_group, topk_group, norm_topk_prob):
     scores = score(logits, scoring)
     sel = jax.lax.stop_gradient(scores)

@@ -35,15 +35,15 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from custom_calls import (AUTO, REFERENCE, backend_stages, contracts, fused_moe, known_backends, permute_contig,
-                          permute_masked, unpermute)
+from custom_calls import (AUTO, REFERENCE, backend_stages, contracts, fused_moe, fused_moe_routed, known_backends,
+                          permute_contig, permute_masked, unpermute)
 from custom_calls.dispatch_map import local_expert_ids
 from layouts import get_recipe
 from moe_jax.config import MoEConfig
 from moe_jax.dispatch import LAYOUTS, choose_layout, default_masked_m_pad, dispatch_contig, dispatch_masked
 from moe_jax.experts import expert_core_contig, expert_core_masked
 from moe_jax.params import MoEParams, check_params, check_shared, prepare_params
-from moe_jax.routing import check_router, route_tokens
+from moe_jax.routing import check_router, route_tokens, routing_groups
 from moe_jax.shared import shared_mlp
 from moe_jax.validate import check_token_ids, flatten_routes, flatten_tokens
 
@@ -214,9 +214,7 @@ def _routed_fused(x, topk_ids, topk_weights, params, config, *, expert_offset, b
                     params.w2, params.w2_scale, routed_scaling_factor=routed_scaling_factor,
                     activation_clamp=act.swiglu_limit, w13_interleave=params.w13_interleave,
                     arch=params.gemm_arch, backend=backend, debug_checks=debug_checks)
-    if addend is not None:
-        return (out.astype(jnp.float32) + addend.astype(jnp.float32)).astype(out_dtype)
-    return out.astype(out_dtype)
+    return _fused_tail(out, addend, out_dtype)
 
 
 def shared_experts(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dtype=None,
@@ -264,13 +262,26 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
     be = stage_backends(backend)
     if debug_checks:
         contracts.check_finite_rows("x", x2, "tokens")
+    dense_shared = bool(config.n_shared_experts) and not gemm_params.fused_shared
+    if _routes_inside_fused_op(x2, params, gemm_params, config, sizes, layout, be, debug_checks):
+        shared = None
+        if dense_shared:
+            shared = shared_mlp(x2, gemm_params, config, out_dtype=None, gemm_backend=be["gemm"],
+                                act_backend=be["activation"], permute_backend=be["permute"])
+        out = fused_moe_routed(
+            x2, params.gate_weight, _bias_f32(params.e_score_correction_bias), gemm_params.w13,
+            gemm_params.w13_scale, gemm_params.w2, gemm_params.w2_scale, top_k=config.top_k,
+            scoring=config.scoring, n_group=routing_groups(config), topk_group=config.topk_group,
+            norm_topk_prob=config.norm_topk_prob, routed_scaling_factor=config.routed_scaling_factor,
+            activation_clamp=config.activation.swiglu_limit, w13_interleave=gemm_params.w13_interleave,
+            arch=gemm_params.gemm_arch, backend=be["gemm"])
+        return _fused_tail(out, shared, x.dtype).reshape(*lead, -1)
     topk_ids, topk_weights = route_tokens(x2, params, config, tok, be["route"])
     rsf = None
     if gemm_params.fused_shared:
         topk_ids, topk_weights, rsf = fuse_shared_routes(topk_ids, topk_weights, config.routed_scaling_factor,
                                                          num_routed=config.num_experts,
                                                          num_shared=gemm_params.fused_shared)
-    dense_shared = bool(config.n_shared_experts) and not gemm_params.fused_shared
     # the shared MLP's output is the un-permute's addend: routed + shared summed in fp32 and cast
     # once inside the un-permute, without a pass over an fp32 (M, H) array
     shared = None
@@ -281,6 +292,32 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
                   backend=be, out_dtype=x.dtype, routed_scaling_factor=rsf, debug_checks=debug_checks,
                   addend=shared)
     return out.reshape(*lead, -1)
+
+
+def _routes_inside_fused_op(x2, params, gemm_params, config, sizes, layout, be, debug_checks) -> bool:
+    """Does `moe_forward` route inside the fused op (`fused_moe_routed`)? When the layout resolves to
+    "fused", the route and gemm stages have the same backend, the router is the bf16 x bf16 GEMM
+    (bf16 tokens and gate), routing is not by hash, and checked mode is off (it checks the routes
+    between the two stages)."""
+    if debug_checks or config.hash_routing or gemm_params.fused_shared or be["route"] != be["gemm"]:
+        return False
+    if x2.dtype != jnp.bfloat16 or params.gate_weight.dtype != jnp.bfloat16:
+        return False
+    layout = resolve_layout(layout, config, num_tokens=x2.shape[0], num_local_experts=int(gemm_params.w13.shape[0]),
+                            local_intermediate_size=sizes[1], arch=gemm_params.gemm_arch,
+                            act_backend=be["activation"])
+    return layout == "fused" and bool(gemm_params.w13_interleave)
+
+
+def _bias_f32(bias: jax.Array | None) -> jax.Array | None:
+    return None if bias is None else bias.astype(jnp.float32)
+
+
+def _fused_tail(out: jax.Array, addend: jax.Array | None, out_dtype) -> jax.Array:
+    """The fused op's bf16 output, with addend (M, H) or None added in fp32, cast to out_dtype."""
+    if addend is not None:
+        return (out.astype(jnp.float32) + addend.astype(jnp.float32)).astype(out_dtype)
+    return out.astype(out_dtype)
 
 
 def fuse_shared_routes(topk_ids: jax.Array, topk_weights: jax.Array, routed_scaling_factor: float, *,

@@ -34,11 +34,12 @@ def select_experts(sel: jax.Array, config: MoEConfig) -> jax.Array:
     """Top-k on selection scores sel: (M, E) f32 -> ids (M, k) int32, grouped as the config says
     (`custom_calls.route_topk.select_topk`: groups scored by their top-2 sum when the layer has a
     correction bias, else by their maximum)."""
-    return select_topk(sel, top_k=config.top_k, n_group=_n_group(config), topk_group=config.topk_group,
+    return select_topk(sel, top_k=config.top_k, n_group=routing_groups(config), topk_group=config.topk_group,
                        group_by_top2=config.use_correction_bias)
 
 
-def _n_group(config: MoEConfig) -> int:
+def routing_groups(config: MoEConfig) -> int:
+    """The n_group the routing epilogue runs with: config.n_group for grouped top-k, else 1."""
     return config.n_group if config.use_grouped_topk and config.n_group > 1 else 1
 
 
@@ -91,5 +92,5 @@ def route_tokens(x: jax.Array, params: MoEParams, config: MoEConfig, token_ids: 
         weights = jnp.take_along_axis(score(logits, config.scoring), ids, axis=1)
         return ids, renormalize(weights) if config.norm_topk_prob else weights
     return route_topk(logits, params.e_score_correction_bias, top_k=config.top_k, scoring=config.scoring,
-                      n_group=_n_group(config), topk_group=config.topk_group,
+                      n_group=routing_groups(config), topk_group=config.topk_group,
                       norm_topk_prob=config.norm_topk_prob, backend=backend)

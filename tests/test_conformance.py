@@ -382,6 +382,37 @@ def _fused_moe_cases():
     return cases
 
 
+def _fused_moe_routed_cases():
+    """The routed branch with its routing: grouped top-k with a correction bias over more experts
+    than held here (an expert offset), softmax without groups, odd token counts."""
+    from layouts import interleave_gate_up, quantize_fp8_per_block
+
+    cases = []
+    for name, (m, h, i, e, e_route, k, scoring, ng, tg, bias, offset) in {
+            "m37_h1024_i512_e8_of32_k6_v3": (37, 1024, 512, 8, 32, 6, "sigmoid", 4, 2, True, 8),
+            "m5_h2048_i256_e16_k4_softmax": (5, 2048, 256, 16, 16, 4, "softmax", 1, 1, False, 0)}.items():
+        def make(rng, m=m, h=h, i=i, e=e, e_route=e_route, k=k, scoring=scoring, ng=ng, tg=tg, bias=bias,
+                 offset=offset):
+            x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+            gate = jnp.asarray(rng.standard_normal((e_route, h)) * 0.05, jnp.bfloat16)
+            b = jnp.asarray(rng.standard_normal(e_route) * 0.1, jnp.float32) if bias else None
+            w13, s13 = quantize_fp8_per_block(jnp.asarray(rng.standard_normal((e, 2 * i, h)) * 0.05, jnp.float32), 128)
+            w2, s2 = quantize_fp8_per_block(jnp.asarray(rng.standard_normal((e, h, i)) * 0.05, jnp.float32), 128)
+            return ((x, gate, b, interleave_gate_up(w13, 8), s13, w2, s2),
+                    dict(top_k=k, scoring=scoring, n_group=ng, topk_group=tg, expert_offset=offset,
+                         routed_scaling_factor=2.5, w13_interleave=8))
+
+        def cmp(got, ref, args, kwargs):
+            g, r = _np(got).astype(np.float32), _np(ref).astype(np.float32)
+            assert g.shape == r.shape == (args[0].shape[0], args[0].shape[1]) and np.isfinite(g).all()
+            routed = np.abs(r).max(1) > 0  # tokens with a route to an expert held here
+            assert (g[~routed] == 0).all()
+            assert _rel_err(got, ref, routed) < 2e-2
+
+        cases.append(Case("fused_moe_routed", name, make, cmp))
+    return cases
+
+
 # ------------------------------------------------------------------------------ violations
 # Inputs that break an op's index contract: every backend must produce what the reference produces
 # (the public ops canonicalize the index arrays, custom_calls/contracts.py). The models here are
@@ -531,7 +562,7 @@ def _violation_cases():
 
 CASES = {c.id: c for c in (_route_cases() + _rank_cases() + _dispatch_map_cases() + _permute_cases()
                            + _activation_cases() + _unpermute_cases() + _gemm_cases() + _dense_gemm_cases()
-                           + _fused_moe_cases() + _violation_cases())}
+                           + _fused_moe_cases() + _fused_moe_routed_cases() + _violation_cases())}
 
 
 def run_case(case: Case, backend: str) -> str:
@@ -598,6 +629,13 @@ def test_implementation_matches_reference(backend, case_id, request):
 
 
 # bad inputs: rejected by the public op function, naming the argument, whatever the backend
+def _routed_args(gate_dtype):
+    """fused_moe_routed operands: 4 tokens, H 128, a router over 8 experts, 4 held (I 128)."""
+    z = jnp.zeros
+    return (z((4, 128), jnp.bfloat16), z((8, 128), gate_dtype), None, z((4, 256, 128), jnp.float8_e4m3fn),
+            z((4, 2, 1), jnp.float32), z((4, 128, 128), jnp.float8_e4m3fn), z((4, 1, 1), jnp.float32))
+
+
 def _bad_inputs():
     f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
     z = jnp.zeros
@@ -606,6 +644,15 @@ def _bad_inputs():
          TypeError, "logits: expected dtype float32"),
         ("route_topk", lambda b: cc.route_topk(z((4, 8), f32), None, top_k=9, scoring="softmax", backend=b),
          ValueError, r"top_k: expected an int in \[1, 8\]"),
+        ("fused_moe_routed", lambda b: cc.fused_moe_routed(*_routed_args(f32), top_k=2, scoring="softmax",
+                                                           w13_interleave=8, backend=b),
+         TypeError, "gate_weight: expected dtype bfloat16"),
+        ("fused_moe_routed", lambda b: cc.fused_moe_routed(*_routed_args(bf16), top_k=2, scoring="softmax", n_group=3,
+                                                           w13_interleave=8, backend=b),
+         ValueError, "n_group: expected a divisor of E = 8, got 3"),
+        ("fused_moe_routed", lambda b: cc.fused_moe_routed(*_routed_args(bf16), top_k=2, scoring="softmax",
+                                                           expert_offset=z((2,), i32), w13_interleave=8, backend=b),
+         ValueError, "expert_offset: expected an int or an integer scalar"),
         ("rank_within_expert", lambda b: cc.rank_within_expert(z((8,), f32), num_experts=2, backend=b),
          TypeError, "e_flat: expected dtype int32"),
         ("dispatch_map_contig", lambda b: cc.dispatch_map_contig(z((4, 2), f32), 0, num_local_experts=2,

@@ -406,3 +406,93 @@ def test_registry_sees_the_static_arguments_and_the_routes_as_given(monkeypatch)
     np.testing.assert_array_equal(seen["ids"], [[0, 0], [5, 1], [-1, 2], [2, -3]])
     assert seen["kwargs"] == {"routed_scaling_factor": 2.0, "activation_clamp": 7.0, "w13_interleave": 0}
     assert isinstance(seen["kwargs"]["routed_scaling_factor"], float)
+
+
+# ------------------------------------------------------------------------------ with its routing
+
+def _routed_case(seed, m=21, h=256, i=128, e=4, e_route=16, bias=True):
+    rng = np.random.default_rng(seed)
+    args = make_inputs(rng, m, h, i, e, 2)
+    x = args[0]
+    gate = jnp.asarray(rng.standard_normal((e_route, h)) * 0.1, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(e_route) * 0.1, jnp.float32) if bias else None
+    return x, gate, b, args[3:]
+
+
+@pytest.mark.parametrize("offset", [0, 4, 12])
+def test_routed_reference_is_the_router_then_route_topk_then_fused_moe(offset):
+    """The reference of `fused_moe_routed`: the bf16 router GEMM with fp32 sums, `route_topk`, the
+    ids moved by expert_offset (traced under jit as the EP wrappers pass it), then `fused_moe`:
+    the same bits as the three ops called one after the other."""
+    x, gate, bias, weights = _routed_case(offset)
+    kw = dict(top_k=3, scoring="sigmoid", n_group=4, topk_group=2)
+    rw = dict(routed_scaling_factor=2.5, activation_clamp=0.5)
+    got = jax.jit(lambda off: cc.fused_moe_routed(x, gate, bias, *weights, expert_offset=off, **kw, **rw,
+                                                  backend="reference"))(jnp.int32(offset))
+    logits = jnp.einsum("mh,eh->me", x.astype(jnp.float32), gate.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST)
+    ids, w = cc.route_topk(logits, bias, **kw, backend="reference")
+    want = cc.fused_moe(x, ids - offset, w, *weights, **rw, backend="reference")
+    assert (np.asarray(ids) - offset >= 0).any() and ((np.asarray(ids) - offset < 0) | (np.asarray(ids) - offset >= 4)).any()
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+
+def test_routed_op_checks_and_registry_statics(monkeypatch):
+    """Bad routing arguments are refused as `route_topk` refuses them, bad branch arguments as
+    `fused_moe` does; a backend's `supports` sees the routing statics beside the branch's."""
+    x, gate, bias, weights = _routed_case(1)
+    with pytest.raises(ValueError, match=r"top_k: expected an int in \[1, 16\]"):
+        cc.fused_moe_routed(x, gate, bias, *weights, top_k=17, scoring="sigmoid")
+    with pytest.raises(ValueError, match="e_score_correction_bias: expected shape"):
+        cc.fused_moe_routed(x, gate, bias[:3], *weights, top_k=2, scoring="sigmoid")
+    with pytest.raises(ValueError, match="w2: expected shape"):
+        cc.fused_moe_routed(x, gate, bias, *weights[:2], weights[2][:, :, :64], weights[3], top_k=2, scoring="sigmoid")
+    with pytest.raises(ValueError, match="gate_weight: expected shape"):
+        cc.fused_moe_routed(x, gate[:, :128], bias, *weights, top_k=2, scoring="sigmoid")
+    registry = importlib.import_module("custom_calls.backends")
+    monkeypatch.setattr(registry, "_IMPLS", {op: dict(impls) for op, impls in registry._IMPLS.items()})
+    monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
+    seen = {}
+
+    def supports(**static):
+        seen.update(static)
+        return False, "test_routed: refuses everything"
+
+    registry.register("fused_moe_routed", "test_routed", lambda *a, **k: None, supports=supports)
+    with pytest.raises(ValueError, match="refuses everything"):
+        cc.fused_moe_routed(x, gate, bias, *weights, top_k=2, scoring="softmax", n_group=4, topk_group=3,
+                            backend="test_routed")
+    assert {k: seen[k] for k in ("num_experts", "num_route_experts", "top_k", "scoring", "n_group", "topk_group")} \
+        == dict(num_experts=4, num_route_experts=16, top_k=2, scoring="softmax", n_group=4, topk_group=3)
+    assert seen["gate_dtype"] == jnp.dtype(jnp.bfloat16)
+
+
+def test_layer_routes_inside_the_fused_op_only_where_that_is_the_same_computation(monkeypatch):
+    """moe_forward with the fused layout calls `fused_moe_routed` for a bf16 router with the route
+    and gemm stages on one backend, with the same output bits as routing first; an fp32 gate, hash
+    routing's ids, checked mode or a route stage on another backend route first."""
+    import dataclasses
+
+    from moe_jax import MoEConfig, init_params, moe_forward, prepare_params
+    from moe_jax import layer as layer_mod
+
+    cfg = MoEConfig.deepseek_v3(num_experts=16, n_shared_experts=1, n_group=4, topk_group=2, recipe="fp8_block",
+                                arch=90, layout="fused").scaled(hidden_size=256, intermediate_size=128, top_k=4)
+    params = prepare_params(init_params(jax.random.PRNGKey(3), cfg), cfg)
+    bf16_gate = dataclasses.replace(params, gate_weight=params.gate_weight.astype(jnp.bfloat16))
+    x = jax.random.normal(jax.random.PRNGKey(4), (11, cfg.hidden_size), jnp.bfloat16)
+    calls = []
+    real = layer_mod.fused_moe_routed
+    monkeypatch.setattr(layer_mod, "fused_moe_routed", lambda *a, **k: calls.append(k["backend"]) or real(*a, **k))
+    inside = moe_forward(x, bf16_gate, cfg)
+    assert calls == ["reference"]
+    calls.clear()
+    monkeypatch.setattr(layer_mod, "fused_moe_routed", lambda *a, **k: pytest.fail("routed inside the op"))
+    first = layer_mod._routed(x, *layer_mod.route_tokens(x, bf16_gate, cfg, None, "reference"), bf16_gate, cfg,
+                              (cfg.num_experts, cfg.intermediate_size), expert_offset=0, layout="fused",
+                              backend="reference", out_dtype=x.dtype,
+                              addend=layer_mod.shared_mlp(x, bf16_gate, cfg, out_dtype=None))
+    np.testing.assert_array_equal(np.asarray(inside.astype(jnp.float32)), np.asarray(first.astype(jnp.float32)))
+    moe_forward(x, params, cfg)  # fp32 gate: the fp32 router GEMM runs first
+    moe_forward(x, bf16_gate, cfg, debug_checks=True)
+    moe_forward(x, bf16_gate, cfg, backend={"route": "reference", "gemm": None})

@@ -132,6 +132,78 @@ def test_input_stage_bit_for_bit(m, h, e, k):
     assert (got[regions["workspace"][0]:][:regions["workspace"][1]] == 0).all()
 
 
+def _routed_problem(seed, m, h, e_route, *, bias):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, h), np.float32) * rng.uniform(0.1, 4, (m, 1)), jnp.bfloat16)
+    gate = jnp.asarray(rng.standard_normal((e_route, h), np.float32) * 0.05, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(e_route) * 0.1, jnp.float32) if bias else None
+    return x, gate, b
+
+
+@pytest.mark.parametrize("m,h,e_route", [(5, 1024, 32), (128, 7168, 32), (4096, 7168, 32), (77, 2048, 256)])
+def test_routed_input_stage(m, h, e_route):
+    """The router GEMM's partials on the GPU (bf16 tensor-core dot) against the reference's
+    (fp32 sums of the same exact products: only the order differs), and the input stage with the
+    routing epilogue against its reference on those partials: tokens, scales and ids byte for byte,
+    the weights to the epilogue's float rounding, the workspace zero."""
+    from custom_calls.deep_gemm.fused_moe import token_capacity
+    from custom_calls.fused_moe import fused_input_routed_reference
+    from custom_calls.route_topk import router_partials_reference
+    from custom_calls.triton.fused_input_kernel import fused_input_routed
+    from custom_calls.triton.router_kernel import heuristic_config, router_partials
+    from layouts import FusedMoEBuffer
+
+    x, gate, bias = _routed_problem(m + e_route, m, h, e_route, bias=True)
+    cfg = heuristic_config(m, h, e_route)
+    parts = jax.jit(router_partials)(x, gate)
+    ref_parts = jax.jit(lambda a, b: router_partials_reference(a, b, split_k=cfg.split_k))(x, gate)
+    assert parts.shape == ref_parts.shape == (-(-h // cfg.split_k), m, e_route)
+    np.testing.assert_allclose(np.asarray(parts), np.asarray(ref_parts), rtol=1e-5, atol=1e-5)
+    e_loc, k, offset = 16, 8, 8
+    buffer = FusedMoEBuffer(max_tokens=token_capacity(m), hidden=h, intermediate=512, num_experts=e_loc, top_k=k,
+                            block_m=64)
+    kw = dict(buffer=buffer, routed_scaling_factor=2.5, top_k=k, scoring="sigmoid", n_group=8, topk_group=4)
+    args = (x, parts, bias, jnp.int32(offset))
+    got = np.asarray(jax.jit(lambda *a: fused_input_routed(*a, **kw))(*args))
+    ref = np.asarray(jax.jit(lambda *a: fused_input_routed_reference(*a, **kw))(*args))
+    regions = buffer.regions
+    for name, per_token in (("workspace", None), ("input_tokens", h), ("input_scales", h // 32),
+                            ("input_topk_ids", 8 * k)):
+        off, size = regions[name]
+        n = size if per_token is None else m * per_token
+        diff = np.flatnonzero(got[off:off + n] != ref[off:off + n])
+        assert diff.size == 0, f"{name}: {diff.size} bytes differ, first at {diff[:5]}"
+    ids = got[regions["input_topk_ids"][0]:][:m * k * 8].view(np.int64)
+    assert (ids >= 0).any() and (ids == -1).any()  # routes held here and routes to other experts
+    off = regions["input_topk_weights"][0]
+    np.testing.assert_allclose(got[off:off + 4 * m * k].view(np.float32), ref[off:off + 4 * m * k].view(np.float32),
+                               rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("m,h,e,e_route,k,scoring,ng,tg,bias,offset", [
+    (1, 1024, 8, 32, 4, "sigmoid", 4, 2, True, 8),
+    (130, 2048, 16, 16, 6, "softmax", 1, 1, False, 0),
+    (300, 1024, 16, 64, 8, "sigmoid", 8, 4, True, 48),
+])
+def test_routed_op_matches_reference(m, h, e, e_route, k, scoring, ng, tg, bias, offset):
+    """Op `fused_moe_routed` in its three launches against its reference (the layer's bf16 router
+    GEMM, `route_topk` and `fused_moe`'s reference), routes to experts held elsewhere included."""
+    from custom_calls import fused_moe_routed
+
+    x, gate, b = _routed_problem(m * 7 + e_route, m, h, e_route, bias=bias)
+    _, _, _, w1, s1, w2, s2 = _problem(m, 1, h, 512, e, 1)
+    w1 = interleave_gate_up(w1)
+    kw = dict(top_k=k, scoring=scoring, n_group=ng, topk_group=tg, expert_offset=offset, routed_scaling_factor=2.5,
+              w13_interleave=8)
+    run = {be: np.asarray(jax.jit(lambda *a, be=be: fused_moe_routed(*a, backend=be, **kw))(x, gate, b, w1, s1, w2, s2)
+                          .astype(jnp.float32)) for be in ("deep_gemm", "reference")}
+    got, ref = run["deep_gemm"], run["reference"]
+    assert np.isfinite(got).all()
+    held = np.abs(ref).max(1) > 0
+    assert held.any() and (got[~held] == 0).all()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2
+
+
 @pytest.mark.parametrize("tokens,shared", [(96, 0), (257, 1)])
 def test_layer_fused_layout(tokens, shared):
     """moe_forward with MoEConfig(layout="fused") on the kernel against the same layer on the
@@ -146,10 +218,12 @@ def test_layer_fused_layout(tokens, shared):
     assert params.w13_interleave == 8
     x = jax.random.normal(jax.random.PRNGKey(1), (tokens, cfg.hidden_size), jnp.bfloat16)
     fwd = jax.jit(moe_forward, static_argnames=("config", "backend"))
-    got = np.asarray(fwd(x, params, config=cfg, backend="auto").astype(jnp.float32))
-    ref = np.asarray(fwd(x, params, config=cfg, backend="reference").astype(jnp.float32))
-    assert np.isfinite(got).all()
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2
+    # an fp32 gate routes before the op (fp32 router GEMM); a bf16 gate inside it (fused_moe_routed)
+    for p in (params, dataclasses.replace(params, gate_weight=params.gate_weight.astype(jnp.bfloat16))):
+        got = np.asarray(fwd(x, p, config=cfg, backend="auto").astype(jnp.float32))
+        ref = np.asarray(fwd(x, p, config=cfg, backend="reference").astype(jnp.float32))
+        assert np.isfinite(got).all()
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2, p.gate_weight.dtype
 
 
 def test_programmatic_launch_waits_for_the_input_stage():

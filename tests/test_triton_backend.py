@@ -278,17 +278,40 @@ def test_fused_input_kernel_compiles_for_sm90():
     from custom_calls.triton.fused_input_kernel import AMAX_FLOOR, fused_input_kernel, heuristic_config
     from layouts import FusedMoEBuffer
 
-    for m in (128, 4096):
+    from custom_calls.triton.fused_input_kernel import _NO_ROUTE
+
+    # with the routing epilogue: DeepSeek-V3's grouped sigmoid top-k over 256 experts, 28 partials
+    v3 = dict(ROUTE=True, SPLITS=28, E_ROUTE=256, SCORING=1, HAS_BIAS=True, N_GROUP=8, NG_PAD=8, GS_PAD=32,
+              TOPK_GROUP=4, RENORM=True)
+    for m, route in ((128, _NO_ROUTE), (4096, _NO_ROUTE), (128, v3), (4096, dict(v3, SPLITS=5))):
         buf = FusedMoEBuffer(max_tokens=m, hidden=7168, intermediate=2048, num_experts=32, top_k=8,
                              block_m=64 if m == 128 else 128)
         r, cfg = buf.regions, heuristic_config(m)
-        c = _compile(fused_input_kernel, {"x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": "*fp32", "buf_ptr": "*u8"},
+        ids_type = "*fp32" if route["ROUTE"] else "*i32"
+        c = _compile(fused_input_kernel, {"x_ptr": "*bf16", "ids_ptr": ids_type, "w_ptr": "*fp32", "bias_ptr": "*fp32",
+                                          "offset_ptr": "*i32", "buf_ptr": "*u8"},
                      dict(M=m, H=7168, TOPK=8, TOPK_P2=8, E=32, RSF=2.5, FLOOR=AMAX_FLOOR,
                           WORKSPACE_OFF=r["workspace"][0], WORKSPACE_WORDS=r["workspace"][1] // 4,
                           TOKENS_OFF=r["input_tokens"][0], SCALES_OFF=r["input_scales"][0],
                           IDS_OFF=r["input_topk_ids"][0], WEIGHTS_OFF=r["input_topk_weights"][0],
                           BLOCK_M=cfg.block_m, GROUPS=cfg.tile // 128, ROW_BLOCKS=-(-m // cfg.block_m),
-                          CHUNKS_FASTEST=cfg.chunks_fastest, ZERO_BLOCK=cfg.zero_block), 90, cfg.num_warps)
+                          CHUNKS_FASTEST=cfg.chunks_fastest, ZERO_BLOCK=cfg.zero_block, **route), 90, cfg.num_warps)
         ptx = c.asm["ptx"]
         assert _vector_loads(ptx) > 0 and "e4m3x2" in ptx and re.search(r"st\.global(?:\.\w+)*\.b64", ptx), m
+        _lean(c)
+
+
+def test_router_kernel_compiles_for_sm90_on_tensor_cores():
+    """The router GEMM's partials at the decode and prefill tilings: bf16 wgmma/mma (not the fp32
+    copies the interpreter runs), no spills."""
+    pytest.importorskip("triton")
+    from custom_calls.triton.router_kernel import heuristic_config, router_partials_kernel
+
+    for m, e in ((128, 32), (4096, 32), (128, 256)):
+        cfg = heuristic_config(m, 7168, e)
+        c = _compile(router_partials_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32"},
+                     dict(M=m, H=7168, E=e, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_E=cfg.block_e,
+                          BLOCK_K=cfg.block_k, FP32_DOT=False), 90, cfg.num_warps)
+        ptx = c.asm["ptx"]
+        assert re.search(r"(wgmma\.mma_async|mma\.sync)\S*\.bf16", ptx), (m, e)
         _lean(c)

@@ -40,6 +40,7 @@ CASES = [
     # heuristic config against the models, a non-default config bit for bit against the heuristic
     "host_quant_configs", "host_permute_configs", "host_act_configs", "host_unpermute_config",
     "host_rank_config", "host_route_config", "host_dispatch_map_configs", "host_fused_input_configs",
+    "router_partials", "host_fused_input_routed",
 ]
 
 
@@ -94,6 +95,9 @@ def test_heuristic_configs_are_the_measured_defaults():
     # the fused kernel's input stage: one row per program at decode, four at prefill (23.6 µs at 4096)
     assert k["fused_input"].heuristic_config(128) == k["fused_input"].FusedInputConfig(1024, 1, 4, True, 2048)
     assert k["fused_input"].heuristic_config(4096) == k["fused_input"].FusedInputConfig(1024, 4, 4, True, 2048)
+    # with the routing epilogue: one warp per decode row (its reductions stay in the warp)
+    assert k["fused_input"].heuristic_config(128, routed=True) == k["fused_input"].FusedInputConfig(1024, 1, 1, True, 2048)
+    assert k["fused_input"].heuristic_config(4096, routed=True) == k["fused_input"].FusedInputConfig(1024, 4, 4, True, 2048)
     cfg = k["permute"].heuristic_config("mxfp8")
     assert hash(cfg) == hash(dataclasses.replace(cfg)) and cfg == dataclasses.replace(cfg)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -954,7 +958,8 @@ def _record_launches():
         return launch.triton_call(*args, kernel=kernel, out_shape=out_shape, grid=grid, num_warps=num_warps,
                                   name=name, zeroed_outputs=zeroed_outputs, **constexprs)
 
-    for name in ("permute", "activation", "quant", "unpermute", "dispatch", "dispatch_map", "routing", "fused_input"):
+    for name in ("permute", "activation", "quant", "unpermute", "dispatch", "dispatch_map", "routing", "fused_input",
+                 "router"):
         importlib.import_module(f"custom_calls.triton.{name}_kernel").triton_call = recording
 
 
@@ -1294,6 +1299,91 @@ def case_host_fused_input_configs():
     with pytest.raises(ValueError, match="x: expected 1 to 16 tokens"):
         fused_input_reference(jnp.zeros((17, h), jnp.bfloat16), jnp.zeros((17, k), jnp.int32),
                               jnp.zeros((17, k), jnp.float32), buffer=buffer, routed_scaling_factor=1.0)
+
+
+def case_router_partials():
+    """The router GEMM's split-K partials against a float64 model (each split's sum of exact bf16
+    products: fp32 accumulation error only), the reference against the same model; H 1000 (the
+    last split and its last k-step partial), E 20 in a 32-wide tile, 37 tokens (a partial row block)."""
+    import jax.numpy as jnp
+
+    from custom_calls.route_topk import router_partials_reference
+    from custom_calls.triton import router_kernel as rk
+
+    ml = _ml()
+    rng = _rng(90)
+    m, h, e = 37, 1000, 20
+    x = rng.standard_normal((m, h)).astype(ml.bfloat16)
+    gate = (rng.standard_normal((e, h)) * 0.05).astype(ml.bfloat16)
+    cfg = rk.RouterConfig(block_m=16, block_e=32, block_k=64, split_k=256, num_warps=4)
+    got = np.asarray(rk.router_partials(jnp.asarray(x), jnp.asarray(gate), config=cfg))
+    _launched_with("router_partials_kernel", num_warps=4, BLOCK_M=16, BLOCK_E=32, BLOCK_K=64, SPLIT_K=256)
+    x64, g64 = x.astype(np.float64), gate.astype(np.float64)
+    model = np.stack([x64[:, c:c + 256] @ g64[:, c:c + 256].T for c in range(0, h, 256)])
+    assert got.shape == model.shape == (4, m, e) and got.dtype == np.float32 and np.isfinite(got).all()
+    np.testing.assert_allclose(got, model, rtol=1e-5, atol=1e-5)
+    ref = np.asarray(router_partials_reference(jnp.asarray(x), jnp.asarray(gate), split_k=256))
+    np.testing.assert_allclose(ref, model, rtol=1e-5, atol=1e-5)
+    # the heuristic: decode rows fill the GPU with splits, prefill rows with row blocks
+    assert rk.heuristic_config(128, 7168, 32) == rk.RouterConfig(16, 32, 128, 256, 4)
+    assert rk.heuristic_config(4096, 7168, 32) == rk.RouterConfig(64, 32, 128, 1536, 4)
+    assert rk.heuristic_config(8, 7168, 256) == rk.RouterConfig(16, 128, 128, 256, 4)
+
+
+def case_host_fused_input_routed():
+    """The input stage with the routing epilogue: the router logits as 3 partial sums, grouped top-k
+    with a correction bias over 24 experts of which experts 6..11 are held here (expert_offset 6),
+    13 tokens of a 16-token buffer; tokens, scales and ids bit for bit against the numpy model
+    (the float64 routing model on the partials added in order) and the reference, the weights to
+    the epilogue's float rounding; the workspace zero, nothing else written. A softmax layer
+    without groups in a second tiling gives the reference's bytes too."""
+    import jax.numpy as jnp
+
+    from custom_calls.fused_moe import fused_input_routed_reference
+    from custom_calls.triton import fused_input_kernel as fk
+    from layouts import FusedMoEBuffer
+
+    ml = _ml()
+    rng = _rng(91)
+    m, h, e_loc, e_route, k, offset, rsf = 13, 1536, 6, 24, 4, 6, 2.826
+    buffer = FusedMoEBuffer(max_tokens=16, hidden=h, intermediate=256, num_experts=e_loc, top_k=k, block_m=64)
+    regions = buffer.regions
+    x = (rng.standard_normal((m, h)) * rng.uniform(0.01, 30, (m, 1))).astype(ml.bfloat16)
+    for scoring, ng, tg, with_bias, cfg in (
+            ("sigmoid", 4, 2, True, None),
+            ("softmax", 1, 1, False, fk.FusedInputConfig(tile=512, block_m=4, num_warps=2, chunks_fastest=False,
+                                                         zero_block=256))):
+        partials = (rng.standard_normal((3, m, e_route)) * 1.5).astype(np.float32)
+        bias = (rng.standard_normal(e_route) * 0.3).astype(np.float32) if with_bias else None
+        logits = (partials[0] + partials[1]) + partials[2]
+        ids, w = model_route(logits, bias, k, scoring, ng, tg, True)
+        local = ids - offset
+        local[(local < 0) | (local >= e_loc)] = -1
+        q, sf, canon, w = model_fused_input(x.astype(np.float32), local, w.astype(np.float32), e_loc, rsf)
+        assert (canon >= 0).any() and (canon < 0).any()  # some routes held here, some not
+        kw = dict(buffer=buffer, routed_scaling_factor=rsf, top_k=k, scoring=scoring, n_group=ng, topk_group=tg)
+        args = (jnp.asarray(x), jnp.asarray(partials), None if bias is None else jnp.asarray(bias), jnp.int32(offset))
+        buf = np.asarray(fk.fused_input_routed(*args, config=cfg, **kw))
+        _launched_with("fused_input_kernel", ROUTE=True, SPLITS=3, E_ROUTE=e_route, HAS_BIAS=with_bias,
+                       num_warps=1 if cfg is None else 2)
+        ref = np.asarray(fused_input_routed_reference(*args, **kw))
+        touched = np.zeros(buf.shape, bool)
+        off, n = regions["workspace"]
+        assert (buf[off:off + n] == 0).all(), "workspace not zeroed"
+        touched[off:off + n] = True
+        for name, data in (("input_tokens", q), ("input_scales", sf), ("input_topk_ids", canon)):
+            off = regions[name][0]
+            data = data.view(np.uint8).reshape(-1)
+            for label, out in (("kernel", buf), ("reference", ref)):
+                got = out[off:off + data.size]
+                assert np.array_equal(got, data), f"{label} {name}: differs from the model at {np.argwhere(got != data)[:5]}"
+            touched[off:off + data.size] = True
+        off = regions["input_topk_weights"][0]
+        for label, out in (("kernel", buf), ("reference", ref)):
+            got = out[off:off + w.nbytes].view(np.float32).reshape(w.shape)
+            np.testing.assert_allclose(got, w, rtol=2e-5, atol=1e-7, err_msg=f"{label} weights ({scoring})")
+        touched[off:off + w.nbytes] = True
+        assert (buf[~touched] == 0xFF).all(), f"bytes outside the input regions written ({scoring})"
 
 
 def _main() -> None:

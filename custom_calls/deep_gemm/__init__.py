@@ -3,17 +3,18 @@ per-shape heuristics, code generation, nvcc JIT with an on-disk cache, and a C++
 encodes TMA descriptors for the current buffers and launches on XLA's stream.
 
 Run on SM90: grouped contig/masked FP8 1D2D and BF16, dense FP8/BF16 ``gemm_nt``, TF32 prenorm, and
-the fused MoE kernel (op ``fused_moe``: the routed branch in one kernel, fused_moe.py).
+the fused MoE kernel (ops ``fused_moe`` and ``fused_moe_routed``: the routed branch in one kernel,
+fused_moe.py).
 SM100 (fp8_block, mxfp8, mxfp4 1D1D): generated and compiled for sm_100a, not run on SM100 hardware.
 Grouped SM90 configs can be autotuned on the device and cached (opt-in: ``TuningPolicy``,
 $MOE_JAX_GEMM_TUNING; autotune.py). Importing this package probes no device and imports no CUDA
 Python binding; it registers the grouped GEMMs, the dense GEMM (op ``gemm_nt``) and the fused MoE
-kernel (op ``fused_moe``) as backend 'deep_gemm' of the registry (shape rules, environment check, implementations).
+kernel (ops ``fused_moe``, ``fused_moe_routed``) as backend 'deep_gemm' of the registry (shape rules, environment check, implementations).
 """
 
 from custom_calls.backends import register as _register, set_environment as _set_environment
 from custom_calls.dense_gemm import OP as _OP_DENSE
-from custom_calls.fused_moe import OP as _OP_FUSED
+from custom_calls.fused_moe import OP as _OP_FUSED, OP_ROUTED as _OP_FUSED_ROUTED
 from custom_calls.grouped_gemm import OP_CONTIG as _OP_CONTIG, OP_MASKED as _OP_MASKED
 
 from .autotune import TuningPolicy
@@ -31,6 +32,7 @@ _register(_OP_CONTIG, BACKEND, _ops.contig_impl, _ops.static_supports_contig)
 _register(_OP_MASKED, BACKEND, _ops.masked_impl, _ops.static_supports_masked)
 _register(_OP_DENSE, BACKEND, _ops.dense_impl, _ops.static_supports_gemm_nt)
 _register(_OP_FUSED, BACKEND, _fused.fused_moe_impl, _fused.static_supports_fused)
+_register(_OP_FUSED_ROUTED, BACKEND, _fused.fused_moe_routed_impl, _fused.static_supports_fused_routed)
 # looked up at call time, so the environment can be replaced (tests, other devices)
 _set_environment(BACKEND, lambda platform, **static: _ops.environment(platform, **static))
 

@@ -157,6 +157,39 @@ def config_label(cfg: Sm90FusedMoEConfig) -> str:
     return " ".join([f"{cfg.block_m}x{cfg.block_n} s{cfg.num_stages}", *filter(None, opts)])
 
 
+def _layer_config(*, m: int, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                  activation_clamp: float | None) -> Sm90FusedMoEConfig:
+    """The rule's config for a call of m tokens, without its clusters where the GPU cannot hold them."""
+    cfg = fused_config(num_tokens=m, hidden=hidden, intermediate=intermediate, num_experts=num_experts, top_k=top_k,
+                       activation_clamp=activation_clamp)
+    if cfg.cluster_size > 1:
+        # the rule's clusters need num_sms / 2 resident CTA pairs; a GPU whose SM groups cannot pair
+        # every SM runs the same kernel without clusters (same output, weights read per CTA)
+        cubin = compiler.compile_cubin(kernel_name(cfg), sm90_fused_moe_source(cfg), 90)
+        if clusters_reason(cfg, str(cubin.path)):
+            cfg = dataclasses.replace(cfg, cluster_size=1)
+    return cfg
+
+
+def _kernel_cubin(cfg: Sm90FusedMoEConfig) -> str:
+    """The compiled kernel of ``cfg`` (its path), refused before anything is launched when the GPU
+    cannot hold its clusters."""
+    cubin = compiler.compile_cubin(kernel_name(cfg), sm90_fused_moe_source(cfg), 90)
+    reason = clusters_reason(cfg, str(cubin.path))
+    if reason:
+        raise ValueError(f"fused MoE config {config_label(cfg)}: {reason}")
+    return str(cubin.path)
+
+
+def _run_kernel(cfg: Sm90FusedMoEConfig, cubin: str, buf: jax.Array, m: int, w13: jax.Array, w13_scale: jax.Array,
+                w2: jax.Array, w2_scale: jax.Array) -> jax.Array:
+    """The fused kernel on a buffer the input stage filled for m tokens -> y (m, H) bf16."""
+    buffer = jax.ShapeDtypeStruct((cfg.buffer.total_bytes,), jnp.uint8)
+    y, _ = launch(fused_plan(cfg, cubin, num_tokens=m), [buf, w13, w13_scale, w2, w2_scale],
+                  [jax.ShapeDtypeStruct((m, cfg.hidden), jnp.bfloat16), buffer], input_output_aliases={0: 1})
+    return y
+
+
 def fused_moe_impl(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: jax.Array,
                    w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array, *, routed_scaling_factor: float,
                    activation_clamp: float | None, w13_interleave: int) -> jax.Array:
@@ -167,14 +200,8 @@ def fused_moe_impl(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
     e, two_i, _ = w13.shape
     if m == 0:
         return jnp.zeros((0, h), jnp.bfloat16)
-    cfg = fused_config(num_tokens=m, hidden=h, intermediate=two_i // 2, num_experts=e, top_k=topk_ids.shape[1],
-                       activation_clamp=activation_clamp)
-    if cfg.cluster_size > 1:
-        # the rule's clusters need num_sms / 2 resident CTA pairs; a GPU whose SM groups cannot pair
-        # every SM runs the same kernel without clusters (same output, weights read per CTA)
-        cubin = compiler.compile_cubin(kernel_name(cfg), sm90_fused_moe_source(cfg), 90)
-        if clusters_reason(cfg, str(cubin.path)):
-            cfg = dataclasses.replace(cfg, cluster_size=1)
+    cfg = _layer_config(m=m, hidden=h, intermediate=two_i // 2, num_experts=e, top_k=topk_ids.shape[1],
+                        activation_clamp=activation_clamp)
     return fused_moe_with_config(cfg, x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
                                  routed_scaling_factor=routed_scaling_factor)
 
@@ -189,19 +216,34 @@ def fused_moe_with_config(cfg: Sm90FusedMoEConfig, x: jax.Array, topk_ids: jax.A
     m = x.shape[0]
     if not 0 < m <= cfg.max_tokens:
         raise ValueError(f"x: expected 1 to {cfg.max_tokens} tokens (the config's capacity), got {m}")
-    h = cfg.hidden
-    name = kernel_name(cfg)
-    cubin = compiler.compile_cubin(name, sm90_fused_moe_source(cfg), 90)
-    reason = clusters_reason(cfg, str(cubin.path))
-    if reason:
-        raise ValueError(f"fused MoE config {config_label(cfg)}: {reason}")
+    cubin = _kernel_cubin(cfg)
     from custom_calls.triton.fused_input_kernel import fused_input  # imports triton
 
     buf = fused_input(x, topk_ids, topk_weights, buffer=cfg.buffer, routed_scaling_factor=routed_scaling_factor)
-    buffer = jax.ShapeDtypeStruct((cfg.buffer.total_bytes,), jnp.uint8)
-    y, _ = launch(fused_plan(cfg, str(cubin.path), num_tokens=m), [buf, w13, w13_scale, w2, w2_scale],
-                  [jax.ShapeDtypeStruct((m, h), jnp.bfloat16), buffer], input_output_aliases={0: 1})
-    return y
+    return _run_kernel(cfg, cubin, buf, m, w13, w13_scale, w2, w2_scale)
+
+
+def fused_moe_routed_impl(x: jax.Array, gate_weight: jax.Array, bias: jax.Array | None, expert_offset: jax.Array,
+                          w13: jax.Array, w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array, *, top_k: int,
+                          scoring: str, n_group: int, topk_group: int, norm_topk_prob: bool,
+                          routed_scaling_factor: float, activation_clamp: float | None,
+                          w13_interleave: int) -> jax.Array:
+    """Op `fused_moe_routed` in three launches: the router GEMM as split-K partials (Triton), the
+    input stage with the routing epilogue (Triton), the fused kernel. Operands checked by the op."""
+    m, h = x.shape
+    e, two_i, _ = w13.shape
+    if m == 0:
+        return jnp.zeros((0, h), jnp.bfloat16)
+    from custom_calls.triton.fused_input_kernel import fused_input_routed  # imports triton
+    from custom_calls.triton.router_kernel import router_partials
+
+    cfg = _layer_config(m=m, hidden=h, intermediate=two_i // 2, num_experts=e, top_k=top_k,
+                        activation_clamp=activation_clamp)
+    cubin = _kernel_cubin(cfg)
+    buf = fused_input_routed(x, router_partials(x, gate_weight), bias, expert_offset, buffer=cfg.buffer,
+                             routed_scaling_factor=routed_scaling_factor, top_k=top_k, scoring=scoring,
+                             n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob)
+    return _run_kernel(cfg, cubin, buf, m, w13, w13_scale, w2, w2_scale)
 
 
 def static_supports_fused(*, m: int, hidden: int, intermediate: int, num_experts: int, top_k: int, x_dtype,
@@ -225,3 +267,18 @@ def static_supports_fused(*, m: int, hidden: int, intermediate: int, num_experts
     reason = fused_reason(num_tokens=max(m, 1), hidden=hidden, intermediate=intermediate, num_experts=num_experts,
                           top_k=top_k, num_sms=num_sms)
     return (False, reason) if reason else (True, "")
+
+
+def static_supports_fused_routed(*, num_route_experts: int, top_k: int, scoring: str, n_group: int,
+                                 topk_group: int, gate_dtype, num_sms: int | None = None, **fused) -> tuple[bool, str]:
+    """(ok, reason) of backend 'deep_gemm' for op `fused_moe_routed`: the fused kernel's (as
+    `static_supports_fused`), the routing epilogue's (`route_topk_reason`) and a bf16 gate."""
+    ok, reason = static_supports_fused(top_k=top_k, num_sms=num_sms, **fused)
+    if not ok:
+        return ok, reason
+    if jnp.dtype(gate_dtype) != jnp.bfloat16:
+        return False, f"gate_dtype: the router GEMM runs bf16 x bf16 -> f32, expected bfloat16, got {gate_dtype}"
+    from custom_calls.triton.support import route_topk_reason
+
+    reason = route_topk_reason(num_route_experts, top_k, scoring, n_group if n_group > 1 else 1, topk_group)
+    return (False, f"routing: {reason}") if reason else (True, "")

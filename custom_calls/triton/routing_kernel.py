@@ -79,27 +79,42 @@ def _argmax_lowest(v, idx, N: tl.constexpr):
 
 
 @triton.jit
-def route_topk_kernel(
-    logits_ptr, bias_ptr,
-    ids_ptr, w_ptr,
-    M: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
-    SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
-    GS_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr,
-):
-    # column c of the [BLOCK_T, W] block holds expert (c // GS_PAD) * GS + c % GS_PAD: each group a
-    # power-of-two run of columns (padding columns are -inf), so groups are a plain reshape
+def route_columns(E: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr, GS_PAD: tl.constexpr):
+    """The register layout of a token's row: column c holds expert (c // GS_PAD) * GS + c % GS_PAD,
+    each group a power-of-two run of columns (padding columns are -inf), so groups are a plain
+    reshape. Returns (expert of each column [W], column holds an expert [W])."""
     GS: tl.constexpr = E // N_GROUP
     W: tl.constexpr = NG_PAD * GS_PAD
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.arange(0, W)
     col_g = c // GS_PAD
     col_j = c % GS_PAD
-    e = col_g * GS + col_j
-    e_ok1 = (col_j < GS) & (col_g < N_GROUP)
-    t_ok = t < M
+    return col_g * GS + col_j, (col_j < GS) & (col_g < N_GROUP)
+
+
+@triton.jit
+def load_logits(logits_ptr, t, t_ok, e, e_ok1, M: tl.constexpr, E: tl.constexpr, SPLITS: tl.constexpr):
+    """Rows t of the logits [BLOCK_T, W] in `route_columns`' layout, from SPLITS partial sums
+    (SPLITS, M, E) f32 added in order s = 0, 1, ... (SPLITS = 1: the logits (M, E) themselves)."""
+    ok = tl.expand_dims(t_ok, 1) & tl.expand_dims(e_ok1, 0)
+    offs = tl.expand_dims(t.to(tl.int64) * E, 1) + tl.expand_dims(e, 0)
+    lg = tl.load(logits_ptr + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        lg = lg + tl.load(logits_ptr + s * M * E + offs, mask=ok, other=0.0)
+    return lg
+
+
+@triton.jit
+def route_rows(
+    lg, e, e_ok1, bias_ptr,
+    BLOCK_T: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
+    SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
+    GS_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr,
+):
+    """The routing epilogue of BLOCK_T tokens: logits lg [BLOCK_T, W] in `route_columns`' layout
+    -> (ids [BLOCK_T, K_PAD] int32, weights [BLOCK_T, K_PAD] f32); slots >= TOPK are 0."""
+    GS: tl.constexpr = E // N_GROUP
+    W: tl.constexpr = NG_PAD * GS_PAD
     e_ok = tl.expand_dims(e_ok1, 0)
-    ok = tl.expand_dims(t_ok, 1) & e_ok
-    lg = tl.load(logits_ptr + tl.expand_dims(t.to(tl.int64) * E, 1) + tl.expand_dims(e, 0), mask=ok, other=0.0)
     if SCORING == 0:
         lg = tl.where(e_ok, lg, float("-inf"))
         p = tl.exp(lg - tl.expand_dims(tl.max(lg, axis=1), 1))
@@ -153,6 +168,24 @@ def route_topk_kernel(
         sel = tl.where(hit, float("-inf"), sel)
     if RENORM:
         w = w / (tl.expand_dims(tl.sum(w, axis=1), 1) + _NORM_EPS)
+    return ids, w
+
+
+@triton.jit
+def route_topk_kernel(
+    logits_ptr, bias_ptr,
+    ids_ptr, w_ptr,
+    M: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
+    SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
+    GS_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < M
+    e, e_ok1 = route_columns(E, N_GROUP, NG_PAD, GS_PAD)
+    lg = load_logits(logits_ptr, t, t_ok, e, e_ok1, M, E, 1)
+    ids, w = route_rows(lg, e, e_ok1, bias_ptr, BLOCK_T, E, TOPK, K_PAD, SCORING, HAS_BIAS, N_GROUP, NG_PAD,
+                        GS_PAD, TOPK_GROUP, RENORM)
+    kk = tl.expand_dims(tl.arange(0, K_PAD), 0)
     out = tl.expand_dims(t.to(tl.int64) * TOPK, 1) + kk
     st = tl.expand_dims(t_ok, 1) & (kk < TOPK)
     tl.store(ids_ptr + out, ids, mask=st)

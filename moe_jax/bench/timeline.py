@@ -27,7 +27,10 @@ import dataclasses
 import statistics
 import time
 
-LAYOUTS = ("fused", "auto", "contig", "masked")
+LAYOUTS = ("fused", "fused-route-first", "auto", "contig", "masked")
+# fused-route-first: the fused layout with the routing run before the fused op (the route stage on
+# its own backend), as the layer routes an fp32 router or in checked mode: the side-by-side for
+# routing inside the op (`fused_moe_routed`)
 
 
 def _summary(events: list[tuple[str, int, int]], layers: int) -> dict:
@@ -76,7 +79,12 @@ def measure(tokens: int, layout: str, layer: tuple, *, reps: int, chain: int, lo
     cfg, params, call_layout = layer
     keys = jax.random.split(jax.random.PRNGKey(1), reps)
     sets = [(params, jax.random.normal(k, (tokens, cfg.hidden_size), jnp.bfloat16)) for k in keys]
-    fn = lambda p, x: moe_forward(x, p, cfg, layout=call_layout, backend="auto")  # noqa: E731
+    backend = "auto"
+    if layout == "fused-route-first":  # route and gemm stages on different backends: routes first
+        from moe_jax.layer import STAGES
+
+        backend = tuple((s, "triton" if s == "route" else "auto") for s in STAGES)
+    fn = lambda p, x: moe_forward(x, p, cfg, layout=call_layout, backend=backend)  # noqa: E731
     log(f"# {tokens} tokens, layout {layout}: compile and steady stream")
     stream = time_stream(fn, sets, chain=chain)
     many = _over_sets(fn)
@@ -120,8 +128,10 @@ def print_result(res: dict, roofline_us: float) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0] if __doc__ else None
     p.add_argument("--tokens", default="32,128,4096", help="token counts (default 32,128,4096)")
-    p.add_argument("--layout", default="fused", choices=LAYOUTS,
-                   help="fused (MoEConfig(layout='fused')) or the staged path's layout (default fused)")
+    p.add_argument("--layout", default="fused",
+                   help=f"comma list of {', '.join(LAYOUTS)}: fused (MoEConfig(layout='fused')), the same "
+                        "routing before the fused op, or the staged path's layout; several run side by side per "
+                        "token count, in the order given, repeats included (default fused)")
     p.add_argument("--reps", type=int, default=4, help="input sets per dispatch (default 4, as `layer`)")
     p.add_argument("--chain", type=int, default=8, help="dispatches back to back (default 8, as `layer`)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON here")
@@ -143,8 +153,19 @@ def run(args) -> int:
     if args.reps < 1 or args.chain < 1:
         log(f"--reps and --chain: expected >= 1, got {args.reps} and {args.chain}")
         return 2
-    layer = setup(args.layout)
-    results = [measure(m, args.layout, layer, reps=args.reps, chain=args.chain, log=log) for m in tokens]
+    layouts = args.layout.split(",")
+    if not layouts or set(layouts) - set(LAYOUTS):
+        log(f"--layout: expected a comma list of {', '.join(LAYOUTS)}, got {args.layout!r}")
+        return 2
+    built: dict[str, tuple] = {}  # the two fused forms share their weights
+    for lay in dict.fromkeys(layouts):
+        key = "fused" if lay.startswith("fused") else lay
+        if key not in built:
+            built[key] = setup(key)
+    layers = {lay: built["fused" if lay.startswith("fused") else lay] for lay in dict.fromkeys(layouts)}
+    # in the order given, repeats included (A,B,A,B interleaves two forms against clock drift)
+    results = [measure(m, lay, layers[lay], reps=args.reps, chain=args.chain, log=log)
+               for m in tokens for lay in layouts]
     bw = _copy_bandwidth(1 << 30)
     roofline_us = results[0]["weights_bytes"] / bw * 1e6
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; weights-once roofline {roofline_us:.1f} µs")
