@@ -10,8 +10,10 @@ custom calls through jax_triton, behind the reference ops' names and signatures.
   route_topk                   custom_calls.triton.routing_kernel     scores + grouped top-k + weights
   (quantize_activation)        custom_calls.triton.quant_kernel       x read, e4m3 + image written
   (fused_input)                custom_calls.triton.fused_input_kernel x read, the fused kernel's inputs written
-The last two are plain functions (the layer quantizes inside permute and activation; the fused
-MoE op's SM90 path calls `fused_input` before its kernel).
+  (router_partials)            custom_calls.triton.router_kernel      the router GEMM as split-K partial sums
+The last three are plain functions (the layer quantizes inside permute and activation; the fused
+MoE ops' SM90 path calls `fused_input` before its kernel, `fused_moe_routed`'s calls
+`router_partials` and `fused_input_routed`, which routes too).
 
 Scales are written directly in the grouped GEMM's memory image (fp32 MN-major TMA-aligned for
 arch 90, packed UE8M0 for arch 100). Importing this package imports neither triton nor jax_triton
