@@ -1,6 +1,7 @@
 """Routing epilogue: router logits -> scores -> (grouped) top-k on the bias-corrected
 scores -> weights from the unbiased scores, renormalized. The gate GEMM before it and hash routing
-stay in moe_jax.routing.
+stay in moe_jax.routing; the gate GEMM as split-K partial sums (`router_partials_reference`, the
+model of the Triton router kernel that feeds the fused op's routing) is here.
 
 Ties are broken by the lower expert (and group) id: `jax.lax.top_k` keeps the lower index first.
 """

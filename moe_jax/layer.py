@@ -10,6 +10,11 @@ floating point), and each routed product rounds once more in fp32 than in the un
 dispatch sizes its buffers from the widened route list (M, k + n_s) and the E_local + n_s experts,
 so the static capacities of moe_jax/dispatch.py hold unchanged.
 
+The fused layout (`layout="fused"`) runs the routed branch as one op; with a bf16 router, one
+backend for the route and gemm stages, no hash routing and checked mode off, `moe_forward` routes
+inside that op too (`fused_moe_routed`: the router GEMM and the routing epilogue fused with the
+branch's launches), else it routes first and calls `fused_moe`.
+
 Backends: `backend` is a name applied to every stage ("reference", "auto"), the name of an
 accelerated backend that implements some stages (a bare name runs the stages the registry says it
 implements — `custom_calls.backend_stages`: "deep_gemm" the GEMMs, "triton" the routing
@@ -262,12 +267,13 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
     be = stage_backends(backend)
     if debug_checks:
         contracts.check_finite_rows("x", x2, "tokens")
-    dense_shared = bool(config.n_shared_experts) and not gemm_params.fused_shared
+    # the dense shared MLP's output is the routed branch's addend: routed + shared summed in fp32 and
+    # cast once (inside the un-permute on the staged path), without a pass over an fp32 (M, H) array
+    shared = None
+    if config.n_shared_experts and not gemm_params.fused_shared:
+        shared = shared_mlp(x2, gemm_params, config, out_dtype=None, gemm_backend=be["gemm"],
+                            act_backend=be["activation"], permute_backend=be["permute"])
     if _routes_inside_fused_op(x2, params, gemm_params, config, sizes, layout, be, debug_checks):
-        shared = None
-        if dense_shared:
-            shared = shared_mlp(x2, gemm_params, config, out_dtype=None, gemm_backend=be["gemm"],
-                                act_backend=be["activation"], permute_backend=be["permute"])
         out = fused_moe_routed(
             x2, params.gate_weight, _bias_f32(params.e_score_correction_bias), gemm_params.w13,
             gemm_params.w13_scale, gemm_params.w2, gemm_params.w2_scale, top_k=config.top_k,
@@ -282,12 +288,6 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
         topk_ids, topk_weights, rsf = fuse_shared_routes(topk_ids, topk_weights, config.routed_scaling_factor,
                                                          num_routed=config.num_experts,
                                                          num_shared=gemm_params.fused_shared)
-    # the shared MLP's output is the un-permute's addend: routed + shared summed in fp32 and cast
-    # once inside the un-permute, without a pass over an fp32 (M, H) array
-    shared = None
-    if dense_shared:
-        shared = shared_mlp(x2, gemm_params, config, out_dtype=None, gemm_backend=be["gemm"],
-                            act_backend=be["activation"], permute_backend=be["permute"])
     out = _routed(x2, topk_ids, topk_weights, gemm_params, config, sizes, expert_offset=0, layout=layout,
                   backend=be, out_dtype=x.dtype, routed_scaling_factor=rsf, debug_checks=debug_checks,
                   addend=shared)
