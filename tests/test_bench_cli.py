@@ -95,7 +95,8 @@ def test_layer_without_flags_on_cpu_runs_scaled_shapes_quickly_and_honestly(tmp_
                                           ("triton", ["--json", "--no-sweep", "--reps", "--routing-only"]),
                                           ("parallel", ["--json", "--backend", "--model", "--tokens"]),
                                           ("load", ["--json", "--small", "--dir", "--keep", "--ep"]),
-                                          ("fused", ["--json", "--tokens", "--all", "--grids", "--steady", "--iters", "--top"]),
+                                          ("fused", ["--json", "--tokens", "--all", "--grids", "--steady", "--iters", "--top",
+                                                     "--trace"]),
                                           ("timeline", ["--json", "--tokens", "--layout", "--reps", "--chain"])])
 def test_subcommand_help(capsys, sub, options):
     with pytest.raises(SystemExit) as e:
@@ -139,6 +140,49 @@ def test_timeline_summary_of_a_known_stream():
     assert res["busy_us"] == 610 / 2 and res["span_us"] == 664 / 2 and res["startup_us"] == 50
     names = short_names(["void deep_gemm::gemm_impl<1u, 2u>(int)", "route_kernel", "void deep_gemm::gemm_impl<3u>(int)"])
     assert list(names.values()) == ["deep_gemm::gemm_impl", "route_kernel", "deep_gemm::gemm_impl #2"]
+
+
+def _fused_trace(events_by_cta):
+    """A fused-kernel event trace (CTAs, 4 roles, 16 slots, 4 uint32 words) from {cta: [(role, event,
+    aux, ns)]}: each role's events in its slots in order, as the kernel writes them."""
+    import numpy as np
+
+    words = np.zeros((len(events_by_cta), 4, 16, 2), np.uint64)
+    for c, evs in events_by_cta.items():
+        slot = [0] * 4
+        for role, ev, aux, ns in evs:
+            words[c, role, slot[role]] = ((ev << 56) | aux, ns)
+            slot[role] += 1
+    return words.view(np.uint32).reshape(len(events_by_cta), 4, 16, 4)
+
+
+def test_fused_trace_phases_of_a_known_trace():
+    """Two CTAs with known event times (ns): event medians and last CTA from the first CTA's start,
+    per GEMM phase the span, tiles, mainloop and epilogue sums and the loader's wait for its inputs,
+    the bandwidth over the span; a trace without a start is refused."""
+    from moe_jax.bench.fused import trace_phases
+
+    def tile(ph, n_block, t0, main_end, epi_end):
+        return [(2, 40, ph | (n_block << 32), t0), (2, 43, 0, main_end), (2, 44, 0, epi_end)]
+
+    cta0 = [(0, 1, 0, 1000), (0, 23, 0, 3000), (0, 22, 0, 50000),
+            (1, 30, 0 | (1 << 32), 4000), (1, 31, 0 | (1 << 32), 5000),
+            (1, 30, 1 | (2 << 32), 20000), (1, 31, 1 | (2 << 32), 24000),
+            *tile(1, 0, 5000, 15000, 16000), *tile(2, 0, 24000, 40000, 42000), (2, 19, 2, 43000)]
+    cta1 = [(0, 1, 0, 2000), (0, 23, 0, 5000), (0, 22, 0, 52000),
+            *tile(1, 1, 6000, 14000, 15000), *tile(1, 2, 15000, 21000, 23000), (2, 19, 2, 24000)]
+    res = trace_phases(_fused_trace({0: cta0, 1: cta1}), phase_bytes=(44e6, 36e6))
+    assert res["ctas"] == 2
+    assert res["events"]["prologue done"] == {"median": 3.0, "last": 4.0}
+    assert res["events"]["kernel end"] == {"median": 50.0, "last": 51.0}
+    assert res["events"]["tiles done"] == {"median": 32.5, "last": 42.0}
+    g1, g2 = res["phases"][1], res["phases"][2]
+    assert (g1["first_start"], g1["last_end"], g1["span"]) == (4.0, 22.0, 18.0)
+    assert g1["tiles_total"] == 3 and g1["mainloop_median"] == (10 + 14) / 2 and g1["epilogue_median"] == (1 + 3) / 2
+    assert g1["wait_median"] == (1 + 0) / 2 and abs(g1["TBps"] - 44e6 / 18e-6 / 1e12) < 1e-9
+    assert (g2["span"], g2["tiles_total"], g2["wait_median"]) == (18.0, 1, 2.0)
+    with pytest.raises(ValueError, match="no KERNEL_START"):
+        trace_phases(_fused_trace({0: [(0, 23, 0, 3000)]}))
 
 
 def test_triton_routing_only_parses_and_needs_a_gpu(tmp_path, monkeypatch):

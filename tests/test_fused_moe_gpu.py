@@ -250,6 +250,28 @@ def test_programmatic_launch_waits_for_the_input_stage():
         np.testing.assert_array_equal(outs[1], outs[0], err_msg=f"{tokens} tokens")
 
 
+def test_traced_build_keeps_the_bits_and_records_every_cta():
+    """The diagnostic build with the kernel's event trace gives the untraced kernel's bits, and its
+    trace holds every CTA's start and end and both GEMM phases' tiles."""
+    from custom_calls.deep_gemm import fused_moe as F
+    from moe_jax.bench.fused import trace_phases
+
+    x, ids, w, w1, s1, w2, s2 = _problem(9, 200, 2048, 512, 16, 6, drop=0.1)
+    w1 = interleave_gate_up(w1)
+    base = F.fused_config(num_tokens=200, hidden=2048, intermediate=512, num_experts=16, top_k=6,
+                          activation_clamp=None)
+    args = (x, ids, w, w1, s1, w2, s2)
+    plain = jax.jit(lambda *a: F.fused_moe_with_config(base, *a, routed_scaling_factor=1.5))(*args)
+    y, words = jax.jit(lambda *a: F.fused_moe_traced(dataclasses.replace(base, trace=True), *a,
+                                                     routed_scaling_factor=1.5))(*args)
+    np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(plain.astype(jnp.float32)))
+    res = trace_phases(np.asarray(words))
+    assert res["ctas"] == base.num_sms
+    assert np.isfinite(res["events"]["kernel end"]["last"]) and res["events"]["kernel end"]["median"] > 0
+    assert res["phases"][1]["tiles_total"] > 0 and res["phases"][2]["tiles_total"] > 0
+    assert res["phases"][1]["first_start"] < res["phases"][2]["last_end"] <= res["events"]["kernel end"]["last"]
+
+
 def test_schedule_options_keep_the_output_bits():
     """Every schedule option changes only the order of work: the same bits as the template's
     defaults, at both BLOCK_Ms, and the H200 holds the rule's 2-CTA clusters of the whole grid (at

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from custom_calls.deep_gemm import fused_moe as F
+from custom_calls.deep_gemm import heuristics as H
 from custom_calls.deep_gemm import launch_plan as LP
 
 SHAPES = [  # (tokens, hidden, intermediate, experts, top_k)
@@ -27,7 +28,7 @@ def _cfg(m, h, i, e, k):
 
 
 def _operand_bytes(cfg, m):
-    h, i, e, k = cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.top_k
+    h, i, e = cfg.hidden, cfg.intermediate, cfg.num_experts
     buf = cfg.buffer.total_bytes
     return (buf, e * 2 * i * h, e * (2 * i // 128) * (h // 128) * 4, e * h * i, e * (h // 128) * (i // 128) * 4,
             m * h * 2, buf)
@@ -87,6 +88,21 @@ def test_attributes_encode_offsets_clusters_and_cooperative():
     assert tm[0, :2].tolist() == [0, cfg.buffer.regions["l1_tokens"][0]]
     assert plan["args"].reshape(-1, 3)[3].tolist() == [LP.ARG_SYM_BUFFER, 0, 0]
     assert all(a.dtype == np.int64 for key, a in plan.items() if key != "cubin")
+
+
+def test_traced_plan_writes_the_trace_operand():
+    """The diagnostic build with the kernel's event trace: the trace is input 5 (aliased to the last
+    output), y moves to operand 6, the label says it; an untraced plan passes no trace pointer."""
+    cfg = _cfg(128, 7168, 2048, 32, 8)
+    traced = dataclasses.replace(cfg, trace=True)
+    plain, plan = F.fused_plan(cfg, "/f.cubin", num_tokens=128), F.fused_plan(traced, "/f.cubin", num_tokens=128)
+    assert (plain.args[0].value, plain.args[-1].kind) == (5, LP.NULL.kind)
+    assert (plan.args[0].kind, plan.args[0].value) == (LP.ARG_PTR, 6)
+    assert (plan.args[-1].kind, plan.args[-1].value) == (LP.ARG_PTR, 5)
+    sizes = _operand_bytes(cfg, 128)
+    plan.check_operands((*sizes[:5], 4 * F.trace_words(132), *sizes[5:], 4 * F.trace_words(132)))
+    assert F.trace_words(132) == 132 * 4 * 2048 * 4 and "trace" in F.config_label(traced)
+    assert H.sm90_fused_moe_options_reason(dataclasses.replace(cfg, trace=1)) == "trace: expected a bool, got 1"
 
 
 def test_bad_offsets_and_ranges_are_refused():

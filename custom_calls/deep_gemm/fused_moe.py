@@ -115,8 +115,10 @@ def fused_reason(*, num_tokens: int, hidden: int, intermediate: int, num_experts
 def fused_plan(cfg: Sm90FusedMoEConfig, cubin: str, *, num_tokens: int) -> LP.LaunchPlan:
     """Operands: 0 the buffer (aliased to output 6), 1 w13 e4m3 (E, 2I, H) gate/up interleaved,
     2 w13_scale f32 (E, 2I/128, H/128), 3 w2 e4m3 (E, H, I), 4 w2_scale f32 (E, H/128, I/128);
-    outputs 5 y bf16 (M, H), 6 the buffer. Every map is (k, row), the expert folded into the rows
-    of the weights; the activation scales are stored [k-group][pool token]."""
+    outputs 5 y bf16 (M, H), 6 the buffer. With ``cfg.trace`` input 5 is the zeroed event trace
+    (`TRACE_WORDS` uint32, aliased to output 8) and the outputs move up by one (6 y, 7 the buffer).
+    Every map is (k, row), the expert folded into the rows of the weights; the activation scales
+    are stored [k-group][pool token]."""
     r, buf = cfg.buffer.regions, cfg.buffer
     h, i, e, bm = cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.block_m
     pool, pad = buf.pool_tokens, buf.padded_sf_tokens
@@ -133,10 +135,19 @@ def fused_plan(cfg: Sm90FusedMoEConfig, cubin: str, *, num_tokens: int) -> LP.La
         LP.TensorMap(3, LP.TMA_UINT8, (i, e * h), (i,), (128, cfg.block_n), 128),
     )
     t = LP._tmap
-    args = (LP._ptr(5), LP.NULL, LP._u32(num_tokens), LP.KernelArg(LP.ARG_SYM_BUFFER, 0),
-            t(0), t(1), t(2), LP._ptr(2), t(3), t(4), t(5), t(6), LP._ptr(4), LP.NULL)
+    y, trace = (LP._ptr(6), LP._ptr(5)) if cfg.trace else (LP._ptr(5), LP.NULL)
+    args = (y, LP.NULL, LP._u32(num_tokens), LP.KernelArg(LP.ARG_SYM_BUFFER, 0),
+            t(0), t(1), t(2), LP._ptr(2), t(3), t(4), t(5), t(6), LP._ptr(4), trace)
     return LP.LaunchPlan("sm90_fp8_mega_moe", cubin, cfg.grid, cfg.num_threads, cfg.cluster_size, cfg.smem_bytes,
                          args, tmaps, cooperative=True, programmatic=cfg.pdl)
+
+
+TRACE_ROLES, TRACE_SLOTS = 4, 2048  # the kernel's trace: [kNumSMs][4 roles][kTraceSlots] (event, time) pairs
+
+
+def trace_words(num_sms: int) -> int:
+    """uint32 words of the kernel's event trace for a grid of num_sms CTAs."""
+    return num_sms * TRACE_ROLES * TRACE_SLOTS * 4
 
 
 def kernel_name(cfg: Sm90FusedMoEConfig) -> str:
@@ -153,7 +164,7 @@ def config_label(cfg: Sm90FusedMoEConfig) -> str:
             f"lag{cfg.l2_lag_units}" if cfg.l2_lag_units else "", "ec" if cfg.early_combine else "",
             f"pb{cfg.pull_publish_batch}" if cfg.pull_publish_batch != 1 else "",
             f"cd{cfg.l2_cd_passes}" if cfg.l2_cd_passes else "", f"sm{cfg.l2_stage_mode}" if cfg.l2_stage_mode else "",
-            "pdl" if cfg.pdl else ""]
+            "pdl" if cfg.pdl else "", "trace" if cfg.trace else ""]
     return " ".join([f"{cfg.block_m}x{cfg.block_n} s{cfg.num_stages}", *filter(None, opts)])
 
 
@@ -221,6 +232,31 @@ def fused_moe_with_config(cfg: Sm90FusedMoEConfig, x: jax.Array, topk_ids: jax.A
 
     buf = fused_input(x, topk_ids, topk_weights, buffer=cfg.buffer, routed_scaling_factor=routed_scaling_factor)
     return _run_kernel(cfg, cubin, buf, m, w13, w13_scale, w2, w2_scale)
+
+
+def fused_moe_traced(cfg: Sm90FusedMoEConfig, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
+                     w13: jax.Array, w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array, *,
+                     routed_scaling_factor: float) -> tuple[jax.Array, jax.Array]:
+    """`fused_moe_with_config` with the kernel's event trace (``cfg`` with ``trace=True``: a
+    diagnostic build, same output bits) -> (y (M, H) bf16, trace (num_sms, 4, 2048, 4) uint32:
+    per CTA and role (0 dispatch warp, 1 the activation loader, 2 / 3 math warpgroups 0 / 1) the
+    (event << 56 | aux, %globaltimer ns) uint64 pairs as little-endian words; unused slots 0)."""
+    if not cfg.trace:
+        raise ValueError(f"cfg.trace: expected True for a traced launch, got {cfg.trace!r}")
+    m = x.shape[0]
+    if not 0 < m <= cfg.max_tokens:
+        raise ValueError(f"x: expected 1 to {cfg.max_tokens} tokens (the config's capacity), got {m}")
+    cubin = _kernel_cubin(cfg)
+    from custom_calls.triton.fused_input_kernel import fused_input  # imports triton
+
+    buf = fused_input(x, topk_ids, topk_weights, buffer=cfg.buffer, routed_scaling_factor=routed_scaling_factor)
+    words = trace_words(cfg.num_sms)
+    y, _, trace = launch(
+        fused_plan(cfg, cubin, num_tokens=m), [buf, w13, w13_scale, w2, w2_scale, jnp.zeros((words,), jnp.uint32)],
+        [jax.ShapeDtypeStruct((m, cfg.hidden), jnp.bfloat16), jax.ShapeDtypeStruct((cfg.buffer.total_bytes,), jnp.uint8),
+         jax.ShapeDtypeStruct((words,), jnp.uint32)],
+        input_output_aliases={0: 1, 5: 2})
+    return y, trace.reshape(cfg.num_sms, TRACE_ROLES, TRACE_SLOTS, 4)
 
 
 def fused_moe_routed_impl(x: jax.Array, gate_weight: jax.Array, bias: jax.Array | None, expert_offset: jax.Array,

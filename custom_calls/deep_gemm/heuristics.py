@@ -582,6 +582,9 @@ class Sm90FusedMoEConfig:
     # kPDL: launched with programmatic dependent launch, so the CTA-local prologue (barrier init,
     # shared-memory setup) overlaps the end of the input kernel before griddepcontrol.wait
     pdl: bool = False
+    # kTrace: a diagnostic build that records the kernel's events (`fused_moe.fused_moe_traced`);
+    # never chosen by the rule
+    trace: bool = False
 
     @property
     def buffer(self) -> FusedMoEBuffer:
@@ -812,6 +815,8 @@ def sm90_fused_moe_options_reason(cfg: Sm90FusedMoEConfig) -> str | None:
         return bad("l2_stage_mode", "0, 2 or 4", cfg.l2_stage_mode)
     if not isinstance(cfg.pdl, bool):
         return bad("pdl", "a bool", cfg.pdl)
+    if not isinstance(cfg.trace, bool):
+        return bad("trace", "a bool", cfg.trace)
     # a math warpgroup's tile: BLOCK_M 64 splits N over the two warpgroups, 128 splits M
     wg_block_n = cfg.block_n // 2 if cfg.block_m == 64 else cfg.block_n
     passes = cfg.l2_cd_passes or (2 if cfg.half_l2_cd else 1)

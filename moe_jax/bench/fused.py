@@ -4,9 +4,8 @@ For each token count, the benchmark layer's weights (32 experts, top-8, H 7168, 
 and two routed inputs (the layer's own grouped top-k): every candidate instantiation of
 ``heuristics.sm90_fused_moe_candidates`` (the other BLOCK_M, 2-CTA clusters with the weight tile
 multicast, the L2-lag schedule, early combine, batched pull publish, the L2 staging passes,
-programmatic dependent launch, one
-stage fewer; ``--all`` adds every pair of options; ``--grids`` the rule's config on fewer CTAs than
-the GPU has SMs) is compiled, run, and its output compared
+programmatic dependent launch, one stage fewer; ``--all`` adds every pair of options; ``--grids``
+the rule's config on fewer CTAs than the GPU has SMs) is compiled, run, and its output compared
 with the heuristic config's: every option changes only the schedule, so the outputs must be
 bit-identical, and a candidate that differs is reported and not timed. Kernel time (the fused
 kernel alone, profiler trace, median over ``--iters`` rounds, both inputs) is taken in two traces,
@@ -15,7 +14,9 @@ both traces show it. ``--steady`` times each candidate instead as a steady strea
 and fused kernel, `_timing.time_op`: 8 dispatches over the inputs, median of ``--iters`` rounds),
 in two passes, the second in reverse order: the GPU then runs at its power limit, as it does
 under a serving loop, where an option that moves less data can win although a short trace shows
-it slower (the clusters at BLOCK_M 128).
+it slower (the clusters at BLOCK_M 128). ``--trace`` instead builds the rule's config with the
+template's event trace and prints where the kernel's time goes (`trace_phases`: the start before the
+first tile, each GEMM phase's span and bandwidth, the combine and its slowest CTA).
 
 Needs an SM90 GPU (exits with status 2 elsewhere). Table on stdout, progress on stderr;
 ``--json PATH`` writes the rows.
@@ -147,6 +148,136 @@ def print_sweep(res: dict, top: int) -> None:
         print(f"  not timed: {lab}: {why}")
 
 
+# the kernel's trace events (sm90_fp8_mega_moe.cuh), by role: 0 dispatch warp 0, 1 the activation
+# loader, 2 math warpgroup 0
+_DISPATCH_EVENTS = {"prologue done": 23, "routing done": 2, "dispatch sync done": 4, "pull done": 3,
+                    "clean start": 5, "kernel end": 22}
+_MATH_EVENTS = {"tiles done": 19, "combine start": 20, "combine end": 21}
+_KERNEL_START, _TILE_START, _MAINLOOP_END, _EPILOGUE_END = 1, 40, 43, 44
+_WAIT_ARRIVAL_START, _WAIT_ARRIVAL_END = 30, 31
+
+
+def trace_phases(words, *, phase_bytes: tuple[float, float] | None = None) -> dict:
+    """The fused kernel's event trace (`fused_moe_traced`: (CTAs, 4 roles, slots, 4) uint32) ->
+    where its time goes, in µs from the first CTA's start: per event of dispatch warp 0 and math
+    warpgroup 0 the median and the last CTA; per GEMM phase (1: GEMM1, 2: GEMM2) its span (first
+    tile start to last tile end over all CTAs), the median CTA's tiles, mainloop time (tile start to
+    its last MMA) and epilogue time, and the median CTA's loader wait for the phase's inputs
+    (GEMM2 tiles wait for their GEMM1 outputs). phase_bytes: the weight bytes of each phase, for
+    the bandwidth over its span (TB/s)."""
+    import numpy as np
+
+    pairs = np.ascontiguousarray(words).view(np.uint64).reshape(*words.shape[:3], 2)
+    event = (pairs[..., 0] >> np.uint64(56)).astype(np.int64)
+    aux = (pairs[..., 0] & np.uint64((1 << 56) - 1)).astype(np.int64)
+    t = pairs[..., 1].astype(np.float64)
+    used = t > 0
+    starts = t[:, 0][(event[:, 0] == _KERNEL_START) & used[:, 0]]
+    if starts.size == 0:
+        raise ValueError("trace: no KERNEL_START event (an untraced kernel, or the trace was not written)")
+    t0 = starts.min()
+    us = (t - t0) / 1e3
+
+    def per_cta(role, ev, pick=np.max):
+        out = []
+        for c in range(words.shape[0]):
+            hit = us[c, role][(event[c, role] == ev) & used[c, role]]
+            out.append(pick(hit) if hit.size else np.nan)
+        return np.asarray(out)
+
+    def stat(v):
+        v = v[np.isfinite(v)]
+        return dict(median=float(np.median(v)), last=float(np.max(v))) if v.size else dict(median=np.nan, last=np.nan)
+
+    events = {name: stat(per_cta(0, ev)) for name, ev in _DISPATCH_EVENTS.items()}
+    events.update({name: stat(per_cta(2, ev)) for name, ev in _MATH_EVENTS.items()})
+    phases = {}
+    for ph in (1, 2):
+        spans, main, epi, tiles, waits = [], [], [], [], []
+        for c in range(words.shape[0]):
+            ev, ax, tt = event[c, 2][used[c, 2]], aux[c, 2][used[c, 2]], us[c, 2][used[c, 2]]
+            order = np.argsort(tt, kind="stable")
+            ev, ax, tt = ev[order], ax[order], tt[order]
+            n, m_sum, e_sum, start, main_end = 0, 0.0, 0.0, None, None
+            for e, a, x in zip(ev, ax, tt):
+                if e == _TILE_START:
+                    start = x if (a & 0xFF) == ph else None
+                    n += start is not None
+                    if start is not None:
+                        spans.append(x)
+                elif start is not None and e == _MAINLOOP_END:
+                    m_sum += x - start
+                    main_end = x
+                elif start is not None and e == _EPILOGUE_END:
+                    e_sum += x - (main_end if main_end is not None else start)
+                    spans.append(x)
+                    start = main_end = None
+            tiles.append(n)
+            main.append(m_sum)
+            epi.append(e_sum)
+            lev, lax, lt = event[c, 1][used[c, 1]], aux[c, 1][used[c, 1]], us[c, 1][used[c, 1]]
+            w_start = {int(a): x for e, a, x in zip(lev, lax, lt) if e == _WAIT_ARRIVAL_START}
+            waits.append(sum(x - w_start[int(a)] for e, a, x in zip(lev, lax, lt)
+                             if e == _WAIT_ARRIVAL_END and int(a) in w_start and (int(a) >> 32) == ph))
+        row = dict(first_start=float(min(spans)) if spans else np.nan, last_end=float(max(spans)) if spans else np.nan,
+                   tiles_median=float(np.median(tiles)), tiles_total=int(np.sum(tiles)),
+                   mainloop_median=float(np.median(main)), epilogue_median=float(np.median(epi)),
+                   wait_median=float(np.median(waits)))
+        row["span"] = row["last_end"] - row["first_start"]
+        if phase_bytes is not None and row["span"] > 0:
+            row["TBps"] = phase_bytes[ph - 1] / (row["span"] * 1e-6) / 1e12
+        phases[ph] = row
+    return dict(events=events, phases=phases, ctas=int(words.shape[0]))
+
+
+def print_trace(tokens: int, label: str, res: dict, total_us: float) -> None:
+    print(f"\n{tokens} tokens, {label}: in-kernel event trace (µs from the first CTA's start; kernel "
+          f"{total_us:.1f} µs, {res['ctas']} CTAs)")
+    for name, v in res["events"].items():
+        print(f"  {name:22s} median {v['median']:8.1f}   last CTA {v['last']:8.1f}")
+    for ph, r in res["phases"].items():
+        bw = f", {r['TBps']:.2f} TB/s of weights over the span" if "TBps" in r else ""
+        print(f"  GEMM{ph}: {r['first_start']:.1f} -> {r['last_end']:.1f} (span {r['span']:.1f}{bw}); "
+              f"{r['tiles_total']} tiles, per CTA (median) {r['tiles_median']:.0f} tiles, mainloop "
+              f"{r['mainloop_median']:.1f}, epilogue {r['epilogue_median']:.1f}, loader waiting for inputs "
+              f"{r['wait_median']:.1f}")
+
+
+def trace_run(tokens: int, setup, *, log) -> dict:
+    """The rule's config at ``tokens``, built with the event trace: its phases (`trace_phases`) for
+    the last of 4 calls, and the untraced kernel's time in the same process for scale."""
+    import dataclasses as dc
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from custom_calls.deep_gemm import autotune
+    from custom_calls.deep_gemm import fused_moe as F
+    from moe_jax.routing import route
+
+    cfg, params, weights = setup
+    x = jax.random.normal(jax.random.PRNGKey(10), (tokens, cfg.hidden_size), jnp.bfloat16)
+    args = (x, *route(x, params, cfg), *weights)
+    base = F.fused_config(num_tokens=tokens, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
+                          num_experts=cfg.num_experts, top_k=cfg.top_k, activation_clamp=None)
+    traced = dc.replace(base, trace=True)
+    log(f"# {tokens} tokens: traced {F.config_label(traced)}")
+    plain = jax.jit(functools.partial(F.fused_moe_with_config, base, routed_scaling_factor=cfg.routed_scaling_factor))
+    fn = jax.jit(functools.partial(F.fused_moe_traced, traced, routed_scaling_factor=cfg.routed_scaling_factor))
+    for _ in range(3):
+        y, words = fn(*args)
+    y, words = fn(*args)
+    same = bool(jnp.all(y == plain(*args)))
+    kernel = autotune.trace_kernel_durations([functools.partial(plain, *args) for _ in range(8)],
+                                             ["sm90_fp8_mega_moe"])
+    w13, w2 = weights[0], weights[2]
+    res = trace_phases(np.asarray(words), phase_bytes=(w13.size, w2.size))  # e4m3: one byte each
+    res.update(tokens=tokens, config=F.config_label(base), kernel_us=float(np.median(kernel)) * 1e6,
+               same_output=same)
+    return res
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0] if __doc__ else None
     p.add_argument("--tokens", default="32,128,512,4096", help="token counts (default 32,128,512,4096)")
@@ -156,6 +287,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steady", action="store_true",
                    help="time a steady stream of calls per candidate (the GPU at its power limit) instead of "
                         "kernel time in traces")
+    p.add_argument("--trace", action="store_true",
+                   help="instead of the sweep: the rule's config built with the kernel's event trace, where its "
+                        "time goes (phases, GEMM1 / GEMM2 spans and bandwidth)")
     p.add_argument("--iters", type=int, default=6, help="rounds per trace or steady pass (default 6)")
     p.add_argument("--top", type=int, default=12, help="rows printed per token count (default 12)")
     p.add_argument("--json", metavar="PATH", help="write every row as JSON here")
@@ -187,6 +321,14 @@ def run(args) -> int:
     t0 = time.perf_counter()
     out = dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind), sweeps=[])
     setup = layer_setup()
+    if args.trace:
+        out["traces"] = []
+        for m in tokens:
+            res = trace_run(m, setup, log=log)
+            out["traces"].append(res)
+            print_trace(m, res["config"] + ("" if res["same_output"] else " (OUTPUT DIFFERS from the untraced build)"),
+                        res, res["kernel_us"])
+        tokens = []
     for m in tokens:
         res = sweep(m, setup, full=args.all, iters=args.iters, log=log, grids=grids, steady=args.steady)
         out["sweeps"].append(res)
