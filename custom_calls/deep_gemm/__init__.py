@@ -9,7 +9,8 @@ SM100 (fp8_block, mxfp8, mxfp4 1D1D): generated and compiled for sm_100a, not ru
 Grouped SM90 configs can be autotuned on the device and cached (opt-in: ``TuningPolicy``,
 $MOE_JAX_GEMM_TUNING; autotune.py). Importing this package probes no device and imports no CUDA
 Python binding; it registers the grouped GEMMs, the dense GEMM (op ``gemm_nt``) and the fused MoE
-kernel (ops ``fused_moe``, ``fused_moe_routed``) as backend 'deep_gemm' of the registry (shape rules, environment check, implementations).
+kernel (ops ``fused_moe``, ``fused_moe_routed``) as backend 'deep_gemm' of the registry (shape rules,
+environment check, implementations).
 """
 
 from custom_calls.backends import register as _register, set_environment as _set_environment

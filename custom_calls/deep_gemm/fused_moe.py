@@ -251,11 +251,11 @@ def fused_moe_traced(cfg: Sm90FusedMoEConfig, x: jax.Array, topk_ids: jax.Array,
 
     buf = fused_input(x, topk_ids, topk_weights, buffer=cfg.buffer, routed_scaling_factor=routed_scaling_factor)
     words = trace_words(cfg.num_sms)
-    y, _, trace = launch(
-        fused_plan(cfg, cubin, num_tokens=m), [buf, w13, w13_scale, w2, w2_scale, jnp.zeros((words,), jnp.uint32)],
-        [jax.ShapeDtypeStruct((m, cfg.hidden), jnp.bfloat16), jax.ShapeDtypeStruct((cfg.buffer.total_bytes,), jnp.uint8),
-         jax.ShapeDtypeStruct((words,), jnp.uint32)],
-        input_output_aliases={0: 1, 5: 2})
+    outputs = [jax.ShapeDtypeStruct((m, cfg.hidden), jnp.bfloat16),
+               jax.ShapeDtypeStruct((cfg.buffer.total_bytes,), jnp.uint8), jax.ShapeDtypeStruct((words,), jnp.uint32)]
+    y, _, trace = launch(fused_plan(cfg, cubin, num_tokens=m),
+                         [buf, w13, w13_scale, w2, w2_scale, jnp.zeros((words,), jnp.uint32)], outputs,
+                         input_output_aliases={0: 1, 5: 2})
     return y, trace.reshape(cfg.num_sms, TRACE_ROLES, TRACE_SLOTS, 4)
 
 

@@ -864,8 +864,8 @@ def sm90_fused_moe_candidates(base: Sm90FusedMoEConfig, *, full: bool = False) -
     same BLOCK_M at the template's defaults, and the other BLOCK_M with and without the rules'
     options, one schedule option changed at a time (2-CTA clusters with the weight tile multicast,
     the L2-lag schedule at lags 1, 2 and 4, early combine, batched pull publish, the L2 staging
-    passes and row modes, programmatic dependent launch toggled); then ``base`` with one stage fewer. ``full``: also every pair of the
-    single options. Unique, in this order."""
+    passes and row modes, programmatic dependent launch toggled); then ``base`` with one stage
+    fewer. ``full``: also every pair of the single options. Unique, in this order."""
     def heuristic(bm, options):
         try:
             return sm90_fused_moe_config(

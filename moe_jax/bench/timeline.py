@@ -157,14 +157,12 @@ def run(args) -> int:
     if not layouts or set(layouts) - set(LAYOUTS):
         log(f"--layout: expected a comma list of {', '.join(LAYOUTS)}, got {args.layout!r}")
         return 2
-    built: dict[str, tuple] = {}  # the two fused forms share their weights
-    for lay in dict.fromkeys(layouts):
-        key = "fused" if lay.startswith("fused") else lay
-        if key not in built:
-            built[key] = setup(key)
-    layers = {lay: built["fused" if lay.startswith("fused") else lay] for lay in dict.fromkeys(layouts)}
+    def weights_of(lay: str) -> str:  # the two fused forms share their weights
+        return "fused" if lay.startswith("fused") else lay
+
+    built = {w: setup(w) for w in dict.fromkeys(map(weights_of, layouts))}
     # in the order given, repeats included (A,B,A,B interleaves two forms against clock drift)
-    results = [measure(m, lay, layers[lay], reps=args.reps, chain=args.chain, log=log)
+    results = [measure(m, lay, built[weights_of(lay)], reps=args.reps, chain=args.chain, log=log)
                for m in tokens for lay in layouts]
     bw = _copy_bandwidth(1 << 30)
     roofline_us = results[0]["weights_bytes"] / bw * 1e6
