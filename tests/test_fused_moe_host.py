@@ -103,6 +103,39 @@ def test_traced_plan_writes_the_trace_operand():
     plan.check_operands((*sizes[:5], 4 * F.trace_words(132), *sizes[5:], 4 * F.trace_words(132)))
     assert F.trace_words(132) == 132 * 4 * 2048 * 4 and "trace" in F.config_label(traced)
     assert H.sm90_fused_moe_options_reason(dataclasses.replace(cfg, trace=1)) == "trace: expected a bool, got 1"
+    # the untraced entry point refuses a traced config before it compiles or launches anything
+    with pytest.raises(ValueError, match=r"cfg\.trace: expected False \(fused_moe_traced runs the traced build\)"):
+        F.fused_moe_with_config(traced, *(None,) * 7, routed_scaling_factor=1.0)
+    with pytest.raises(ValueError, match="cfg.trace: expected True for a traced launch, got False"):
+        F.fused_moe_traced(cfg, *(None,) * 7, routed_scaling_factor=1.0)
+
+
+@pytest.mark.parametrize("trace", [False, True])
+def test_kernel_launch_operands_match_the_plan(monkeypatch, trace):
+    """The launch's operand lists agree with the plan: y is the first output (operand len(inputs)),
+    the buffer is aliased to the second, and a traced build appends the zeroed trace as input 5,
+    aliased to the third output; only then is a trace returned."""
+    import jax
+    import jax.numpy as jnp
+
+    cfg = dataclasses.replace(_cfg(128, 1024, 512, 32, 8), trace=trace)
+    seen = {}
+
+    def fake_launch(plan, inputs, outputs, input_output_aliases):
+        seen.update(plan=plan, inputs=inputs, outputs=outputs, aliases=input_output_aliases)
+        return [f"out{i}" for i in range(len(outputs))]
+
+    monkeypatch.setattr(F, "launch", fake_launch)
+    buf = jax.ShapeDtypeStruct((cfg.buffer.total_bytes,), jnp.uint8)
+    y, got_trace = F._run_kernel(cfg, "/c", buf, 100, *(None,) * 4)
+    n_in = len(seen["inputs"])
+    assert n_in == (6 if trace else 5) and seen["plan"].args[0].value == n_in  # y pointer
+    assert seen["outputs"][0].shape == (100, 1024) and seen["outputs"][1].shape == buf.shape
+    assert seen["aliases"] == ({0: 1, 5: 2} if trace else {0: 1})
+    assert (y, got_trace) == ("out0", "out2" if trace else None)
+    if trace:
+        assert seen["inputs"][5].shape == (F.trace_words(132),) and not seen["inputs"][5].any()
+        assert seen["plan"].args[-1].value == 5
 
 
 def test_bad_offsets_and_ranges_are_refused():

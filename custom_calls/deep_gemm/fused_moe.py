@@ -193,12 +193,33 @@ def _kernel_cubin(cfg: Sm90FusedMoEConfig) -> str:
 
 
 def _run_kernel(cfg: Sm90FusedMoEConfig, cubin: str, buf: jax.Array, m: int, w13: jax.Array, w13_scale: jax.Array,
-                w2: jax.Array, w2_scale: jax.Array) -> jax.Array:
-    """The fused kernel on a buffer the input stage filled for m tokens -> y (m, H) bf16."""
-    buffer = jax.ShapeDtypeStruct((cfg.buffer.total_bytes,), jnp.uint8)
-    y, _ = launch(fused_plan(cfg, cubin, num_tokens=m), [buf, w13, w13_scale, w2, w2_scale],
-                  [jax.ShapeDtypeStruct((m, cfg.hidden), jnp.bfloat16), buffer], input_output_aliases={0: 1})
-    return y
+                w2: jax.Array, w2_scale: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """The fused kernel on a buffer the input stage filled for m tokens -> (y (m, H) bf16, the
+    event trace (`trace_words` uint32) with ``cfg.trace``, else None)."""
+    inputs = [buf, w13, w13_scale, w2, w2_scale]
+    outputs = [jax.ShapeDtypeStruct((m, cfg.hidden), jnp.bfloat16),
+               jax.ShapeDtypeStruct((cfg.buffer.total_bytes,), jnp.uint8)]
+    aliases = {0: 1}
+    if cfg.trace:  # the zeroed trace, written in place (fused_plan's operand 5)
+        words = trace_words(cfg.num_sms)
+        inputs.append(jnp.zeros((words,), jnp.uint32))
+        outputs.append(jax.ShapeDtypeStruct((words,), jnp.uint32))
+        aliases[5] = 2
+    out = launch(fused_plan(cfg, cubin, num_tokens=m), inputs, outputs, input_output_aliases=aliases)
+    return out[0], out[2] if cfg.trace else None
+
+
+def _input_stage(cfg: Sm90FusedMoEConfig, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *,
+                 routed_scaling_factor: float) -> tuple[str, jax.Array]:
+    """(the kernel's cubin, the buffer filled for x's tokens) for a config given explicitly."""
+    m = x.shape[0]
+    if not 0 < m <= cfg.max_tokens:
+        raise ValueError(f"x: expected 1 to {cfg.max_tokens} tokens (the config's capacity), got {m}")
+    cubin = _kernel_cubin(cfg)
+    from custom_calls.triton.fused_input_kernel import fused_input  # imports triton
+
+    return cubin, fused_input(x, topk_ids, topk_weights, buffer=cfg.buffer,
+                              routed_scaling_factor=routed_scaling_factor)
 
 
 def fused_moe_impl(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: jax.Array,
@@ -223,15 +244,11 @@ def fused_moe_with_config(cfg: Sm90FusedMoEConfig, x: jax.Array, topk_ids: jax.A
     """`fused_moe_impl` with the kernel configuration given (e.g. a `sm90_fused_moe_candidates`
     entry, as `python -m moe_jax.bench fused` runs them): operands as there, already checked, 1 to
     ``cfg.max_tokens`` tokens of ``cfg``'s shapes. A config whose clusters the GPU cannot hold is
-    refused with the reason."""
-    m = x.shape[0]
-    if not 0 < m <= cfg.max_tokens:
-        raise ValueError(f"x: expected 1 to {cfg.max_tokens} tokens (the config's capacity), got {m}")
-    cubin = _kernel_cubin(cfg)
-    from custom_calls.triton.fused_input_kernel import fused_input  # imports triton
-
-    buf = fused_input(x, topk_ids, topk_weights, buffer=cfg.buffer, routed_scaling_factor=routed_scaling_factor)
-    return _run_kernel(cfg, cubin, buf, m, w13, w13_scale, w2, w2_scale)
+    refused with the reason; a traced config (``trace=True``) goes to `fused_moe_traced`."""
+    if cfg.trace:
+        raise ValueError("cfg.trace: expected False (fused_moe_traced runs the traced build), got True")
+    cubin, buf = _input_stage(cfg, x, topk_ids, topk_weights, routed_scaling_factor=routed_scaling_factor)
+    return _run_kernel(cfg, cubin, buf, x.shape[0], w13, w13_scale, w2, w2_scale)[0]
 
 
 def fused_moe_traced(cfg: Sm90FusedMoEConfig, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
@@ -243,19 +260,8 @@ def fused_moe_traced(cfg: Sm90FusedMoEConfig, x: jax.Array, topk_ids: jax.Array,
     (event << 56 | aux, %globaltimer ns) uint64 pairs as little-endian words; unused slots 0)."""
     if not cfg.trace:
         raise ValueError(f"cfg.trace: expected True for a traced launch, got {cfg.trace!r}")
-    m = x.shape[0]
-    if not 0 < m <= cfg.max_tokens:
-        raise ValueError(f"x: expected 1 to {cfg.max_tokens} tokens (the config's capacity), got {m}")
-    cubin = _kernel_cubin(cfg)
-    from custom_calls.triton.fused_input_kernel import fused_input  # imports triton
-
-    buf = fused_input(x, topk_ids, topk_weights, buffer=cfg.buffer, routed_scaling_factor=routed_scaling_factor)
-    words = trace_words(cfg.num_sms)
-    outputs = [jax.ShapeDtypeStruct((m, cfg.hidden), jnp.bfloat16),
-               jax.ShapeDtypeStruct((cfg.buffer.total_bytes,), jnp.uint8), jax.ShapeDtypeStruct((words,), jnp.uint32)]
-    y, _, trace = launch(fused_plan(cfg, cubin, num_tokens=m),
-                         [buf, w13, w13_scale, w2, w2_scale, jnp.zeros((words,), jnp.uint32)], outputs,
-                         input_output_aliases={0: 1, 5: 2})
+    cubin, buf = _input_stage(cfg, x, topk_ids, topk_weights, routed_scaling_factor=routed_scaling_factor)
+    y, trace = _run_kernel(cfg, cubin, buf, x.shape[0], w13, w13_scale, w2, w2_scale)
     return y, trace.reshape(cfg.num_sms, TRACE_ROLES, TRACE_SLOTS, 4)
 
 
@@ -279,7 +285,7 @@ def fused_moe_routed_impl(x: jax.Array, gate_weight: jax.Array, bias: jax.Array 
     buf = fused_input_routed(x, router_partials(x, gate_weight), bias, expert_offset, buffer=cfg.buffer,
                              routed_scaling_factor=routed_scaling_factor, top_k=top_k, scoring=scoring,
                              n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob)
-    return _run_kernel(cfg, cubin, buf, m, w13, w13_scale, w2, w2_scale)
+    return _run_kernel(cfg, cubin, buf, m, w13, w13_scale, w2, w2_scale)[0]
 
 
 def static_supports_fused(*, m: int, hidden: int, intermediate: int, num_experts: int, top_k: int, x_dtype,
