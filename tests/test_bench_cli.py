@@ -95,8 +95,8 @@ def test_layer_without_flags_on_cpu_runs_scaled_shapes_quickly_and_honestly(tmp_
                                           ("triton", ["--json", "--no-sweep", "--reps", "--routing-only"]),
                                           ("parallel", ["--json", "--backend", "--model", "--tokens"]),
                                           ("load", ["--json", "--small", "--dir", "--keep", "--ep"]),
-                                          ("fused", ["--json", "--tokens", "--all", "--grids", "--steady", "--iters", "--top",
-                                                     "--trace"]),
+                                          ("fused", ["--json", "--tokens", "--all", "--grids", "--steady", "--iters",
+                                                     "--only", "--top", "--trace"]),
                                           ("timeline", ["--json", "--tokens", "--layout", "--reps", "--chain"])])
 def test_subcommand_help(capsys, sub, options):
     with pytest.raises(SystemExit) as e:

@@ -5,11 +5,11 @@ and two routed inputs (the layer's own grouped top-k): every candidate instantia
 ``heuristics.sm90_fused_moe_candidates`` (the other BLOCK_M, 2-CTA clusters with the weight tile
 multicast, the L2-lag schedule, early combine, batched pull publish, the L2 staging passes,
 programmatic dependent launch, one stage fewer; ``--all`` adds every pair of options; ``--grids``
-the rule's config on fewer CTAs than the GPU has SMs) is compiled, run, and its output compared
-with the heuristic config's: every option changes only the schedule, so the outputs must be
-bit-identical, and a candidate that differs is reported and not timed. Kernel time (the fused
-kernel alone, profiler trace, median over ``--iters`` rounds, both inputs) is taken in two traces,
-the candidates interleaved round by round, the second in reverse order; a gain counts only when
+the rule's config on fewer CTAs than the GPU has SMs; ``--only`` keeps the named ones) is compiled,
+run, and its output compared with the heuristic config's: every option changes only the schedule,
+so the outputs must be bit-identical, and a candidate that differs is reported and not timed.
+Kernel time (the fused kernel alone, profiler trace, median over ``--iters`` rounds, both inputs)
+is taken in two traces, the candidates interleaved round by round, the second in reverse order; a gain counts only when
 both traces show it. ``--steady`` times each candidate instead as a steady stream of calls (input
 and fused kernel, `_timing.time_op`: 8 dispatches over the inputs, median of ``--iters`` rounds),
 in two passes, the second in reverse order: the GPU then runs at its power limit, as it does
@@ -67,8 +67,9 @@ def layer_setup():
 
 
 def sweep(tokens: int, setup, *, full: bool, iters: int, log, grids: tuple[int, ...] = (),
-          steady: bool = False) -> dict:
-    """One token count: {tokens, routes_per_expert, heuristic, rows, rejected}; setup: `layer_setup()`."""
+          steady: bool = False, only: tuple[str, ...] = ()) -> dict:
+    """One token count: {tokens, routes_per_expert, heuristic, rows, rejected}; setup: `layer_setup()`;
+    only: the candidates of these labels (and the heuristic's), all when empty."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -86,6 +87,11 @@ def sweep(tokens: int, setup, *, full: bool, iters: int, log, grids: tuple[int, 
     base = F.fused_config(num_tokens=tokens, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
                           num_experts=cfg.num_experts, top_k=cfg.top_k, activation_clamp=None)
     cands = sm90_fused_moe_candidates(base, full=full)
+    if only:
+        missing = set(only) - {F.config_label(c) for c in cands}
+        if missing:
+            log(f"# {tokens} tokens: --only names no candidate here: {', '.join(sorted(missing))}")
+        cands = [c for i, c in enumerate(cands) if i == 0 or F.config_label(c) in only]
     labels = [F.config_label(c) for c in cands]
     for g in grids:  # the rule's choice for a grid of g CTAs (the kernel's kNumSMs)
         c = F.fused_config(num_tokens=tokens, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
@@ -289,6 +295,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", action="store_true",
                    help="instead of the sweep: the rule's config built with the kernel's event trace, where its "
                         "time goes (phases, GEMM1 / GEMM2 spans and bandwidth)")
+    p.add_argument("--only", default="", metavar="LIST",
+                   help="comma list of candidate labels to time beside the heuristic's (as printed, e.g. "
+                        "'64x256 s4 c2'; default: every candidate)")
     p.add_argument("--iters", type=int, default=6, help="rounds per trace or steady pass (default 6)")
     p.add_argument("--top", type=int, default=12, help="rows printed per token count (default 12)")
     p.add_argument("--json", metavar="PATH", help="write every row as JSON here")
@@ -329,7 +338,8 @@ def run(args) -> int:
                         res, res["kernel_us"])
         tokens = []
     for m in tokens:
-        res = sweep(m, setup, full=args.all, iters=args.iters, log=log, grids=grids, steady=args.steady)
+        res = sweep(m, setup, full=args.all, iters=args.iters, log=log, grids=grids, steady=args.steady,
+                    only=tuple(lab.strip() for lab in args.only.split(",") if lab.strip()))
         out["sweeps"].append(res)
         print_sweep(res, args.top)
     log(f"# done in {time.perf_counter() - t0:.0f} s")
