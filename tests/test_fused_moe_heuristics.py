@@ -194,7 +194,7 @@ _ANCHOR = '"SM90 MegaMoE smem layout overflows (pull pending list)");'
 _PROBE = ("    static_assert(::DgSmemCheck<SMEM_PULL_PENDING_OFFSET + SMEM_PULL_PENDING_SIZE, ::DgExpectedSmem<"
           "kNumMaxTokensPerRank, kHidden, kIntermediateHidden, kNumExperts, kNumTopk, BLOCK_M, kNumStages, kNumSMs, "
           "kHalfL2CD, kClusterSize, kL2LagUnits, kEarlyCombineMode, kPullPublishBatch, kL2CDPasses, "
-          "kL2StageMode>::value>::ok, \"shared-memory probe\");\n")
+          "kL2StageMode, kNumDispatchThreads, kNumNonEpilogueThreads>::value>::ok, \"shared-memory probe\");\n")
 
 
 def _toolchain():
@@ -243,7 +243,7 @@ def _template_args(c) -> list[tuple[str, str]]:
         ("kClusterSize", c.cluster_size), ("kMulticastOnB", b(c.cluster_size == 2)), ("kL2LagUnits", c.l2_lag_units),
         ("kL2CDPasses", c.l2_cd_passes), ("kTrace", "false"), ("kTraceEpi", "false"),
         ("kL2StageMode", c.l2_stage_mode), ("kPDL", b(c.pdl)), ("kEarlyCombineMode", int(c.early_combine)),
-        ("kPullPublishBatch", c.pull_publish_batch), ("kPullEagerPublish", "false"),
+        ("kPullPublishBatch", c.pull_publish_batch), ("kPullEagerPublish", b(c.pull_eager_publish)),
     ]
 
 
@@ -279,7 +279,10 @@ def _probe_configs():
     options = [dataclasses.replace(p0, early_combine=True, pull_publish_batch=16),
                dataclasses.replace(d0, early_combine=True, l2_cd_passes=2),
                dataclasses.replace(p0, l2_cd_passes=4, l2_stage_mode=2, num_stages=3),
-               dataclasses.replace(d, l2_lag_units=2, pull_publish_batch=3, pdl=True)]
+               dataclasses.replace(d, l2_lag_units=2, pull_publish_batch=3, pdl=True),
+               # more dispatch warps (a send buffer each) and loader warps; the eager publish (no layout change)
+               dataclasses.replace(d, num_dispatch_threads=128, num_non_epilogue_threads=128),
+               dataclasses.replace(d0, num_dispatch_threads=192, pull_eager_publish=True, num_stages=3)]
     out = [p, d, p0, d0, *options, dataclasses.replace(p, num_stages=2), dataclasses.replace(d, num_stages=2),
            # the per-expert routing counts outgrow the tile table: they size that region
            H.sm90_fused_moe_config(max_tokens=8, hidden=1024, intermediate=512, num_experts=2048, top_k=8,
@@ -302,7 +305,8 @@ def _probe_source(configs, expected) -> str:
     specs = "\n".join(
         f"template <> struct DgExpectedSmem<{c.max_tokens}, {c.hidden}, {c.intermediate}, {c.num_experts}, {c.top_k}, "
         f"{c.block_m}, {c.num_stages}, {c.num_sms}, {b(c.half_l2_cd)}, {c.cluster_size}, {c.l2_lag_units}, "
-        f"{int(c.early_combine)}, {c.pull_publish_batch}, {c.l2_cd_passes}, {c.l2_stage_mode}> "
+        f"{int(c.early_combine)}, {c.pull_publish_batch}, {c.l2_cd_passes}, {c.l2_stage_mode}, "
+        f"{c.num_dispatch_threads}, {c.num_non_epilogue_threads}> "
         f"{{ static constexpr uint32_t value = {e}; }};" for c, e in zip(configs, expected))
     prelude = ("#include <cstdint>\n"
                "template <uint32_t kKernel, uint32_t kOurs> struct DgSmemCheck {\n"
@@ -310,7 +314,7 @@ def _probe_source(configs, expected) -> str:
                "sm90_fused_moe_smem_bytes\");\n"
                "    static constexpr bool ok = true;\n};\n"
                "template <uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, bool,\n"
-               "          uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t>\n"
+               "          uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t>\n"
                "struct DgExpectedSmem;\n" + specs)
     return _unit(configs, prelude)
 
@@ -348,7 +352,12 @@ def test_smem_probe_catches_a_difference(tmp_path):
 
 def test_chosen_configs_compile(tmp_path):
     nvcc, inc = _toolchain()
-    configs = [_config(max_tokens=4096), _config(max_tokens=128, activation_clamp=7.0)]
+    # the rule's two BLOCK_Ms, and BLOCK_M 64 with four dispatch and four loader warps (512 threads:
+    # registers for its math warpgroups still fit, unlike BLOCK_M 128's)
+    configs = [_config(max_tokens=4096), _config(max_tokens=128, activation_clamp=7.0),
+               dataclasses.replace(_config(max_tokens=128), num_dispatch_threads=128, num_non_epilogue_threads=128,
+                                   pull_eager_publish=True)]
+    assert all(H.sm90_fused_moe_options_reason(c) is None for c in configs)
     (tmp_path / "kernel.cu").write_text(_unit(configs))
     r = _nvcc(nvcc, tmp_path, "kernel.cu", "--cubin", "-o", "kernel.cubin", *_flags(), "-I", inc)
     assert r.returncode == 0, r.stderr[-6000:]
@@ -387,6 +396,14 @@ OPTION_BAD = [
     (dict(l2_cd_passes=4), ["l2_cd_passes:", "64 or 128", "(32 columns per pass)"]),
     (dict(l2_stage_mode=1), ["l2_stage_mode:", "0, 2 or 4", "1"]),
     (dict(pdl=1), ["pdl:", "a bool", "1"]),
+    (dict(pull_eager_publish=1), ["pull_eager_publish:", "a bool", "1"]),
+    (dict(pull_eager_publish=True, pull_publish_batch=4), ["pull_eager_publish:", "batched publish",
+                                                           "True with pull_publish_batch=4"]),
+    (dict(num_dispatch_threads=128), ["num_dispatch_threads:", "multiple of 128", "128"]),
+    (dict(num_dispatch_threads=96), ["num_dispatch_threads:", "a multiple of 64", "96"]),
+    (dict(num_non_epilogue_threads=96), ["num_non_epilogue_threads:", "64 or 128", "96"]),
+    (dict(block_m=128, half_l2_cd=True, num_dispatch_threads=192),
+     ["num_dispatch_threads, num_non_epilogue_threads:", "block_m 128", "192 + 64"]),
     (dict(l2_cd_passes=4, l2_stage_mode=4), ["l2_stage_mode:", "64x256", "tile 64x256"]),
     (dict(num_stages=16), ["num_stages:", "[2, 15]", "16"]),
     (dict(num_stages=1), ["num_stages:", "[2, 15]", "1"]),
@@ -423,7 +440,10 @@ def test_rule_configs_and_candidates_are_legal_unique_and_start_with_the_rule():
                 assert H.sm90_fused_moe_options_reason(more) is not None, config_label(c)
         singles = H.sm90_fused_moe_candidates(base)
         assert {c.l2_lag_units for c in singles} == {0, 1, 2, 4} and any(c.early_combine for c in singles)
-        assert {c.pdl for c in singles} == {False, True}
+        assert {c.pdl for c in singles} == {False, True} and any(c.pull_eager_publish for c in singles)
+        # more dispatch warps at BLOCK_M 64 only (512 threads leave BLOCK_M 128's math too few registers)
+        warps = {(c.block_m, c.num_dispatch_threads, c.num_non_epilogue_threads) for c in singles}
+        assert warps == {(64, 64, 64), (128, 64, 64), (64, 128, 128), (64, 192, 64)}
         assert len(H.sm90_fused_moe_candidates(base, full=True)) > 2 * len(singles)
 
 

@@ -76,7 +76,7 @@ def _float_literal(x: float | None) -> str:
 def sm90_fused_moe_source(cfg: Sm90FusedMoEConfig) -> str:
     """The fused MoE kernel (dispatch, GEMM1, SwiGLU + FP8 quantization, GEMM2, combine) for one
     rank, every shape, tile and schedule option compiled in (the event trace with ``cfg.trace``,
-    without its epilogue sub-events; per-row eager publish off)."""
+    without its epilogue sub-events)."""
     buf = cfg.buffer
     params = [str(cfg.max_tokens), str(cfg.hidden), str(cfg.intermediate), str(cfg.num_experts), str(cfg.top_k),
               str(cfg.experts_per_wave), str(cfg.block_m), str(cfg.block_n), str(cfg.block_k),
@@ -89,6 +89,6 @@ def sm90_fused_moe_source(cfg: Sm90FusedMoEConfig) -> str:
               str(cfg.cluster_size), _b(cfg.cluster_size == 2),  # kClusterSize, kMulticastOnB (the weights)
               str(cfg.l2_lag_units), str(cfg.l2_cd_passes), _b(cfg.trace), "false",  # kTrace, kTraceEpi
               str(cfg.l2_stage_mode), _b(cfg.pdl),  # kPDL
-              str(int(cfg.early_combine)), str(cfg.pull_publish_batch), "false"]  # kPullEagerPublish
+              str(int(cfg.early_combine)), str(cfg.pull_publish_batch), _b(cfg.pull_eager_publish)]
     return _unit("sm90_fp8_mega_moe.cuh", "sm90_fp8_mega_moe_impl", params)
 

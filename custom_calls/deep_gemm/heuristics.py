@@ -577,6 +577,9 @@ class Sm90FusedMoEConfig:
     l2_lag_units: int = 0  # kL2LagUnits: 0 the wave schedule, n > 0 GEMM2 of a unit n units after its GEMM1
     early_combine: bool = False  # kEarlyCombineMode 1: combine tokens whose experts are done while others run
     pull_publish_batch: int = 1  # kPullPublishBatch: dispatched rows published per fence
+    # kPullEagerPublish: each dispatch warp publishes its first pulled row at once instead of one
+    # pull later (per-row publish only), so the first GEMM1 blocks can start sooner
+    pull_eager_publish: bool = False
     l2_cd_passes: int = 0  # kL2CDPasses: 0 the kernel's choice (2 with kHalfL2CD, else 1), or 1, 2, 4
     l2_stage_mode: int = 0  # kL2StageMode: 0 column passes, 2 / 4 row passes (shared stores / stmatrix)
     # kPDL: launched with programmatic dependent launch, so the CTA-local prologue (barrier init,
@@ -809,6 +812,23 @@ def sm90_fused_moe_options_reason(cfg: Sm90FusedMoEConfig) -> str | None:
         return bad("l2_lag_units", "an int >= 0 (lag + 1000 * group)", cfg.l2_lag_units)
     if not is_int(cfg.pull_publish_batch) or not 1 <= cfg.pull_publish_batch <= 256:
         return bad("pull_publish_batch", "an int in [1, 256]", cfg.pull_publish_batch)
+    if not isinstance(cfg.pull_eager_publish, bool):
+        return bad("pull_eager_publish", "a bool", cfg.pull_eager_publish)
+    if cfg.pull_eager_publish and cfg.pull_publish_batch != 1:
+        return bad("pull_eager_publish", "False with batched publish (the eager form is the per-row path's)",
+                   f"True with pull_publish_batch={cfg.pull_publish_batch}")
+    if cfg.num_non_epilogue_threads not in (64, 128) or isinstance(cfg.num_non_epilogue_threads, bool):
+        return bad("num_non_epilogue_threads", "64 or 128 (two or four TMA loader warps)",
+                   cfg.num_non_epilogue_threads)
+    d = cfg.num_dispatch_threads
+    if not is_int(d) or d < 64 or d % 64 or (d + cfg.num_non_epilogue_threads) % 128:
+        return bad("num_dispatch_threads", f"a multiple of 64 with num_non_epilogue_threads "
+                   f"({cfg.num_non_epilogue_threads}) a multiple of 128 (the math warpgroups start aligned)", d)
+    if cfg.block_m == 128 and cfg.num_threads > 384:
+        # ptxas: BLOCK_M 128's math warpgroups need ~154 registers a thread, a 512-thread CTA leaves 128
+        return bad("num_dispatch_threads, num_non_epilogue_threads", "128 threads together at block_m 128 (more "
+                   "threads leave the math warpgroups too few registers)",
+                   f"{d} + {cfg.num_non_epilogue_threads}")
     if cfg.l2_cd_passes not in _FUSED_MOE_CD_PASSES or isinstance(cfg.l2_cd_passes, bool):
         return bad("l2_cd_passes", f"one of {_FUSED_MOE_CD_PASSES}", cfg.l2_cd_passes)
     if cfg.l2_stage_mode not in (0, 2, 4) or isinstance(cfg.l2_stage_mode, bool):
@@ -863,9 +883,10 @@ def sm90_fused_moe_candidates(base: Sm90FusedMoEConfig, *, full: bool = False) -
     fused`, ``base`` first, each with the most stages its options leave room for: from ``base``, the
     same BLOCK_M at the template's defaults, and the other BLOCK_M with and without the rules'
     options, one schedule option changed at a time (2-CTA clusters with the weight tile multicast,
-    the L2-lag schedule at lags 1, 2 and 4, early combine, batched pull publish, the L2 staging
-    passes and row modes, programmatic dependent launch toggled); then ``base`` with one stage
-    fewer. ``full``: also every pair of the single options. Unique, in this order."""
+    the L2-lag schedule at lags 1, 2 and 4, early combine, batched or eager pull publish, four
+    dispatch warps (with four loader warps, to keep the math warpgroups aligned) or six instead of
+    two, the L2 staging passes and row modes, programmatic dependent launch toggled); then ``base``
+    with one stage fewer. ``full``: also every pair of the single options. Unique, in this order."""
     def heuristic(bm, options):
         try:
             return sm90_fused_moe_config(
@@ -876,7 +897,9 @@ def sm90_fused_moe_candidates(base: Sm90FusedMoEConfig, *, full: bool = False) -
             return None
 
     singles = [dict(cluster_size=2), dict(l2_lag_units=1), dict(l2_lag_units=2), dict(l2_lag_units=4),
-               dict(early_combine=True), dict(pull_publish_batch=4), dict(l2_cd_passes=4),
+               dict(early_combine=True), dict(pull_publish_batch=4), dict(pull_eager_publish=True),
+               dict(num_dispatch_threads=128, num_non_epilogue_threads=128), dict(num_dispatch_threads=192),
+               dict(l2_cd_passes=4),
                dict(l2_cd_passes=4, l2_stage_mode=2), dict(l2_cd_passes=4, l2_stage_mode=4), dict(l2_cd_passes=2),
                dict(pdl=not base.pdl)]
     changes = [dict()] + singles
