@@ -3,20 +3,22 @@
 For each token count, the benchmark layer's weights (32 experts, top-8, H 7168, I 2048, fp8_block)
 and two routed inputs (the layer's own grouped top-k): every candidate instantiation of
 ``heuristics.sm90_fused_moe_candidates`` (the other BLOCK_M, 2-CTA clusters with the weight tile
-multicast, the L2-lag schedule, early combine, batched pull publish, the L2 staging passes,
-programmatic dependent launch, one stage fewer; ``--all`` adds every pair of options; ``--grids``
-the rule's config on fewer CTAs than the GPU has SMs; ``--only`` keeps the named ones) is compiled,
-run, and its output compared with the heuristic config's: every option changes only the schedule,
-so the outputs must be bit-identical, and a candidate that differs is reported and not timed.
-Kernel time (the fused kernel alone, profiler trace, median over ``--iters`` rounds, both inputs)
-is taken in two traces, the candidates interleaved round by round, the second in reverse order; a gain counts only when
-both traces show it. ``--steady`` times each candidate instead as a steady stream of calls (input
-and fused kernel, `_timing.time_op`: 8 dispatches over the inputs, median of ``--iters`` rounds),
-in two passes, the second in reverse order: the GPU then runs at its power limit, as it does
-under a serving loop, where an option that moves less data can win although a short trace shows
-it slower (the clusters at BLOCK_M 128). ``--trace`` instead builds the rule's config with the
-template's event trace and prints where the kernel's time goes (`trace_phases`: the start before the
-first tile, each GEMM phase's span and bandwidth, the combine and its slowest CTA).
+multicast, the L2-lag schedule, early combine, batched or eager pull publish, more dispatch warps,
+the L2 staging passes, programmatic dependent launch, one stage fewer; ``--all`` adds every pair
+of options; ``--grids`` the rule's config on fewer CTAs than the GPU has SMs; ``--only`` keeps the
+named ones) is compiled, run, and its output compared with the heuristic config's: every option
+changes only the schedule, so the outputs must be bit-identical, and a candidate that differs is
+reported and not timed. Kernel time (the fused kernel alone, profiler trace, median over
+``--iters`` rounds, both inputs) is taken in two traces, the candidates interleaved round by
+round, the second in reverse order; a gain counts only when both traces show it. ``--steady``
+times each candidate instead as a steady stream of calls (input and fused kernel,
+`_timing.time_op`: 8 dispatches over the inputs, median of ``--iters`` rounds), in two passes, the
+second in reverse order: the GPU then runs at its power limit, as it does under a serving loop,
+where an option that moves less data can win although a short trace shows it slower (the clusters
+at BLOCK_M 128); at prefill sizes the GPU also heats over a pass, so a config timed later in a pass
+reads slower, which the reversed second pass cancels. ``--trace`` instead builds the rule's config with the
+template's event trace and prints where the kernel's time goes (`trace_phases`: the start before
+the first tile, each GEMM phase's span and bandwidth, the combine and its slowest CTA).
 
 Needs an SM90 GPU (exits with status 2 elsewhere). Table on stdout, progress on stderr;
 ``--json PATH`` writes the rows.
