@@ -273,7 +273,8 @@ def test_kernels_compile_for_sm90_and_sm100(arch):
 
 def test_fused_input_kernel_compiles_for_sm90():
     """The fused MoE kernel's input stage (SM90 only, as the kernel it feeds) at the layer's prefill
-    and decode tilings: vector loads, e4m3 conversions, 64-bit id stores, no spills."""
+    and decode tilings: vector loads, e4m3 conversions, 64-bit id stores, the early trigger for a
+    programmatically launched fused kernel, no spills."""
     pytest.importorskip("triton")
     from custom_calls.triton.fused_input_kernel import AMAX_FLOOR, fused_input_kernel, heuristic_config
     from layouts import FusedMoEBuffer
@@ -295,9 +296,12 @@ def test_fused_input_kernel_compiles_for_sm90():
                           TOKENS_OFF=r["input_tokens"][0], SCALES_OFF=r["input_scales"][0],
                           IDS_OFF=r["input_topk_ids"][0], WEIGHTS_OFF=r["input_topk_weights"][0],
                           BLOCK_M=cfg.block_m, GROUPS=cfg.tile // 128, ROW_BLOCKS=-(-m // cfg.block_m),
-                          CHUNKS_FASTEST=cfg.chunks_fastest, ZERO_BLOCK=cfg.zero_block, **route), 90, cfg.num_warps)
+                          CHUNKS_FASTEST=cfg.chunks_fastest, ZERO_BLOCK=cfg.zero_block, TRIGGER=True, **route),
+                     90, cfg.num_warps)
         ptx = c.asm["ptx"]
         assert _vector_loads(ptx) > 0 and "e4m3x2" in ptx and re.search(r"st\.global(?:\.\w+)*\.b64", ptx), m
+        # the fused kernel's programmatic launch may start once every program has begun
+        assert "griddepcontrol.launch_dependents" in ptx
         _lean(c)
 
 

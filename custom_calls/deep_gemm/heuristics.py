@@ -583,7 +583,8 @@ class Sm90FusedMoEConfig:
     l2_cd_passes: int = 0  # kL2CDPasses: 0 the kernel's choice (2 with kHalfL2CD, else 1), or 1, 2, 4
     l2_stage_mode: int = 0  # kL2StageMode: 0 column passes, 2 / 4 row passes (shared stores / stmatrix)
     # kPDL: launched with programmatic dependent launch, so the CTA-local prologue (barrier init,
-    # shared-memory setup) overlaps the end of the input kernel before griddepcontrol.wait
+    # shared-memory setup) overlaps the input kernel (which signals its dependents as it starts)
+    # before griddepcontrol.wait
     pdl: bool = False
     # kTrace: a diagnostic build that records the kernel's events (`fused_moe.fused_moe_traced`);
     # never chosen by the rule

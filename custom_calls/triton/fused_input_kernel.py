@@ -36,6 +36,7 @@ import triton.language as tl
 
 from layouts import FusedMoEBuffer, ceil_div
 from custom_calls.fused_moe import AMAX_FLOOR
+from custom_calls.triton.interpret import interpreting
 from custom_calls.triton.launch import triton_call
 from custom_calls.triton.routing_kernel import load_logits, route_columns, route_rows
 from custom_calls.triton.support import SCORINGS
@@ -80,12 +81,17 @@ def fused_input_kernel(
     ZERO_BLOCK: tl.constexpr,
     ROUTE: tl.constexpr, SPLITS: tl.constexpr, E_ROUTE: tl.constexpr, SCORING: tl.constexpr,
     HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr, GS_PAD: tl.constexpr,
-    TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     """Grid (ROW_BLOCKS * cdiv(H / 128, GROUPS) + cdiv(WORKSPACE_WORDS, ZERO_BLOCK),).
     ROUTE: ids_ptr holds the router logits as SPLITS partial sums (SPLITS, M, E_ROUTE) f32, routed
     here (`routing_kernel.route_rows`); the ids minus offset_ptr[0] are the local experts, and
-    w_ptr is unused. Otherwise ids_ptr / w_ptr hold the routes and bias_ptr / offset_ptr are unused."""
+    w_ptr is unused. Otherwise ids_ptr / w_ptr hold the routes and bias_ptr / offset_ptr are unused.
+    TRIGGER: let a kernel launched after this one with programmatic dependent launch (the fused
+    kernel's `pdl` option) start now; it still waits for this grid's completion before it reads
+    (griddepcontrol.wait), so only its prologue and launch overlap this kernel."""
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     G: tl.constexpr = H // 128
     CHUNKS: tl.constexpr = (G + GROUPS - 1) // GROUPS
     pid = tl.program_id(0)
@@ -153,7 +159,7 @@ def _launch(x, a, b, bias, offset, *, buffer: FusedMoEBuffer, routed_scaling_fac
         SCALES_OFF=regions["input_scales"][0], IDS_OFF=regions["input_topk_ids"][0],
         WEIGHTS_OFF=regions["input_topk_weights"][0],
         BLOCK_M=config.block_m, GROUPS=groups, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=config.chunks_fastest,
-        ZERO_BLOCK=config.zero_block, **route)
+        ZERO_BLOCK=config.zero_block, TRIGGER=not interpreting(), **route)
     return buf
 
 
