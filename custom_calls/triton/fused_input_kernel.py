@@ -38,8 +38,8 @@ from layouts import FusedMoEBuffer, ceil_div
 from custom_calls.fused_moe import AMAX_FLOOR
 from custom_calls.triton.interpret import interpreting
 from custom_calls.triton.launch import triton_call
-from custom_calls.triton.routing_kernel import load_logits, route_columns, route_rows
-from custom_calls.triton.support import SCORINGS
+from custom_calls.triton.routing_kernel import (bias_operand, epilogue_constexprs, load_logits, route_columns,
+                                                 route_rows)
 from custom_calls.triton.tile_quant import quantize_tile, tile_ids
 from custom_calls.triton.tuning import BlockTiling, check_powers_of_two, config_or_default, tile_groups
 
@@ -191,11 +191,9 @@ def fused_input_routed(x: jax.Array, partials: jax.Array, bias: jax.Array | None
     here (the buffer's E experts) -> (buffer.total_bytes,) uint8. Checked by the caller
     (`custom_calls.fused_moe.fused_moe_routed`). config: the tiling (None: `heuristic_config(M, routed=True)`)."""
     splits, _, e_route = partials.shape
-    ng = n_group if n_group > 1 else 1
-    route = dict(ROUTE=True, SPLITS=splits, E_ROUTE=e_route, SCORING=SCORINGS[scoring], HAS_BIAS=bias is not None,
-                 N_GROUP=ng, NG_PAD=triton.next_power_of_2(ng), GS_PAD=triton.next_power_of_2(e_route // ng),
-                 TOPK_GROUP=topk_group if ng > 1 else 1, RENORM=bool(norm_topk_prob))
-    bias_arr = (bias if bias is not None else jnp.zeros((1,), jnp.float32)).astype(jnp.float32)
+    route = dict(ROUTE=True, SPLITS=splits, E_ROUTE=e_route,
+                 **epilogue_constexprs(e_route, scoring=scoring, n_group=n_group, topk_group=topk_group,
+                                       has_bias=bias is not None, norm_topk_prob=norm_topk_prob))
     offset = jnp.reshape(jnp.asarray(expert_offset, jnp.int32), (1,))
-    return _launch(x, partials, jnp.zeros((1,), jnp.float32), bias_arr, offset, buffer=buffer,
+    return _launch(x, partials, jnp.zeros((1,), jnp.float32), bias_operand(bias), offset, buffer=buffer,
                    routed_scaling_factor=routed_scaling_factor, top_k=top_k, config=config, route=route)

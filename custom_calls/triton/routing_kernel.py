@@ -206,15 +206,27 @@ def route_topk(logits: jax.Array, bias: jax.Array | None, *, top_k: int, scoring
         raise ValueError(f"bias: expected shape ({e},), got {tuple(bias.shape)}")
     if m == 0:
         return jnp.zeros((0, top_k), jnp.int32), jnp.zeros((0, top_k), jnp.float32)
-    ng = n_group if n_group > 1 else 1
     block_t = config.block_t
-    bias_arr = (bias if bias is not None else jnp.zeros((1,), jnp.float32)).astype(jnp.float32)
     ids, w = triton_call(
-        logits.astype(jnp.float32), bias_arr, kernel=route_topk_kernel,
+        logits.astype(jnp.float32), bias_operand(bias), kernel=route_topk_kernel,
         out_shape=[jax.ShapeDtypeStruct((m, top_k), jnp.int32), jax.ShapeDtypeStruct((m, top_k), jnp.float32)],
         grid=(ceil_div(m, block_t),), num_warps=config.num_warps, name="moe_route_topk",
-        M=m, E=e, TOPK=top_k, K_PAD=triton.next_power_of_2(top_k), SCORING=SCORINGS[scoring],
-        HAS_BIAS=bias is not None, N_GROUP=ng, NG_PAD=triton.next_power_of_2(ng),
-        GS_PAD=triton.next_power_of_2(e // ng), TOPK_GROUP=topk_group if ng > 1 else 1,
-        RENORM=bool(norm_topk_prob), BLOCK_T=block_t)
+        M=m, E=e, TOPK=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_T=block_t,
+        **epilogue_constexprs(e, scoring=scoring, n_group=n_group, topk_group=topk_group,
+                              has_bias=bias is not None, norm_topk_prob=norm_topk_prob))
     return ids, w
+
+
+def epilogue_constexprs(num_experts: int, *, scoring: str, n_group: int, topk_group: int, has_bias: bool,
+                        norm_topk_prob: bool) -> dict:
+    """`route_rows`' compile-time values (SCORING, HAS_BIAS, N_GROUP, NG_PAD, GS_PAD, TOPK_GROUP,
+    RENORM) for logits over num_experts experts; n_group <= 1 routes without groups."""
+    ng = n_group if n_group > 1 else 1
+    return dict(SCORING=SCORINGS[scoring], HAS_BIAS=bool(has_bias), N_GROUP=ng, NG_PAD=triton.next_power_of_2(ng),
+                GS_PAD=triton.next_power_of_2(num_experts // ng), TOPK_GROUP=topk_group if ng > 1 else 1,
+                RENORM=bool(norm_topk_prob))
+
+
+def bias_operand(bias: jax.Array | None) -> jax.Array:
+    """The correction bias as `route_rows` reads it: (E,) f32, or an unread (1,) f32 without one."""
+    return (bias if bias is not None else jnp.zeros((1,), jnp.float32)).astype(jnp.float32)
