@@ -68,6 +68,28 @@ def layer_setup():
     return cfg, params, (fparams.w13, fparams.w13_scale, fparams.w2, fparams.w2_scale)
 
 
+def _routed_inputs(setup, tokens: int, count: int) -> list[tuple]:
+    """``count`` operand tuples (x, topk_ids, topk_weights, *weights) of ``tokens`` random tokens
+    (seeds 10, 11, ...) routed by the layer's own grouped top-k; setup: `layer_setup()`."""
+    import jax
+    import jax.numpy as jnp
+
+    from moe_jax.routing import route
+
+    cfg, params, weights = setup
+    xs = [jax.random.normal(jax.random.PRNGKey(10 + r), (tokens, cfg.hidden_size), jnp.bfloat16) for r in range(count)]
+    return [(x, *route(x, params, cfg), *weights) for x in xs]
+
+
+def _rule_config(cfg, tokens: int, num_sms: int | None = None):
+    """The kernel rule's config for ``tokens`` tokens of the benchmark layer ``cfg`` (num_sms: the
+    grid, None for the GPU's SM count)."""
+    from custom_calls.deep_gemm import fused_moe as F
+
+    return F.fused_config(num_tokens=tokens, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
+                          num_experts=cfg.num_experts, top_k=cfg.top_k, activation_clamp=None, num_sms=num_sms)
+
+
 def sweep(tokens: int, setup, *, full: bool, iters: int, log, grids: tuple[int, ...] = (),
           steady: bool = False, only: tuple[str, ...] = ()) -> dict:
     """One token count: {tokens, routes_per_expert, heuristic, rows, rejected}; setup: `layer_setup()`;
@@ -80,14 +102,11 @@ def sweep(tokens: int, setup, *, full: bool, iters: int, log, grids: tuple[int, 
     from custom_calls.deep_gemm import fused_moe as F
     from custom_calls.deep_gemm.codegen import sm90_fused_moe_source
     from custom_calls.deep_gemm.heuristics import sm90_fused_moe_candidates
-    from moe_jax.routing import route
 
-    cfg, params, weights = setup
-    xs = [jax.random.normal(jax.random.PRNGKey(10 + r), (tokens, cfg.hidden_size), jnp.bfloat16) for r in range(2)]
-    args = [(x, *route(x, params, cfg), *weights) for x in xs]
+    cfg = setup[0]
+    args = _routed_inputs(setup, tokens, 2)
     counts = np.bincount(np.asarray(args[0][1]).ravel(), minlength=cfg.num_experts)
-    base = F.fused_config(num_tokens=tokens, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
-                          num_experts=cfg.num_experts, top_k=cfg.top_k, activation_clamp=None)
+    base = _rule_config(cfg, tokens)
     cands = sm90_fused_moe_candidates(base, full=full)
     if only:
         missing = set(only) - {F.config_label(c) for c in cands}
@@ -96,8 +115,7 @@ def sweep(tokens: int, setup, *, full: bool, iters: int, log, grids: tuple[int, 
         cands = [c for i, c in enumerate(cands) if i == 0 or F.config_label(c) in only]
     labels = [F.config_label(c) for c in cands]
     for g in grids:  # the rule's choice for a grid of g CTAs (the kernel's kNumSMs)
-        c = F.fused_config(num_tokens=tokens, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
-                           num_experts=cfg.num_experts, top_k=cfg.top_k, activation_clamp=None, num_sms=g)
+        c = _rule_config(cfg, tokens, num_sms=g)
         if c not in cands:
             cands.append(c)
             labels.append(f"{F.config_label(c)} grid {g}")
@@ -262,13 +280,10 @@ def trace_run(tokens: int, setup, *, log) -> dict:
 
     from custom_calls.deep_gemm import autotune
     from custom_calls.deep_gemm import fused_moe as F
-    from moe_jax.routing import route
 
-    cfg, params, weights = setup
-    x = jax.random.normal(jax.random.PRNGKey(10), (tokens, cfg.hidden_size), jnp.bfloat16)
-    args = (x, *route(x, params, cfg), *weights)
-    base = F.fused_config(num_tokens=tokens, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
-                          num_experts=cfg.num_experts, top_k=cfg.top_k, activation_clamp=None)
+    cfg, weights = setup[0], setup[2]
+    (args,) = _routed_inputs(setup, tokens, 1)
+    base = _rule_config(cfg, tokens)
     traced = dc.replace(base, trace=True)
     log(f"# {tokens} tokens: traced {F.config_label(traced)}")
     plain = jax.jit(functools.partial(F.fused_moe_with_config, base, routed_scaling_factor=cfg.routed_scaling_factor))
