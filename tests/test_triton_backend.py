@@ -151,7 +151,7 @@ def _writable_triton_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "triton_cache"))
 
 
-def _compile(kernel, pointers: dict, constexprs: dict, arch: int, num_warps: int = 4):
+def _compile(kernel, pointers: dict, constexprs: dict, arch: int, num_warps: int = 4, num_stages: int = 1):
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
@@ -160,7 +160,8 @@ def _compile(kernel, pointers: dict, constexprs: dict, arch: int, num_warps: int
     # jax_triton assumes 16-byte aligned buffers; say the same so the loads vectorize as on the GPU
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=1))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def _resources(compiled) -> dict:
@@ -307,15 +308,21 @@ def test_fused_input_kernel_compiles_for_sm90():
 
 def test_router_kernel_compiles_for_sm90_on_tensor_cores():
     """The router GEMM's partials at the decode and prefill tilings: bf16 wgmma/mma (not the fp32
-    copies the interpreter runs), no spills."""
+    copies the interpreter runs), loads pipelined through asynchronous copies, no spills."""
     pytest.importorskip("triton")
     from custom_calls.triton.router_kernel import heuristic_config, router_partials_kernel
 
-    for m, e in ((128, 32), (4096, 32), (128, 256)):
+    for m, e in ((128, 32), (512, 32), (4096, 32), (16384, 32), (128, 256), (4096, 256)):
         cfg = heuristic_config(m, 7168, e)
         c = _compile(router_partials_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32"},
                      dict(M=m, H=7168, E=e, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_E=cfg.block_e,
-                          BLOCK_K=cfg.block_k, FP32_DOT=False), 90, cfg.num_warps)
+                          BLOCK_K=cfg.block_k, FP32_DOT=False), 90, cfg.num_warps, cfg.num_stages)
         ptx = c.asm["ptx"]
         assert re.search(r"(wgmma\.mma_async|mma\.sync)\S*\.bf16", ptx), (m, e)
-        _lean(c)
+        assert "cp.async" in ptx, (m, e)  # the pipelined loads
+        assert c.metadata.shared <= 227 * 1024, (m, e, c.metadata.shared)  # an SM90 block's limit
+        if cfg.block_m == 128:  # prefill: a tensor-core tile, not a memory-bound stream
+            res = _resources(c)
+            assert res["stack"] == 0 and res["reg"] <= 128, (m, e, res)
+        else:
+            _lean(c)

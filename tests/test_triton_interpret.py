@@ -946,17 +946,19 @@ LAUNCHES: list[dict] = []  # every launch of the host entry points: kernel name,
 
 
 def _record_launches():
-    """Note every launch of the kernel modules' host entry points (kernel, num_warps, constexprs),
+    """Note every launch of the kernel modules' host entry points (kernel, num_warps, num_stages,
+    constexprs),
     then make it through `launch.triton_call`, which runs the kernel in Triton's interpreter here
     (`custom_calls.triton.interpret`)."""
     import importlib
 
     from custom_calls.triton import launch
 
-    def recording(*args, kernel, out_shape, grid, num_warps=4, name="", zeroed_outputs=(), **constexprs):
-        LAUNCHES.append(dict(kernel=kernel.fn.__name__, num_warps=num_warps, **constexprs))
+    def recording(*args, kernel, out_shape, grid, num_warps=4, num_stages=1, name="", zeroed_outputs=(),
+                  **constexprs):
+        LAUNCHES.append(dict(kernel=kernel.fn.__name__, num_warps=num_warps, num_stages=num_stages, **constexprs))
         return launch.triton_call(*args, kernel=kernel, out_shape=out_shape, grid=grid, num_warps=num_warps,
-                                  name=name, zeroed_outputs=zeroed_outputs, **constexprs)
+                                  num_stages=num_stages, name=name, zeroed_outputs=zeroed_outputs, **constexprs)
 
     for name in ("permute", "activation", "quant", "unpermute", "dispatch", "dispatch_map", "routing", "fused_input",
                  "router"):
@@ -1315,19 +1317,28 @@ def case_router_partials():
     m, h, e = 37, 1000, 20
     x = rng.standard_normal((m, h)).astype(ml.bfloat16)
     gate = (rng.standard_normal((e, h)) * 0.05).astype(ml.bfloat16)
-    cfg = rk.RouterConfig(block_m=16, block_e=32, block_k=64, split_k=256, num_warps=4)
+    cfg = rk.RouterConfig(block_m=16, block_e=32, block_k=64, split_k=256, num_warps=4, num_stages=2)
     got = np.asarray(rk.router_partials(jnp.asarray(x), jnp.asarray(gate), config=cfg))
-    _launched_with("router_partials_kernel", num_warps=4, BLOCK_M=16, BLOCK_E=32, BLOCK_K=64, SPLIT_K=256)
+    _launched_with("router_partials_kernel", num_warps=4, num_stages=2, BLOCK_M=16, BLOCK_E=32, BLOCK_K=64,
+                   SPLIT_K=256)
     x64, g64 = x.astype(np.float64), gate.astype(np.float64)
     model = np.stack([x64[:, c:c + 256] @ g64[:, c:c + 256].T for c in range(0, h, 256)])
     assert got.shape == model.shape == (4, m, e) and got.dtype == np.float32 and np.isfinite(got).all()
     np.testing.assert_allclose(got, model, rtol=1e-5, atol=1e-5)
     ref = np.asarray(router_partials_reference(jnp.asarray(x), jnp.asarray(gate), split_k=256))
     np.testing.assert_allclose(ref, model, rtol=1e-5, atol=1e-5)
-    # the heuristic: decode rows fill the GPU with splits, prefill rows with row blocks
-    assert rk.heuristic_config(128, 7168, 32) == rk.RouterConfig(16, 32, 128, 256, 4)
-    assert rk.heuristic_config(4096, 7168, 32) == rk.RouterConfig(64, 32, 128, 1536, 4)
-    assert rk.heuristic_config(8, 7168, 256) == rk.RouterConfig(16, 128, 128, 256, 4)
+    # the heuristic: decode rows fill the GPU with splits (each at least 2 steps deep), prefill rows
+    # with row blocks; loads pipelined 3 deep
+    assert rk.heuristic_config(32, 7168, 32) == rk.RouterConfig(16, 32, 128, 256, 4, 3)
+    assert rk.heuristic_config(128, 7168, 32) == rk.RouterConfig(16, 32, 128, 512, 4, 3)
+    assert rk.heuristic_config(512, 7168, 32) == rk.RouterConfig(64, 32, 128, 512, 4, 3)
+    assert rk.heuristic_config(4096, 7168, 32) == rk.RouterConfig(128, 32, 128, 1792, 8, 3)
+    assert rk.heuristic_config(16384, 7168, 32) == rk.RouterConfig(128, 32, 128, 7168, 8, 3)
+    assert rk.heuristic_config(8, 7168, 256) == rk.RouterConfig(16, 128, 128, 256, 4, 3)
+    assert rk.heuristic_config(4096, 7168, 256) == rk.RouterConfig(128, 128, 128, 3584, 8, 3)
+    assert rk.heuristic_config(3, 256, 20).split_k == 256  # one split of two steps: H 256
+    with pytest.raises(ValueError, match="num_stages"):
+        rk.RouterConfig(16, 32, 128, 256, 4, 5)
 
 
 def case_host_fused_input_routed():

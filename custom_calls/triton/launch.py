@@ -21,11 +21,13 @@ def missing_dependencies() -> list[str]:
 
 
 def triton_call(*args: jax.Array, kernel: Any, out_shape: Sequence[jax.ShapeDtypeStruct],
-                grid: tuple[int, ...], num_warps: int = 4, name: str = "",
+                grid: tuple[int, ...], num_warps: int = 4, num_stages: int = 1, name: str = "",
                 zeroed_outputs: Sequence[int] = (), **constexprs: Any) -> list[jax.Array]:
     """Launch `kernel` on `grid` with array inputs `args` then outputs `out_shape` as pointers,
     followed by `constexprs` (all compile-time constants). The outputs listed in `zeroed_outputs`
-    (indices into `out_shape`) are zero-filled before the launch. Returns the outputs as a list."""
+    (indices into `out_shape`) are zero-filled before the launch. num_stages: Triton's software
+    pipelining depth of the kernel's loops (1: none; the interpreter ignores it). Returns the outputs
+    as a list."""
     if any(g == 0 for g in grid):
         raise ValueError(f"grid: expected every dimension > 0, got {grid}")
     from custom_calls.triton.interpret import interpreting, triton_call_interpreted
@@ -39,6 +41,6 @@ def triton_call(*args: jax.Array, kernel: Any, out_shape: Sequence[jax.ShapeDtyp
         raise ValueError(f"backend 'triton': jax_triton cannot be imported here ({exc}); it needs a "
                          f"CUDA build of jax and `pip install jax-triton==0.3.1`") from exc
     outs = jax_triton.triton_call(*args, kernel=kernel, out_shape=list(out_shape), grid=grid,
-                                  num_warps=num_warps, num_stages=1, name=name,
+                                  num_warps=num_warps, num_stages=num_stages, name=name,
                                   zeroed_outputs=tuple(zeroed_outputs), **constexprs)
     return list(outs)
