@@ -285,7 +285,8 @@ def test_fused_input_kernel_compiles_for_sm90():
     # with the routing epilogue: DeepSeek-V3's grouped sigmoid top-k over 256 experts, 28 partials
     v3 = dict(ROUTE=True, SPLITS=28, E_ROUTE=256, SCORING=1, HAS_BIAS=True, N_GROUP=8, NG_PAD=8, GS_PAD=32,
               TOPK_GROUP=4, RENORM=True)
-    for m, route in ((128, _NO_ROUTE), (4096, _NO_ROUTE), (128, v3), (4096, dict(v3, SPLITS=5))):
+    for m, route, own in ((128, _NO_ROUTE, False), (4096, _NO_ROUTE, False), (128, v3, False), (128, v3, True),
+                          (4096, dict(v3, SPLITS=5), False)):
         buf = FusedMoEBuffer(max_tokens=m, hidden=7168, intermediate=2048, num_experts=32, top_k=8,
                              block_m=64 if m == 128 else 128)
         r, cfg = buf.regions, heuristic_config(m)
@@ -297,7 +298,8 @@ def test_fused_input_kernel_compiles_for_sm90():
                           TOKENS_OFF=r["input_tokens"][0], SCALES_OFF=r["input_scales"][0],
                           IDS_OFF=r["input_topk_ids"][0], WEIGHTS_OFF=r["input_topk_weights"][0],
                           BLOCK_M=cfg.block_m, GROUPS=cfg.tile // 128, ROW_BLOCKS=-(-m // cfg.block_m),
-                          CHUNKS_FASTEST=cfg.chunks_fastest, ZERO_BLOCK=cfg.zero_block, TRIGGER=True, **route),
+                          CHUNKS_FASTEST=cfg.chunks_fastest, ZERO_BLOCK=cfg.zero_block, ROUTE_PROGRAMS=own,
+                          TRIGGER=True, **route),
                      90, cfg.num_warps)
         ptx = c.asm["ptx"]
         assert _vector_loads(ptx) > 0 and "e4m3x2" in ptx and re.search(r"st\.global(?:\.\w+)*\.b64", ptx), m

@@ -92,12 +92,18 @@ def test_heuristic_configs_are_the_measured_defaults():
     # decode: one token per single-warp program; in between, fewer tokens per program than at prefill
     assert k["routing"].heuristic_config(256, 128, 8) == k["routing"].RouteTopkConfig(1, 1)
     assert k["routing"].heuristic_config(256, 1024, 8) == k["routing"].RouteTopkConfig(4, 4)
-    # the fused kernel's input stage: one row per program at decode, four at prefill (23.6 µs at 4096)
-    assert k["fused_input"].heuristic_config(128) == k["fused_input"].FusedInputConfig(1024, 1, 4, True, 2048)
-    assert k["fused_input"].heuristic_config(4096) == k["fused_input"].FusedInputConfig(1024, 4, 4, True, 2048)
+    # the fused kernel's input stage: one row per program at decode, four at prefill (23.6 µs at 4096);
+    # the routes in programs of their own up to 256 row blocks
+    fi = k["fused_input"]
+    assert fi.heuristic_config(128) == fi.FusedInputConfig(1024, 1, 4, True, 2048, True)
+    assert fi.heuristic_config(512) == fi.FusedInputConfig(1024, 1, 4, True, 2048, False)
+    assert fi.heuristic_config(1024) == fi.FusedInputConfig(1024, 4, 4, True, 2048, True)
+    assert fi.heuristic_config(4096) == fi.FusedInputConfig(1024, 4, 4, True, 2048, False)
     # with the routing epilogue: one warp per decode row (its reductions stay in the warp)
-    assert k["fused_input"].heuristic_config(128, routed=True) == k["fused_input"].FusedInputConfig(1024, 1, 1, True, 2048)
-    assert k["fused_input"].heuristic_config(4096, routed=True) == k["fused_input"].FusedInputConfig(1024, 4, 4, True, 2048)
+    assert fi.heuristic_config(128, routed=True) == fi.FusedInputConfig(1024, 1, 1, True, 2048, True)
+    assert fi.heuristic_config(4096, routed=True) == fi.FusedInputConfig(1024, 4, 4, True, 2048, False)
+    with pytest.raises(ValueError, match="route_programs"):
+        fi.FusedInputConfig(1024, 1, 4, True, 2048, 1)
     cfg = k["permute"].heuristic_config("mxfp8")
     assert hash(cfg) == hash(dataclasses.replace(cfg)) and cfg == dataclasses.replace(cfg)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -1276,13 +1282,16 @@ def case_host_fused_input_configs():
     ref = np.asarray(fused_input_reference(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(weights), buffer=buffer,
                                            routed_scaling_factor=rsf))
     outs = []
-    for cfg in (None, fk.FusedInputConfig(tile=512, block_m=4, num_warps=2, chunks_fastest=False, zero_block=256)):
+    for cfg in (None, fk.FusedInputConfig(tile=512, block_m=4, num_warps=2, chunks_fastest=False, zero_block=256,
+                                          route_programs=False)):
         buf = np.asarray(fk.fused_input(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(weights), buffer=buffer,
                                         routed_scaling_factor=rsf, config=cfg))
         if cfg is None:
-            _launched_with("fused_input_kernel", num_warps=4, BLOCK_M=1, GROUPS=8, ZERO_BLOCK=2048)
+            _launched_with("fused_input_kernel", num_warps=4, BLOCK_M=1, GROUPS=8, ZERO_BLOCK=2048,
+                           ROUTE_PROGRAMS=True)
         else:
-            _launched_with("fused_input_kernel", num_warps=2, BLOCK_M=4, GROUPS=4, ZERO_BLOCK=256)
+            _launched_with("fused_input_kernel", num_warps=2, BLOCK_M=4, GROUPS=4, ZERO_BLOCK=256,
+                           ROUTE_PROGRAMS=False)
         assert buf.shape == (buffer.total_bytes,) and buf.dtype == np.uint8
         touched = np.zeros(buf.shape, bool)
         off, n = regions["workspace"]
@@ -1363,7 +1372,7 @@ def case_host_fused_input_routed():
     for scoring, ng, tg, with_bias, cfg in (
             ("sigmoid", 4, 2, True, None),
             ("softmax", 1, 1, False, fk.FusedInputConfig(tile=512, block_m=4, num_warps=2, chunks_fastest=False,
-                                                         zero_block=256))):
+                                                         zero_block=256, route_programs=False))):
         partials = (rng.standard_normal((3, m, e_route)) * 1.5).astype(np.float32)
         bias = (rng.standard_normal(e_route) * 0.3).astype(np.float32) if with_bias else None
         logits = (partials[0] + partials[1]) + partials[2]
@@ -1376,7 +1385,7 @@ def case_host_fused_input_routed():
         args = (jnp.asarray(x), jnp.asarray(partials), None if bias is None else jnp.asarray(bias), jnp.int32(offset))
         buf = np.asarray(fk.fused_input_routed(*args, config=cfg, **kw))
         _launched_with("fused_input_kernel", ROUTE=True, SPLITS=3, E_ROUTE=e_route, HAS_BIAS=with_bias,
-                       num_warps=1 if cfg is None else 2)
+                       num_warps=1 if cfg is None else 2, ROUTE_PROGRAMS=cfg is None)
         ref = np.asarray(fused_input_routed_reference(*args, **kw))
         touched = np.zeros(buf.shape, bool)
         off, n = regions["workspace"]
