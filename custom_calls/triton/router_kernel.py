@@ -68,8 +68,9 @@ def heuristic_config(num_tokens: int, hidden: int, num_experts: int) -> RouterCo
     pipelined 3 deep; splits of whole steps, as many as it takes for `TARGET_PROGRAMS` programs (a
     split at least `MIN_SPLIT_STEPS` deep, at most `MAX_SPLITS`). On one H200 (H 7168), against
     the earlier 16 / 64-row blocks, ~264 programs and unpipelined loads, router partials + the
-    routed input kernel that reads them, kernel time: 32 experts 5.5 -> 5.1 µs at 32 tokens, 6.7 ->
-    5.9 at 128, 12.9 -> 8.1 at 512, 43.4 -> 41.8 at 4096; 256 experts 85.0 -> 62.7 at 4096."""
+    routed input kernel that reads them, kernel time: 32 experts 5.3 -> 5.0 µs at 32 tokens, 6.4 ->
+    6.0 at 128, 13.0 -> 8.2 at 512, 22.4 -> 12.1 at 1024, 45.1 -> 41.1 at 4096, 147.8 -> 146.2 at
+    16384; 256 experts 12.8 -> 11.7 at 128, 34.0 -> 14.6 at 512, 89.0 -> 62.8 at 4096."""
     block_m = 16 if num_tokens <= 256 else 64 if num_tokens <= 1024 else 128
     block_e = min(max(MIN_BLOCK_E, triton.next_power_of_2(num_experts)), 128)
     block_k = 128
