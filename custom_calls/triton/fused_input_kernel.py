@@ -20,9 +20,9 @@ the rest zero `zero_block` words of the workspace each.
 `fused_input_routed` also routes, in the same launch: from the router GEMM's split-K partial sums
 (`router_kernel.router_partials`) the programs that write the routes compute their rows' logits,
 scores and (grouped) top-k (`routing_kernel.route_rows`, the routing epilogue's own code) and
-write the routes of the experts held here; so the fused layer's routed branch is three launches (router GEMM, this
-kernel, the fused kernel) where the router GEMM, its split-K reduction, the routing epilogue and
-this kernel were four. Model: `custom_calls.fused_moe.fused_input_routed_reference`.
+write the routes of the experts held here; so the fused layer's routed branch is three launches
+(router GEMM, this kernel, the fused kernel) where the router GEMM, its split-K reduction, the
+routing epilogue and this kernel were four. Model: `custom_calls.fused_moe.fused_input_routed_reference`.
 """
 
 from __future__ import annotations
