@@ -953,9 +953,8 @@ LAUNCHES: list[dict] = []  # every launch of the host entry points: kernel name,
 
 def _record_launches():
     """Note every launch of the kernel modules' host entry points (kernel, num_warps, num_stages,
-    constexprs),
-    then make it through `launch.triton_call`, which runs the kernel in Triton's interpreter here
-    (`custom_calls.triton.interpret`)."""
+    constexprs), then make it through `launch.triton_call`, which runs the kernel in Triton's
+    interpreter here (`custom_calls.triton.interpret`)."""
     import importlib
 
     from custom_calls.triton import launch
