@@ -220,7 +220,9 @@ def test_ffi_attribute_encoding():
     c = H.sm100_mgrouped_config("mxfp4", "contig", 512, 1024, 2, 148)
     attrs = LP.sm100_plan(c, "/x.cubin", m=256, n=512, k=1024).ffi_attributes()
     assert attrs["cubin"] == "/x.cubin"
-    assert attrs["launch"].tolist() == [148, 256, 2, c.smem_bytes, 0, 0]
+    # grid x, block, cluster, smem, cooperative, programmatic, grid y, grid z
+    assert attrs["launch"].tolist() == [148, 256, 2, c.smem_bytes, 0, 0, 1, 1]
+    assert attrs["counts"].tolist() == [10, 5]  # arguments, tensor maps
     args = attrs["args"].reshape(-1, 3)
     assert args.shape[0] == 10 and args[4].tolist() == [LP.ARG_BYTES, 0, 48]
     assert attrs["blob"].tobytes()[:48] == LP.SM100_EPILOGUE_ARGS
@@ -231,6 +233,37 @@ def test_ffi_attribute_encoding():
     assert row[4:6].tolist() == [1024, 2 * 512] and row[9] == 512 and row[13:15].tolist() == [128, 128]
     assert row[18] == 3  # CU_TENSOR_MAP_SWIZZLE_128B
     assert all(a.dtype == np.int64 for k, a in attrs.items() if k != "cubin")
+
+
+def test_launch_sequence_encoding_and_remap():
+    """Several plans in one call: per-kernel launch words and counts in order, arguments and maps
+    concatenated (a map argument indexes its own plan's maps), by-value arguments at their offset in
+    one blob, and each plan's operands placed by `remap`."""
+    c = H.sm100_mgrouped_config("mxfp4", "contig", 512, 1024, 2, 148)
+    first = LP.sm100_plan(c, "/a.cubin", m=256, n=512, k=1024)
+    second = LP.LaunchPlan("k2", "/b.cubin", 7, 64, 1, 0,
+                           (LP.KernelArg(LP.ARG_PTR, 1, offset=32), LP.KernelArg(LP.ARG_BYTES, data=b"abc"),
+                            LP.KernelArg(LP.ARG_TMAP, 0), LP.NULL),
+                           (LP.TensorMap(0, LP.TMA_UINT8, (128, 8), (128,), (128, 8), 0),),
+                           programmatic=True, grid_yz=(3, 2)).remap((6, 4))
+    assert [a.value for a in second.args[:1]] == [4] and second.tmaps[0].operand == 6
+    attrs = LP.sequence_attributes((first, second))
+    assert attrs["cubin"].split("\n") == ["/a.cubin", "/b.cubin"]
+    assert attrs["launch"].reshape(2, 8)[1].tolist() == [7, 64, 1, 0, 0, 1, 3, 2]
+    assert attrs["counts"].tolist() == [10, 5, 4, 1]
+    args = attrs["args"].reshape(-1, 3)
+    assert args.shape[0] == 14
+    assert args[10].tolist() == [LP.ARG_PTR, 4, 32]
+    assert args[11].tolist() == [LP.ARG_BYTES, 48, 3]  # after the first plan's 48-byte struct
+    assert args[12].tolist() == [LP.ARG_TMAP, 0, 0]
+    assert attrs["blob"].tobytes()[48:51] == b"abc"
+    assert attrs["tmaps"].reshape(-1, LP.TMAP_WORDS)[5, 0] == 6
+    with pytest.raises(ValueError, match="operand 2 has no place"):
+        LP.LaunchPlan("k", "/x", 1, 32, 1, 0, (LP.KernelArg(LP.ARG_PTR, 2),), ()).remap((0, 1))
+    with pytest.raises(ValueError, match="grid_yz"):
+        LP.LaunchPlan("k", "/x", 1, 32, 1, 0, (), (), grid_yz=(0, 1)).check()
+    with pytest.raises(ValueError, match="newline"):
+        LP.sequence_attributes((LP.LaunchPlan("k", "/x\ny", 1, 32, 1, 0, (), ()),))
 
 
 def _nbytes(*shapes_dtypes):

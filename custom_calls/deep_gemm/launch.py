@@ -1,4 +1,4 @@
-"""The XLA custom call that runs a launch plan (C++ FFI handler, built on first use).
+"""The XLA custom call that runs a launch plan, or a few in order (C++ FFI handler, built on first use).
 
 The handler (``csrc/launch_handler.cc``) is compiled with the system g++ (``/usr/bin/g++`` first: a
 compiler that links libstdc++ statically produced a library that crashed beside the system one) into
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from . import toolchain
-from .launch_plan import LaunchPlan
+from .launch_plan import LaunchPlan, sequence_attributes
 
 FFI_TARGET = "moe_jax_deep_gemm_launch"
 FFI_TARGET_CMD_BUFFER = "moe_jax_deep_gemm_launch_cmd_buffer"  # same launch, XLA may capture it in a CUDA graph
@@ -91,27 +91,32 @@ def register() -> None:
         _registered = True
 
 
-def launch(plan: LaunchPlan, inputs: Sequence[jax.Array], outputs: Sequence[jax.ShapeDtypeStruct],
-           input_output_aliases: dict[int, int] | None = None) -> list[jax.Array]:
+def launch(plan: LaunchPlan | Sequence[LaunchPlan], inputs: Sequence[jax.Array],
+           outputs: Sequence[jax.ShapeDtypeStruct], input_output_aliases: dict[int, int] | None = None
+           ) -> list[jax.Array]:
     """Run ``plan`` as a custom call; operands are ``inputs`` then ``outputs`` (fresh XLA buffers,
     or an input's buffer where ``input_output_aliases`` {input index: output index} says so: the
-    kernel then updates that input in place).
+    kernel then updates that input in place). A sequence of plans runs in order in the one call,
+    all on its operands (`LaunchPlan.remap` places each plan's operands): nothing XLA schedules can
+    run between them, and a plan launched programmatically overlaps only the plan before it.
 
-    Raises ValueError at trace time when a tensor map of the plan spans more than its operand.
+    Raises ValueError at trace time when a tensor map of a plan spans more than its operand.
 
     Without ``plan.command_buffer`` the target has no command-buffer trait, so XLA calls the handler
     on every execution (measured cost: ~3-5 µs per launch); with it XLA may record the launch into a
     CUDA graph and re-record it when a buffer address changes (csrc/launch_handler.cc says why that
-    is safe). Either way the TMA descriptors hold the buffers' current addresses.
+    is safe). Either way the TMA descriptors hold the buffers' current addresses. A sequence is
+    recorded when its first plan says so.
     """
-    plan.check_operands(tuple(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-                              for x in (*inputs, *outputs)))
+    plans = (plan,) if isinstance(plan, LaunchPlan) else tuple(plan)
+    nbytes = tuple(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in (*inputs, *outputs))
+    for p in plans:
+        p.check_operands(nbytes)
+    attributes = sequence_attributes(plans)
     register()
-    if plan.command_buffer and _cmd_buffer_error:
+    command_buffer = plans[0].command_buffer
+    if command_buffer and _cmd_buffer_error:
         raise RuntimeError(f"{_cmd_buffer_error} (unset MOE_JAX_DEEP_GEMM_COMMAND_BUFFER)")
-    call = jax.ffi.ffi_call(FFI_TARGET_CMD_BUFFER if plan.command_buffer else FFI_TARGET, list(outputs),
+    call = jax.ffi.ffi_call(FFI_TARGET_CMD_BUFFER if command_buffer else FFI_TARGET, list(outputs),
                             has_side_effect=False, input_output_aliases=input_output_aliases)
-    res = call(*inputs, **plan.ffi_attributes())
-    return list(res)
-
-
+    return list(call(*inputs, **attributes))

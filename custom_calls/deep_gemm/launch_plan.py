@@ -119,12 +119,15 @@ class LaunchPlan:
     # May XLA record the launch into a command buffer (CUDA graph)? Safe by construction (see
     # csrc/launch_handler.cc); off unless $MOE_JAX_DEEP_GEMM_COMMAND_BUFFER=1 until measured to help.
     command_buffer: bool = dataclasses.field(default_factory=command_buffer_default)
+    grid_yz: tuple[int, int] = (1, 1)  # the grid's y and z extents (Triton kernels' 3-D grids)
 
     def check(self) -> None:
         if self.cluster not in (1, 2):
             raise ValueError(f"cluster must be 1 or 2, got {self.cluster}")
         if self.grid <= 0 or self.grid % self.cluster:
             raise ValueError(f"grid {self.grid} must be a positive multiple of the cluster size {self.cluster}")
+        if len(self.grid_yz) != 2 or any(not 0 < g < 1 << 16 for g in self.grid_yz):
+            raise ValueError(f"grid_yz {self.grid_yz} must be two extents in [1, 65535]")
         if self.block <= 0 or self.smem < 0:
             raise ValueError(f"block {self.block} must be > 0 and smem {self.smem} >= 0")
         for t in self.tmaps:
@@ -150,25 +153,56 @@ class LaunchPlan:
                 raise ValueError(f"{self.kernel}: pointer offset {a.offset} outside operand {a.value} "
                                  f"of {nbytes[a.value]} bytes")
 
+    def remap(self, operands: tuple[int, ...]) -> "LaunchPlan":
+        """The same launch with operand i of this plan read from operand ``operands[i]`` of the
+        custom call (several plans in one call share its operand list)."""
+        def at(i: int) -> int:
+            if not 0 <= i < len(operands):
+                raise ValueError(f"{self.kernel}: operand {i} has no place in the call's {len(operands)} operands")
+            return operands[i]
+
+        args = tuple(dataclasses.replace(a, value=at(a.value)) if a.kind in (ARG_PTR, ARG_SYM_BUFFER) else a
+                     for a in self.args)
+        tmaps = tuple(dataclasses.replace(t, operand=at(t.operand)) for t in self.tmaps)
+        return dataclasses.replace(self, args=args, tmaps=tmaps)
+
     def ffi_attributes(self) -> dict:
         """Static attributes of the custom call (hashable by XLA; part of the compiled program)."""
-        self.check()
-        args, blob = [], bytearray()
-        for a in self.args:
+        return sequence_attributes((self,))
+
+
+def sequence_attributes(plans: tuple[LaunchPlan, ...]) -> dict:
+    """Static attributes of one custom call that launches ``plans`` in order on its stream (their
+    operand indices refer to the call's operands: inputs, then outputs). Per kernel: its cubin path
+    (one per line), 8 launch words (grid x, block, cluster, smem, cooperative, programmatic, grid y,
+    grid z), its argument and tensor-map counts; the argument triples and tensor maps follow each
+    other in plan order (a tensor-map argument indexes its own plan's maps), by-value arguments
+    share one blob."""
+    if not plans:
+        raise ValueError("a launch sequence needs at least one plan")
+    launch, counts, args, tmaps, blob = [], [], [], [], bytearray()
+    for plan in plans:
+        plan.check()
+        if "\n" in plan.cubin:
+            raise ValueError(f"{plan.kernel}: a cubin path may not hold a newline, got {plan.cubin!r}")
+        launch += [plan.grid, plan.block, plan.cluster, plan.smem, int(plan.cooperative), int(plan.programmatic),
+                   *plan.grid_yz]
+        counts += [len(plan.args), len(plan.tmaps)]
+        for a in plan.args:
             if a.kind == ARG_BYTES:
                 args += [ARG_BYTES, len(blob), len(a.data)]
                 blob += a.data + b"\0" * (-len(a.data) % 8)
             else:
                 args += [a.kind, a.value, a.offset]
-        tm = [w for t in self.tmaps for w in t.words()]
-        return {
-            "cubin": self.cubin,
-            "launch": np.array([self.grid, self.block, self.cluster, self.smem, int(self.cooperative),
-                                int(self.programmatic)], np.int64),
-            "args": np.array(args, np.int64),
-            "tmaps": np.array(tm or [0], np.int64),
-            "blob": np.frombuffer(bytes(blob) or b"\0" * 8, np.int64).copy(),
-        }
+        tmaps += [w for t in plan.tmaps for w in t.words()]
+    return {
+        "cubin": "\n".join(p.cubin for p in plans),
+        "launch": np.array(launch, np.int64),
+        "counts": np.array(counts, np.int64),
+        "args": np.array(args or [0], np.int64),
+        "tmaps": np.array(tmaps or [0], np.int64),
+        "blob": np.frombuffer(bytes(blob) or b"\0" * 8, np.int64).copy(),
+    }
 
 
 def _ptr(i: int, offset: int = 0) -> KernelArg:

@@ -1,8 +1,11 @@
-// XLA FFI handler that launches one precompiled DeepGEMM kernel on the call's CUDA stream.
+// XLA FFI handler that launches precompiled kernels (DeepGEMM's, and Triton kernels compiled to
+// cubins) on the call's CUDA stream: one, or a short sequence in order.
 //
-// Everything shape-dependent arrives as static attributes (see launch_plan.py): the cubin path,
-// grid/block/cluster/shared memory, the kernel's argument list and the TMA descriptors, whose base
-// addresses are taken from the call's buffers at every launch (XLA may place them anywhere).
+// Everything shape-dependent arrives as static attributes (see launch_plan.py): per kernel the
+// cubin path, grid/block/cluster/shared memory, its argument list and its TMA descriptors, whose
+// base addresses are taken from the call's buffers at every launch (XLA may place them anywhere).
+// The kernels of a sequence share the call's operands; nothing else runs on the stream between
+// them, so a later kernel launched programmatically overlaps only kernels of the same call.
 // Driver entry points come from libcuda.so.1 at run time, so nothing links against a stub library.
 //
 // Two symbols share the launch: MoeJaxDeepGemmLaunch, and MoeJaxDeepGemmLaunchCmdBuffer with XLA's
@@ -193,43 +196,12 @@ ffi::Error GetKernel(const Driver& d, const std::string& path, CUcontext ctx, in
   return ffi::Error::Success();
 }
 
-ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64_t> launch,
-                  ffi::Span<const int64_t> args, ffi::Span<const int64_t> tmaps, ffi::Span<const int64_t> blob,
-                  ffi::RemainingArgs ins, ffi::RemainingRets outs) {
-  const Driver& d = GetDriver();
-  if (!d.error.empty()) return ffi::Error::Internal(d.error);
-  if (launch.size() != 6) return ffi::Error::InvalidArgument("launch attribute must hold 6 values");
-  if (args.size() % 3 != 0) return ffi::Error::InvalidArgument("args attribute must hold triples");
-
-  if (launch[0] <= 0 || launch[1] <= 0 || launch[2] <= 0 || launch[3] < 0 || launch[4] < 0 || launch[4] > 1 ||
-      launch[5] < 0 || launch[5] > 1)
-    return ffi::Error::InvalidArgument(
-        "launch attribute: grid, block and cluster must be > 0, smem >= 0, cooperative and programmatic 0 or 1");
-  // an attribute array cannot be empty: a lone word stands for "no tensor maps"
-  if (tmaps.size() % kTmapWords != 0 && tmaps.size() != 1)
-    return ffi::Error::InvalidArgument("tmaps attribute must hold " + std::to_string(kTmapWords) + " words per map");
-
-  // Operand addresses and sizes: inputs first, then outputs.
-  std::vector<void*> buffers;
-  std::vector<uint64_t> sizes;
-  for (size_t i = 0; i < ins.size(); ++i) {
-    auto b = ins.get<ffi::AnyBuffer>(i);
-    if (b.has_error()) return b.error();
-    buffers.push_back(b->untyped_data());
-    sizes.push_back(b->size_bytes());
-  }
-  for (size_t i = 0; i < outs.size(); ++i) {
-    auto b = outs.get<ffi::AnyBuffer>(i);
-    if (b.has_error()) return b.error();
-    buffers.push_back((*b)->untyped_data());
-    sizes.push_back((*b)->size_bytes());
-  }
-
-  // Tensor maps: encoded for the current addresses, 64-byte aligned, passed by value.
-  const size_t num_maps = tmaps.size() / kTmapWords;
-  std::vector<CUtensorMap> maps(num_maps);
+// Encodes kernel k's tensor maps (tmaps: its words) for the current addresses, 64-byte aligned.
+ffi::Error EncodeMaps(const Driver& d, const int64_t* tmaps, size_t num_maps, const std::vector<void*>& buffers,
+                      const std::vector<uint64_t>& sizes, std::vector<CUtensorMap>* maps) {
+  maps->resize(num_maps);
   for (size_t m = 0; m < num_maps; ++m) {
-    const int64_t* w = tmaps.begin() + m * kTmapWords;
+    const int64_t* w = tmaps + m * kTmapWords;
     const int64_t operand = w[0], offset = w[1], dtype = w[2], rank = w[3];
     if (operand < 0 || operand >= static_cast<int64_t>(buffers.size()) || rank < 1 || rank > 5)
       return ffi::Error::InvalidArgument("bad tensor map operand or rank");
@@ -255,20 +227,32 @@ ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64
                                          " bytes past offset " + std::to_string(offset) + ", operand " +
                                          std::to_string(operand) + " holds " + std::to_string(sizes[operand]));
     void* base = static_cast<char*>(buffers[operand]) + offset;
-    CUresult r = d.TensorMapEncodeTiled(&maps[m], static_cast<CUtensorMapDataType>(dtype),
+    CUresult r = d.TensorMapEncodeTiled(&(*maps)[m], static_cast<CUtensorMapDataType>(dtype),
                                         static_cast<cuuint32_t>(rank), base, dims, strides, box, estrides,
                                         CU_TENSOR_MAP_INTERLEAVE_NONE, static_cast<CUtensorMapSwizzle>(w[18]),
                                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
       return ffi::Error::Internal(CuError(d, r, "cuTensorMapEncodeTiled") + " for map " + std::to_string(m));
   }
+  return ffi::Error::Success();
+}
 
-  // Kernel arguments: kernelParams[i] points at the i-th argument's value.
-  const size_t num_args = args.size() / 3;
-  std::vector<void*> ptr_values(num_args, nullptr);
-  std::vector<std::vector<char>> struct_values(num_args);
-  std::vector<uint32_t> u32_values(num_args, 0);
-  std::vector<void*> params(num_args, nullptr);
+// Kernel arguments of one kernel (args: its triples): kernelParams[i] points at the i-th value,
+// which lives in *values until the launch.
+struct ArgValues {
+  std::vector<void*> ptrs;
+  std::vector<std::vector<char>> structs;
+  std::vector<uint32_t> u32s;
+  std::vector<void*> params;
+};
+
+ffi::Error BuildArgs(const int64_t* args, size_t num_args, const std::vector<void*>& buffers,
+                     const std::vector<uint64_t>& sizes, std::vector<CUtensorMap>& maps,
+                     ffi::Span<const int64_t> blob, ArgValues* v) {
+  v->ptrs.assign(num_args, nullptr);
+  v->structs.assign(num_args, {});
+  v->u32s.assign(num_args, 0);
+  v->params.assign(num_args, nullptr);
   const char* blob_bytes = reinterpret_cast<const char*>(blob.begin());
   for (size_t i = 0; i < num_args; ++i) {
     const int64_t kind = args[3 * i], value = args[3 * i + 1], extra = args[3 * i + 2];
@@ -279,38 +263,140 @@ ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64
         if (extra < 0 || static_cast<uint64_t>(extra) >= sizes[value])
           return ffi::Error::InvalidArgument("pointer argument offset " + std::to_string(extra) + " outside operand " +
                                              std::to_string(value) + " of " + std::to_string(sizes[value]) + " bytes");
-        ptr_values[i] = static_cast<char*>(buffers[value]) + extra;
-        params[i] = &ptr_values[i];
+        v->ptrs[i] = static_cast<char*>(buffers[value]) + extra;
+        v->params[i] = &v->ptrs[i];
         break;
       case kArgSymBuffer: {
         if (value < 0 || value >= static_cast<int64_t>(buffers.size()))
           return ffi::Error::InvalidArgument("symmetric-buffer argument refers to a missing operand");
-        struct_values[i].assign(kSymBufferBytes, 0);
+        v->structs[i].assign(kSymBufferBytes, 0);
         const int64_t base = reinterpret_cast<int64_t>(buffers[value]);
-        std::memcpy(struct_values[i].data(), &base, sizeof(base));
-        params[i] = struct_values[i].data();
+        std::memcpy(v->structs[i].data(), &base, sizeof(base));
+        v->params[i] = v->structs[i].data();
         break;
       }
       case kArgNull:
-        params[i] = &ptr_values[i];
+        v->params[i] = &v->ptrs[i];
         break;
       case kArgU32:
-        u32_values[i] = static_cast<uint32_t>(value);
-        params[i] = &u32_values[i];
+        v->u32s[i] = static_cast<uint32_t>(value);
+        v->params[i] = &v->u32s[i];
         break;
       case kArgTmap:
-        if (value < 0 || value >= static_cast<int64_t>(num_maps))
+        if (value < 0 || value >= static_cast<int64_t>(maps.size()))
           return ffi::Error::InvalidArgument("tensor map argument out of range");
-        params[i] = &maps[value];
+        v->params[i] = &maps[value];
         break;
       case kArgBytes:
         if (value < 0 || value + extra > static_cast<int64_t>(blob.size() * 8))
           return ffi::Error::InvalidArgument("by-value argument outside the blob");
-        params[i] = const_cast<char*>(blob_bytes + value);
+        v->params[i] = const_cast<char*>(blob_bytes + value);
         break;
       default:
         return ffi::Error::InvalidArgument("unknown kernel argument kind");
     }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error LaunchOne(const Driver& d, CUstream stream, CUcontext ctx, const std::string& cubin, const int64_t* launch,
+                     ArgValues& values) {
+  const int smem = static_cast<int>(launch[3]);
+  CUfunction fn = nullptr;
+  ffi::Error err = GetKernel(d, cubin, ctx, smem, &fn);
+  if (!err.success()) return err;
+  CUlaunchAttribute attrs[3];
+  std::memset(attrs, 0, sizeof(attrs));
+  CUlaunchConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.gridDimX = static_cast<unsigned>(launch[0]);
+  cfg.gridDimY = static_cast<unsigned>(launch[6]);
+  cfg.gridDimZ = static_cast<unsigned>(launch[7]);
+  cfg.blockDimX = static_cast<unsigned>(launch[1]);
+  cfg.blockDimY = cfg.blockDimZ = 1;
+  cfg.sharedMemBytes = static_cast<unsigned>(smem);
+  cfg.hStream = stream;
+  unsigned num_attrs = 0;
+  if (launch[2] > 1) {
+    attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attrs[num_attrs].value.clusterDim.x = static_cast<unsigned>(launch[2]);
+    attrs[num_attrs].value.clusterDim.y = attrs[num_attrs].value.clusterDim.z = 1;
+    ++num_attrs;
+  }
+  if (launch[4] == 1) {
+    attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+    attrs[num_attrs].value.cooperative = 1;
+    ++num_attrs;
+  }
+  if (launch[5] == 1) {
+    attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attrs[num_attrs].value.programmaticStreamSerializationAllowed = 1;
+    ++num_attrs;
+  }
+  cfg.attrs = num_attrs ? attrs : nullptr;
+  cfg.numAttrs = num_attrs;
+  CUresult r = d.LaunchKernelEx(&cfg, fn, values.params.data(), nullptr);
+  if (r != CUDA_SUCCESS) return ffi::Error::Internal(CuError(d, r, "cuLaunchKernelEx") + " for " + cubin);
+  return ffi::Error::Success();
+}
+
+ffi::Error Launch(CUstream stream, std::string_view cubins, ffi::Span<const int64_t> launch,
+                  ffi::Span<const int64_t> counts, ffi::Span<const int64_t> args, ffi::Span<const int64_t> tmaps,
+                  ffi::Span<const int64_t> blob, ffi::RemainingArgs ins, ffi::RemainingRets outs) {
+  const Driver& d = GetDriver();
+  if (!d.error.empty()) return ffi::Error::Internal(d.error);
+  constexpr size_t kLaunchWords = 8;
+  const size_t num_kernels = counts.size() / 2;
+  if (num_kernels == 0 || counts.size() % 2 != 0 || launch.size() != kLaunchWords * num_kernels)
+    return ffi::Error::InvalidArgument("counts must hold 2 and launch 8 values per kernel");
+  std::vector<std::string> paths;
+  for (size_t start = 0;;) {
+    const size_t end = cubins.find('\n', start);
+    paths.emplace_back(cubins.substr(start, end == std::string_view::npos ? std::string_view::npos : end - start));
+    if (end == std::string_view::npos) break;
+    start = end + 1;
+  }
+  if (paths.size() != num_kernels) return ffi::Error::InvalidArgument("cubin must name one file per kernel");
+  size_t total_args = 0, total_maps = 0;
+  for (size_t k = 0; k < num_kernels; ++k) {
+    const int64_t* l = launch.begin() + kLaunchWords * k;
+    if (counts[2 * k] < 0 || counts[2 * k + 1] < 0 || l[0] <= 0 || l[1] <= 0 || l[2] <= 0 || l[3] < 0 ||
+        l[4] < 0 || l[4] > 1 || l[5] < 0 || l[5] > 1 || l[6] <= 0 || l[7] <= 0)
+      return ffi::Error::InvalidArgument(
+          "launch attribute: grid, block and cluster must be > 0, smem >= 0, cooperative and programmatic 0 or 1");
+    total_args += counts[2 * k];
+    total_maps += counts[2 * k + 1];
+  }
+  // an attribute array cannot be empty: a lone word stands for "none"
+  if (args.size() != 3 * total_args && !(total_args == 0 && args.size() == 1))
+    return ffi::Error::InvalidArgument("args attribute must hold 3 words per argument of every kernel");
+  if (tmaps.size() != kTmapWords * total_maps && !(total_maps == 0 && tmaps.size() == 1))
+    return ffi::Error::InvalidArgument("tmaps attribute must hold " + std::to_string(kTmapWords) + " words per map");
+
+  // Operand addresses and sizes: inputs first, then outputs.
+  std::vector<void*> buffers;
+  std::vector<uint64_t> sizes;
+  for (size_t i = 0; i < ins.size(); ++i) {
+    auto b = ins.get<ffi::AnyBuffer>(i);
+    if (b.has_error()) return b.error();
+    buffers.push_back(b->untyped_data());
+    sizes.push_back(b->size_bytes());
+  }
+  for (size_t i = 0; i < outs.size(); ++i) {
+    auto b = outs.get<ffi::AnyBuffer>(i);
+    if (b.has_error()) return b.error();
+    buffers.push_back((*b)->untyped_data());
+    sizes.push_back((*b)->size_bytes());
+  }
+
+  // Every kernel's maps and arguments before the first launch: a bad attribute launches nothing.
+  std::vector<std::vector<CUtensorMap>> maps(num_kernels);
+  std::vector<ArgValues> values(num_kernels);
+  for (size_t k = 0, a = 0, m = 0; k < num_kernels; a += counts[2 * k], m += counts[2 * k + 1], ++k) {
+    ffi::Error err = EncodeMaps(d, tmaps.begin() + kTmapWords * m, counts[2 * k + 1], buffers, sizes, &maps[k]);
+    if (!err.success()) return err;
+    err = BuildArgs(args.begin() + 3 * a, counts[2 * k], buffers, sizes, maps[k], blob, &values[k]);
+    if (!err.success()) return err;
   }
 
   // Kernels and tensor maps belong to the stream's context; make it current for the calls.
@@ -324,43 +410,9 @@ ffi::Error Launch(CUstream stream, std::string_view cubin, ffi::Span<const int64
     r = d.CtxPushCurrent(ctx);
     if (r != CUDA_SUCCESS) return ffi::Error::Internal(CuError(d, r, "cuCtxPushCurrent"));
   }
-
-  const int smem = static_cast<int>(launch[3]);
-  CUfunction fn = nullptr;
-  ffi::Error err = GetKernel(d, std::string(cubin), ctx, smem, &fn);
-  if (err.success()) {
-    CUlaunchAttribute attrs[3];
-    std::memset(attrs, 0, sizeof(attrs));
-    CUlaunchConfig cfg;
-    std::memset(&cfg, 0, sizeof(cfg));
-    cfg.gridDimX = static_cast<unsigned>(launch[0]);
-    cfg.gridDimY = cfg.gridDimZ = 1;
-    cfg.blockDimX = static_cast<unsigned>(launch[1]);
-    cfg.blockDimY = cfg.blockDimZ = 1;
-    cfg.sharedMemBytes = static_cast<unsigned>(smem);
-    cfg.hStream = stream;
-    unsigned num_attrs = 0;
-    if (launch[2] > 1) {
-      attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-      attrs[num_attrs].value.clusterDim.x = static_cast<unsigned>(launch[2]);
-      attrs[num_attrs].value.clusterDim.y = attrs[num_attrs].value.clusterDim.z = 1;
-      ++num_attrs;
-    }
-    if (launch[4] == 1) {
-      attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
-      attrs[num_attrs].value.cooperative = 1;
-      ++num_attrs;
-    }
-    if (launch[5] == 1) {
-      attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-      attrs[num_attrs].value.programmaticStreamSerializationAllowed = 1;
-      ++num_attrs;
-    }
-    cfg.attrs = num_attrs ? attrs : nullptr;
-    cfg.numAttrs = num_attrs;
-    r = d.LaunchKernelEx(&cfg, fn, params.data(), nullptr);
-    if (r != CUDA_SUCCESS) err = ffi::Error::Internal(CuError(d, r, "cuLaunchKernelEx") + " for " + std::string(cubin));
-  }
+  ffi::Error err = ffi::Error::Success();
+  for (size_t k = 0; k < num_kernels && err.success(); ++k)
+    err = LaunchOne(d, stream, ctx, paths[k], launch.begin() + kLaunchWords * k, values[k]);
   if (pushed) {
     CUcontext popped = nullptr;
     r = d.CtxPopCurrent(&popped);
@@ -378,6 +430,7 @@ auto LaunchBinding() {
       .Ctx<ffi::PlatformStream<CUstream>>()
       .Attr<std::string_view>("cubin")
       .Attr<ffi::Span<const int64_t>>("launch")
+      .Attr<ffi::Span<const int64_t>>("counts")
       .Attr<ffi::Span<const int64_t>>("args")
       .Attr<ffi::Span<const int64_t>>("tmaps")
       .Attr<ffi::Span<const int64_t>>("blob")
