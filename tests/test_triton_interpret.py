@@ -954,20 +954,26 @@ LAUNCHES: list[dict] = []  # every launch of the host entry points: kernel name,
 def _record_launches():
     """Note every launch of the kernel modules' host entry points (kernel, num_warps, num_stages,
     constexprs), then make it through `launch.triton_call`, which runs the kernel in Triton's
-    interpreter here (`custom_calls.triton.interpret`)."""
+    interpreter here (`custom_calls.triton.interpret`). Kernels described as a `launch.KernelCall`
+    reach `launch.triton_call` through the module's global, the others through their own import."""
     import importlib
 
     from custom_calls.triton import launch
 
+    original = launch.triton_call
+
     def recording(*args, kernel, out_shape, grid, num_warps=4, num_stages=1, name="", zeroed_outputs=(),
                   **constexprs):
         LAUNCHES.append(dict(kernel=kernel.fn.__name__, num_warps=num_warps, num_stages=num_stages, **constexprs))
-        return launch.triton_call(*args, kernel=kernel, out_shape=out_shape, grid=grid, num_warps=num_warps,
-                                  num_stages=num_stages, name=name, zeroed_outputs=zeroed_outputs, **constexprs)
+        return original(*args, kernel=kernel, out_shape=out_shape, grid=grid, num_warps=num_warps,
+                        num_stages=num_stages, name=name, zeroed_outputs=zeroed_outputs, **constexprs)
 
+    launch.triton_call = recording
     for name in ("permute", "activation", "quant", "unpermute", "dispatch", "dispatch_map", "routing", "fused_input",
                  "router"):
-        importlib.import_module(f"custom_calls.triton.{name}_kernel").triton_call = recording
+        module = importlib.import_module(f"custom_calls.triton.{name}_kernel")
+        if hasattr(module, "triton_call"):
+            module.triton_call = recording
 
 
 def _last_launch(kernel: str) -> dict:

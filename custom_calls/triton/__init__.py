@@ -1,5 +1,7 @@
 """The "triton" backend: the non-GEMM stages of the MoE layer as Triton kernels launched as XLA
-custom calls through jax_triton, behind the reference ops' names and signatures.
+custom calls through jax_triton, behind the reference ops' names and signatures. (`native` compiles
+a kernel to a cubin for the native launcher of `custom_calls.deep_gemm` instead, where it runs in
+one custom call beside other kernels, launched programmatically: the fused routed branch.)
 
   op (registry name)           kernel module                          moves
   permute_contig / _masked     custom_calls.triton.permute_kernel     x read once, top_k rows written
@@ -12,8 +14,8 @@ custom calls through jax_triton, behind the reference ops' names and signatures.
   (fused_input)                custom_calls.triton.fused_input_kernel x read, the fused kernel's inputs written
   (router_partials)            custom_calls.triton.router_kernel      the router GEMM as split-K partial sums
 The last three are plain functions (the layer quantizes inside permute and activation; the fused
-MoE ops' SM90 path calls `fused_input` before its kernel, `fused_moe_routed`'s calls
-`router_partials` and `fused_input_routed`, which routes too).
+MoE ops' SM90 path calls `fused_input` before its kernel, `fused_moe_routed`'s runs the router
+and the routing input kernel (`router_call`, `fused_input_routed_call`) in one call with its kernel).
 
 Scales are written directly in the grouped GEMM's memory image (fp32 MN-major TMA-aligned for
 arch 90, packed UE8M0 for arch 100). Importing this package imports neither triton nor jax_triton

@@ -20,9 +20,11 @@ the rest zero `zero_block` words of the workspace each.
 `fused_input_routed` also routes, in the same launch: from the router GEMM's split-K partial sums
 (`router_kernel.router_partials`) the programs that write the routes compute their rows' logits,
 scores and (grouped) top-k (`routing_kernel.route_rows`, the routing epilogue's own code) and
-write the routes of the experts held here; so the fused layer's routed branch is three launches
+write the routes of the experts held here; so the fused layer's routed branch is three kernels
 (router GEMM, this kernel, the fused kernel) where the router GEMM, its split-K reduction, the
-routing epilogue and this kernel were four. Model: `custom_calls.fused_moe.fused_input_routed_reference`.
+routing epilogue and this kernel were four. On SM90 the three run in one custom call
+(`custom_calls.deep_gemm.fused_moe.routed_plans`), this kernel launched programmatically (WAIT):
+its quantizing programs run beside the router. Model: `custom_calls.fused_moe.fused_input_routed_reference`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import triton.language as tl
 from layouts import FusedMoEBuffer, ceil_div
 from custom_calls.fused_moe import AMAX_FLOOR
 from custom_calls.triton.interpret import interpreting
-from custom_calls.triton.launch import triton_call
+from custom_calls.triton.launch import KernelCall
 from custom_calls.triton.routing_kernel import (bias_operand, epilogue_constexprs, load_logits, route_columns,
                                                  route_rows)
 from custom_calls.triton.tile_quant import quantize_tile, tile_ids
@@ -87,7 +89,7 @@ def _write_routes(row_block, ids_ptr, w_ptr, bias_ptr, offset_ptr, buf_ptr,
                   IDS_OFF: tl.constexpr, WEIGHTS_OFF: tl.constexpr, BLOCK_M: tl.constexpr,
                   ROUTE: tl.constexpr, SPLITS: tl.constexpr, E_ROUTE: tl.constexpr, SCORING: tl.constexpr,
                   HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr, GS_PAD: tl.constexpr,
-                  TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr):
+                  TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr, WAIT: tl.constexpr):
     """The canonical ids and scaled weights of the rows of `row_block` (see `fused_input_kernel`)."""
     m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = m < M
@@ -96,6 +98,8 @@ def _write_routes(row_block, ids_ptr, w_ptr, bias_ptr, offset_ptr, buf_ptr,
     r_ok = tl.expand_dims(row_ok, 1) & tl.expand_dims(j < TOPK, 0)
     r_offs = tl.expand_dims(row * TOPK, 1) + tl.expand_dims(j, 0)
     if ROUTE:
+        if WAIT:  # the partials come from the kernel launched before this one
+            tl.extra.cuda.gdc_wait()
         e_r, e_ok1 = route_columns(E_ROUTE, N_GROUP, NG_PAD, GS_PAD)
         lg = load_logits(ids_ptr, m, row_ok, e_r, e_ok1, M, E_ROUTE, SPLITS)
         ids, w = route_rows(lg, e_r, e_ok1, bias_ptr, BLOCK_M, E_ROUTE, TOPK, TOPK_P2, SCORING, HAS_BIAS,
@@ -127,7 +131,7 @@ def fused_input_kernel(
     ZERO_BLOCK: tl.constexpr, ROUTE_PROGRAMS: tl.constexpr,
     ROUTE: tl.constexpr, SPLITS: tl.constexpr, E_ROUTE: tl.constexpr, SCORING: tl.constexpr,
     HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr, GS_PAD: tl.constexpr,
-    TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr, TRIGGER: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr, TRIGGER: tl.constexpr, WAIT: tl.constexpr = False,
 ):
     """Grid (ROW_BLOCKS * cdiv(H / 128, GROUPS) [+ ROW_BLOCKS] + cdiv(WORKSPACE_WORDS, ZERO_BLOCK),).
     ROUTE_PROGRAMS: the routes of each row block are written by a program of their own, after the
@@ -138,7 +142,11 @@ def fused_input_kernel(
     w_ptr is unused. Otherwise ids_ptr / w_ptr hold the routes and bias_ptr / offset_ptr are unused.
     TRIGGER: let a kernel launched after this one with programmatic dependent launch (the fused
     kernel's `pdl` option) start now; it still waits for this grid's completion before it reads
-    (griddepcontrol.wait), so only its prologue and launch overlap this kernel."""
+    (griddepcontrol.wait), so only its prologue and launch overlap this kernel.
+    WAIT: this kernel was launched programmatically after the router kernel, in the same native
+    launch sequence (`custom_calls.deep_gemm.fused_moe`): the programs that route wait for the
+    router grid's completion (griddepcontrol.wait) before they read the partials; the quantizing and
+    zeroing programs read only x and write only this call's buffer, so they run beside the router."""
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     G: tl.constexpr = H // 128
@@ -164,19 +172,19 @@ def fused_input_kernel(
         if not ROUTE_PROGRAMS and chunk == 0:
             _write_routes(row_block, ids_ptr, w_ptr, bias_ptr, offset_ptr, buf_ptr, M, TOPK, TOPK_P2, E, RSF,
                           IDS_OFF, WEIGHTS_OFF, BLOCK_M, ROUTE, SPLITS, E_ROUTE, SCORING, HAS_BIAS, N_GROUP, NG_PAD,
-                          GS_PAD, TOPK_GROUP, RENORM)
+                          GS_PAD, TOPK_GROUP, RENORM, WAIT)
     elif ROUTE_PROGRAMS and pid < QUANT_PROGRAMS + ROW_BLOCKS:
         _write_routes(pid - QUANT_PROGRAMS, ids_ptr, w_ptr, bias_ptr, offset_ptr, buf_ptr, M, TOPK, TOPK_P2,
                       E, RSF, IDS_OFF, WEIGHTS_OFF, BLOCK_M, ROUTE, SPLITS, E_ROUTE, SCORING, HAS_BIAS, N_GROUP,
-                      NG_PAD, GS_PAD, TOPK_GROUP, RENORM)
+                      NG_PAD, GS_PAD, TOPK_GROUP, RENORM, WAIT)
     else:
         word = (pid - QUANT_PROGRAMS - ROW_BLOCKS * ROUTE_PROGRAMS) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
         tl.store((buf_ptr + WORKSPACE_OFF).to(tl.pointer_type(tl.int32)) + word,
                  tl.zeros([ZERO_BLOCK], tl.int32), mask=word < WORKSPACE_WORDS)
 
 
-def _launch(x, a, b, bias, offset, *, buffer: FusedMoEBuffer, routed_scaling_factor: float, top_k: int,
-            config: FusedInputConfig | None, route: dict) -> jax.Array:
+def _input_call(x, a, b, bias, offset, *, buffer: FusedMoEBuffer, routed_scaling_factor: float, top_k: int,
+                config: FusedInputConfig | None, route: dict, wait: bool = False) -> KernelCall:
     m, h = x.shape
     config = config_or_default(config, FusedInputConfig, lambda: heuristic_config(m, routed=route["ROUTE"]))
     groups = tile_groups(config, "tile", group=GROUP, packed=False)
@@ -185,19 +193,18 @@ def _launch(x, a, b, bias, offset, *, buffer: FusedMoEBuffer, routed_scaling_fac
     row_blocks = ceil_div(m, config.block_m)
     grid = row_blocks * (ceil_div(h // GROUP, groups) + config.route_programs) + ceil_div(ws_bytes // 4,
                                                                                           config.zero_block)
-    (buf,) = triton_call(
-        x, a, b, bias, offset, kernel=fused_input_kernel,
-        out_shape=[jax.ShapeDtypeStruct((buffer.total_bytes,), jnp.uint8)], grid=(grid,),
-        num_warps=config.num_warps, name="moe_fused_input",
-        M=m, H=h, TOPK=top_k, TOPK_P2=1 << (top_k - 1).bit_length(), E=buffer.num_experts,
-        RSF=float(np.float32(routed_scaling_factor)), FLOOR=AMAX_FLOOR,
-        WORKSPACE_OFF=ws_off, WORKSPACE_WORDS=ws_bytes // 4, TOKENS_OFF=regions["input_tokens"][0],
-        SCALES_OFF=regions["input_scales"][0], IDS_OFF=regions["input_topk_ids"][0],
-        WEIGHTS_OFF=regions["input_topk_weights"][0],
-        BLOCK_M=config.block_m, GROUPS=groups, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=config.chunks_fastest,
-        ZERO_BLOCK=config.zero_block, ROUTE_PROGRAMS=config.route_programs, TRIGGER=not interpreting(),
-        **route)
-    return buf
+    return KernelCall(
+        fused_input_kernel, (x, a, b, bias, offset), (jax.ShapeDtypeStruct((buffer.total_bytes,), jnp.uint8),),
+        grid=(grid,), num_warps=config.num_warps, num_stages=1, name="moe_fused_input",
+        constexprs=dict(
+            M=m, H=h, TOPK=top_k, TOPK_P2=1 << (top_k - 1).bit_length(), E=buffer.num_experts,
+            RSF=float(np.float32(routed_scaling_factor)), FLOOR=AMAX_FLOOR,
+            WORKSPACE_OFF=ws_off, WORKSPACE_WORDS=ws_bytes // 4, TOKENS_OFF=regions["input_tokens"][0],
+            SCALES_OFF=regions["input_scales"][0], IDS_OFF=regions["input_topk_ids"][0],
+            WEIGHTS_OFF=regions["input_topk_weights"][0],
+            BLOCK_M=config.block_m, GROUPS=groups, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=config.chunks_fastest,
+            ZERO_BLOCK=config.zero_block, ROUTE_PROGRAMS=config.route_programs, TRIGGER=not interpreting(),
+            WAIT=wait, **route))
 
 
 _NO_ROUTE = dict(ROUTE=False, SPLITS=1, E_ROUTE=1, SCORING=0, HAS_BIAS=False, N_GROUP=1, NG_PAD=1, GS_PAD=1,
@@ -211,9 +218,26 @@ def fused_input(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, b
     topk_weights (M, k) f32, 1 <= M <= buffer.max_tokens -> (buffer.total_bytes,) uint8.
     config: the tiling (None: `heuristic_config(M)`)."""
     unused = jnp.zeros((1,), jnp.int32)
-    return _launch(x, topk_ids, topk_weights, unused, unused, buffer=buffer,
-                   routed_scaling_factor=routed_scaling_factor, top_k=topk_ids.shape[1], config=config,
-                   route=_NO_ROUTE)
+    return _input_call(x, topk_ids, topk_weights, unused, unused, buffer=buffer,
+                       routed_scaling_factor=routed_scaling_factor, top_k=topk_ids.shape[1], config=config,
+                       route=_NO_ROUTE).run()[0]
+
+
+def fused_input_routed_call(x: jax.Array, partials: jax.Array, bias: jax.Array | None, expert_offset: jax.Array, *,
+                            buffer: FusedMoEBuffer, routed_scaling_factor: float, top_k: int, scoring: str,
+                            n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
+                            config: FusedInputConfig | None = None, wait: bool = False) -> KernelCall:
+    """The launch of `fused_input_routed` (``partials`` may be a `jax.ShapeDtypeStruct` when the
+    call only describes it; ``wait``: the kernel's WAIT, for a native launch sequence that starts
+    it programmatically after the router kernel)."""
+    splits, _, e_route = partials.shape
+    route = dict(ROUTE=True, SPLITS=splits, E_ROUTE=e_route,
+                 **epilogue_constexprs(e_route, scoring=scoring, n_group=n_group, topk_group=topk_group,
+                                       has_bias=bias is not None, norm_topk_prob=norm_topk_prob))
+    offset = jnp.reshape(jnp.asarray(expert_offset, jnp.int32), (1,))
+    return _input_call(x, partials, jnp.zeros((1,), jnp.float32), bias_operand(bias), offset, buffer=buffer,
+                       routed_scaling_factor=routed_scaling_factor, top_k=top_k, config=config, route=route,
+                       wait=wait)
 
 
 def fused_input_routed(x: jax.Array, partials: jax.Array, bias: jax.Array | None, expert_offset: jax.Array, *,
@@ -227,10 +251,7 @@ def fused_input_routed(x: jax.Array, partials: jax.Array, bias: jax.Array | None
     added in order; bias (E_route,) f32 or None; expert_offset () int32, the first expert held
     here (the buffer's E experts) -> (buffer.total_bytes,) uint8. Checked by the caller
     (`custom_calls.fused_moe.fused_moe_routed`). config: the tiling (None: `heuristic_config(M, routed=True)`)."""
-    splits, _, e_route = partials.shape
-    route = dict(ROUTE=True, SPLITS=splits, E_ROUTE=e_route,
-                 **epilogue_constexprs(e_route, scoring=scoring, n_group=n_group, topk_group=topk_group,
-                                       has_bias=bias is not None, norm_topk_prob=norm_topk_prob))
-    offset = jnp.reshape(jnp.asarray(expert_offset, jnp.int32), (1,))
-    return _launch(x, partials, jnp.zeros((1,), jnp.float32), bias_operand(bias), offset, buffer=buffer,
-                   routed_scaling_factor=routed_scaling_factor, top_k=top_k, config=config, route=route)
+    return fused_input_routed_call(x, partials, bias, expert_offset, buffer=buffer,
+                                   routed_scaling_factor=routed_scaling_factor, top_k=top_k, scoring=scoring,
+                                   n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+                                   config=config).run()[0]

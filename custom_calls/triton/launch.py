@@ -9,6 +9,7 @@ so each distinct shape compiles once and is cached by jax_triton.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from typing import Any, Sequence
 
@@ -44,3 +45,24 @@ def triton_call(*args: jax.Array, kernel: Any, out_shape: Sequence[jax.ShapeDtyp
                                   num_warps=num_warps, num_stages=num_stages, name=name,
                                   zeroed_outputs=tuple(zeroed_outputs), **constexprs)
     return list(outs)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """One launch of a Triton kernel, described before it runs: ``operands`` (arrays) then the
+    outputs ``out_shape`` are its pointers, ``constexprs`` the rest of its parameters. `run` goes
+    through `triton_call`; `custom_calls.triton.native.kernel_plan_for` makes it a launch plan of
+    the native launcher instead."""
+
+    kernel: Any
+    operands: tuple[jax.Array, ...]
+    out_shape: tuple[jax.ShapeDtypeStruct, ...]
+    grid: tuple[int, ...]
+    num_warps: int
+    num_stages: int
+    name: str
+    constexprs: dict
+
+    def run(self) -> list[jax.Array]:
+        return triton_call(*self.operands, kernel=self.kernel, out_shape=self.out_shape, grid=self.grid,
+                           num_warps=self.num_warps, num_stages=self.num_stages, name=self.name, **self.constexprs)

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from layouts import ceil_div
 from custom_calls.triton.interpret import interpreting
-from custom_calls.triton.launch import triton_call
+from custom_calls.triton.launch import KernelCall
 from custom_calls.triton.tuning import check_launch, check_powers_of_two, config_or_default
 
 TARGET_PROGRAMS = 128  # about one program per SM of an H200 (132 SMs), when the rows allow
@@ -87,8 +87,14 @@ def router_partials_kernel(
     x_ptr, w_ptr, out_ptr,
     M: tl.constexpr, H: tl.constexpr, E: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
+    TRIGGER: tl.constexpr = False,
 ):
-    """Grid (cdiv(M, BLOCK_M), S, cdiv(E, BLOCK_E)): out[s, m, e] = sum over the split's columns."""
+    """Grid (cdiv(M, BLOCK_M), S, cdiv(E, BLOCK_E)): out[s, m, e] = sum over the split's columns.
+    TRIGGER: let the kernel launched after this one with programmatic dependent launch start now
+    (it waits for this grid's completion before it reads the partials); only where this kernel
+    was itself launched after everything it reads was complete."""
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     s = tl.program_id(1)
     pid_e = tl.program_id(2)
@@ -112,20 +118,25 @@ def router_partials_kernel(
     tl.store(out, acc, mask=tl.expand_dims(m_ok, 1) & tl.expand_dims(e_ok, 0))
 
 
+def router_call(x: jax.Array, gate_weight: jax.Array, *, config: RouterConfig | None = None,
+                trigger: bool = False) -> KernelCall:
+    """The launch of `router_partials` (``trigger``: the kernel's TRIGGER, for a native launch
+    sequence whose next kernel is launched programmatically)."""
+    m, h = x.shape
+    e = gate_weight.shape[0]
+    config = config_or_default(config, RouterConfig, lambda: heuristic_config(m, h, e))
+    splits = ceil_div(h, config.split_k)
+    return KernelCall(
+        router_partials_kernel, (x, gate_weight), (jax.ShapeDtypeStruct((splits, m, e), jnp.float32),),
+        grid=(ceil_div(m, config.block_m), splits, ceil_div(e, config.block_e)), num_warps=config.num_warps,
+        num_stages=config.num_stages, name="moe_router_partials",
+        constexprs=dict(M=m, H=h, E=e, SPLIT_K=config.split_k, BLOCK_M=config.block_m, BLOCK_E=config.block_e,
+                        BLOCK_K=config.block_k, FP32_DOT=interpreting(), TRIGGER=trigger))
+
+
 def router_partials(x: jax.Array, gate_weight: jax.Array, *, config: RouterConfig | None = None) -> jax.Array:
     """Same signature and result (up to the order of the fp32 sums within a split) as
     `custom_calls.route_topk.router_partials_reference` with split_k = config.split_k:
     x (M, H) bf16, gate_weight (E, H) bf16 -> (ceil(H / split_k), M, E) f32.
     config: the tiling (None: `heuristic_config(M, H, E)`)."""
-    m, h = x.shape
-    e = gate_weight.shape[0]
-    config = config_or_default(config, RouterConfig, lambda: heuristic_config(m, h, e))
-    splits = ceil_div(h, config.split_k)
-    (out,) = triton_call(
-        x, gate_weight, kernel=router_partials_kernel,
-        out_shape=[jax.ShapeDtypeStruct((splits, m, e), jnp.float32)],
-        grid=(ceil_div(m, config.block_m), splits, ceil_div(e, config.block_e)), num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        name="moe_router_partials", M=m, H=h, E=e, SPLIT_K=config.split_k, BLOCK_M=config.block_m,
-        BLOCK_E=config.block_e, BLOCK_K=config.block_k, FP32_DOT=interpreting())
-    return out
+    return router_call(x, gate_weight, config=config).run()[0]
