@@ -313,7 +313,8 @@ def fused_moe_routed(x: jax.Array, gate_weight: jax.Array, e_score_correction_bi
                      w13_interleave: int = 0, arch: int = 90, backend: str | None = None) -> jax.Array:
     """`fused_moe` with its routing: the router GEMM and the routing epilogue of `route_topk` in
     the same op, so that a backend can fuse them with the branch's own launches (on SM90: the router
-    GEMM as split-K partials, the epilogue inside the fused kernel's input stage: three launches).
+    GEMM as split-K partials, the epilogue inside the fused kernel's input stage: three kernels in
+    one custom call).
 
     x: (M, H) bf16; gate_weight: (E_route, H) bf16, the router over all E_route experts (logits =
     x @ gate_weight^T, bf16 products summed in fp32; a backend may sum in another order, which can

@@ -6,6 +6,7 @@ layer's fused layout end to end."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -317,3 +318,43 @@ def test_schedule_options_keep_the_output_bits():
         assert (rule.block_m, rule.cluster_size) == (bm, 2)
         cubin = compiler.compile_cubin(F.kernel_name(rule), sm90_fused_moe_source(rule), 90)
         assert F.clusters_reason(rule, str(cubin.path)) is None, F.config_label(rule)
+
+
+@pytest.mark.parametrize("m,e_route,scoring,ng,tg,offset", [(1, 16, "sigmoid", 4, 2, 0), (128, 16, "softmax", 1, 1, 0),
+                                                            (300, 64, "sigmoid", 8, 4, 16)])
+def test_routed_sequence_matches_separate_launches(m, e_route, scoring, ng, tg, offset):
+    """The routed branch as one custom call of three kernels (the input kernel launched
+    programmatically beside the router, the fused kernel too with its `pdl` option) gives the
+    bits of the same three kernels in three custom calls: three dependent layers in one program
+    (each layer's tokens are the previous one's output), so an input kernel that read its partials
+    before the router finished, or a kernel that read the previous layer's y early, would differ."""
+    from custom_calls.deep_gemm import fused_moe as F
+    from custom_calls.triton.fused_input_kernel import fused_input_routed
+    from custom_calls.triton.router_kernel import router_partials
+
+    h, i, e, k = 2048, 512, 16, 6
+    x, gate, b = _routed_problem(m + 11, m, h, e_route, bias=True)
+    _, _, _, w1, s1, w2, s2 = _problem(m, 1, h, i, e, 1)
+    w1 = interleave_gate_up(w1)
+    kw = dict(top_k=k, scoring=scoring, n_group=ng, topk_group=tg, norm_topk_prob=True, routed_scaling_factor=2.5)
+    offset = jnp.int32(offset)  # the first of the 16 experts held here
+    base = F.fused_config(num_tokens=m, hidden=h, intermediate=i, num_experts=e, top_k=k, activation_clamp=None)
+
+    def separate(x, gate, b, *w):
+        for _ in range(3):
+            buf = fused_input_routed(x, router_partials(x, gate), b, offset, buffer=base.buffer, **kw)
+            x = F._run_kernel(base, F._kernel_cubin(base), buf, m, *w)[0]
+        return x
+
+    def one_call(x, gate, b, *w, cfg):
+        for _ in range(3):
+            x = F.routed_sequence(cfg, x, gate, b, offset, *w, **kw)
+        return x
+
+    want = np.asarray(jax.jit(separate)(x, gate, b, w1, s1, w2, s2).astype(jnp.float32))
+    assert np.isfinite(want).all() and np.abs(want).max() > 0
+    for pdl in (False, True):
+        cfg = dataclasses.replace(base, pdl=pdl)
+        got = np.asarray(jax.jit(functools.partial(one_call, cfg=cfg))(x, gate, b, w1, s1, w2, s2)
+                         .astype(jnp.float32))
+        np.testing.assert_array_equal(got, want, err_msg=f"{m} tokens, pdl={pdl}")

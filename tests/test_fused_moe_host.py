@@ -6,6 +6,7 @@ Triton kernel: tests/test_triton_interpret.py.)"""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -188,3 +189,66 @@ def test_clusters_that_do_not_fit_are_left_out_by_the_layer_and_refused_when_ask
     F.fused_moe_impl(x, jnp.zeros((128, 8), jnp.int32), None, jnp.zeros((32, 1024, 1024), jnp.float8_e4m3fn),
                      None, None, None, routed_scaling_factor=1.0, activation_clamp=None, w13_interleave=8)
     assert used == [cfg if fits else dataclasses.replace(cfg, cluster_size=1)]
+
+
+@pytest.mark.parametrize("tokens", [128, 5])
+def test_routed_branch_is_one_call_of_three_plans(tokens, tmp_path, monkeypatch):
+    """The routed branch's one custom call: the router and input kernels compiled for sm_90a and
+    placed on the call's operands (router: x, gate -> partials; input: x, partials, placeholder,
+    bias, offset -> buffer; the fused kernel on the buffer, the weights and y), only the input
+    kernel (and the fused kernel when its config says pdl) launched programmatically, the router
+    letting the next kernel start and the input kernel's routing waiting for it (its PTX), and
+    every map and pointer inside its operand."""
+    pytest.importorskip("triton")
+    import jax
+    import jax.numpy as jnp
+
+    monkeypatch.setenv("MOE_JAX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")  # as importing jax_triton leaves it
+    h, i, e, k = 1024, 512, 16, 4
+    cfg = _cfg(tokens, h, i, e, k)
+    x = jax.ShapeDtypeStruct((tokens, h), jnp.bfloat16)
+    gate = jax.ShapeDtypeStruct((24, h), jnp.bfloat16)  # 24 routed experts, 16 held here
+    w13 = jax.ShapeDtypeStruct((e, 2 * i, h), jnp.float8_e4m3fn)
+    w13s = jax.ShapeDtypeStruct((e, 2 * i // 128, h // 128), jnp.float32)
+    w2 = jax.ShapeDtypeStruct((e, h, i), jnp.float8_e4m3fn)
+    w2s = jax.ShapeDtypeStruct((e, h // 128, i // 128), jnp.float32)
+    routing = dict(top_k=k, scoring="sigmoid", n_group=4, topk_group=2, norm_topk_prob=True,
+                   routed_scaling_factor=2.5)
+
+    def plans_for(c):
+        def build(x, gate, bias, offset, w13, w13s, w2, w2s):
+            plans, inputs, outputs = F.routed_plans(c, "/fused.cubin", 90, x, gate, bias, offset, w13, w13s, w2,
+                                                    w2s, **routing)
+            build.result = plans, [(a.shape, a.dtype) for a in inputs], outputs
+            return jnp.zeros(())
+        jax.eval_shape(build, x, gate, jax.ShapeDtypeStruct((24,), jnp.float32),
+                       jax.ShapeDtypeStruct((), jnp.int32), w13, w13s, w2, w2s)
+        return build.result
+
+    plans, inputs, outputs = plans_for(cfg)
+    router, stage, fused = plans
+    nbytes = tuple(int(np.prod(s)) * jnp.dtype(d).itemsize for s, d in inputs) + tuple(
+        int(np.prod(o.shape)) * jnp.dtype(o.dtype).itemsize for o in outputs)
+    assert [o.shape for o in outputs[1:]] == [(cfg.buffer.total_bytes,), (tokens, h)]
+    assert outputs[0].shape[1:] == (tokens, 24) and outputs[0].dtype == jnp.float32
+    for p in plans:
+        p.check_operands(nbytes)
+    ptrs = lambda p: [a.value for a in p.args if a.kind == LP.ARG_PTR]  # noqa: E731
+    assert ptrs(router) == [0, 1, 9] and router.args[3:] == (LP.NULL, LP.NULL)
+    assert ptrs(stage) == [0, 9, 2, 3, 4, 10] and stage.args[6:] == (LP.NULL, LP.NULL)
+    assert {t.operand for t in fused.tmaps} == {10, 5, 7} and ptrs(fused) == [11, 6, 8]
+    assert [a.value for a in fused.args if a.kind == LP.ARG_SYM_BUFFER] == [10]
+    assert [p.programmatic for p in plans] == [False, True, cfg.pdl]
+    assert router.grid_yz[0] == outputs[0].shape[0]  # one program column per split
+    assert stage.block == 32 and router.smem > 0  # the routed decode stage: one warp per program
+    assert LP.sequence_attributes(plans)["launch"].reshape(3, 8)[:, 5].tolist() == [0, 1, int(cfg.pdl)]
+    pdl = plans_for(dataclasses.replace(cfg, pdl=True))[0]
+    assert [p.programmatic for p in pdl] == [False, True, True]
+
+    # the PTX of the two Triton kernels, kept beside their cubins
+    for plan, want in ((router, ("griddepcontrol.launch_dependents",)),
+                       (stage, ("griddepcontrol.launch_dependents", "griddepcontrol.wait"))):
+        assert plan.cubin.startswith(str(tmp_path / "cache"))
+        ptx = (Path(plan.cubin).parent / "kernel.ptx").read_text()
+        assert all(w in ptx for w in want) and f".entry {plan.kernel}(" in ptx, (plan.kernel, want)

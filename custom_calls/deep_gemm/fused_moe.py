@@ -12,6 +12,10 @@ buffer" for a single rank):
 2. the fused kernel (cooperative launch: its grid barriers need every block resident) takes the
    buffer in and out (aliased) and writes y (M, H) bf16.
 
+With the routing inside (`fused_moe_routed_impl`) the router kernel, the input stage and the fused
+kernel run as one custom call of the native launcher (`routed_plans`), the input stage launched
+programmatically beside the router.
+
 The kernel reads w13 with its gate and up rows interleaved in groups of 8
 (`layouts.interleave_gate_up`); that copy is made once, when the weights are prepared. Its
 capacity (the template's max tokens) is the token count rounded up to a power of two (at least 8):
@@ -273,22 +277,62 @@ def fused_moe_routed_impl(x: jax.Array, gate_weight: jax.Array, bias: jax.Array 
                           scoring: str, n_group: int, topk_group: int, norm_topk_prob: bool,
                           routed_scaling_factor: float, activation_clamp: float | None,
                           w13_interleave: int) -> jax.Array:
-    """Op `fused_moe_routed` in three launches: the router GEMM as split-K partials (Triton), the
-    input stage with the routing epilogue (Triton), the fused kernel. Operands checked by the op."""
+    """Op `fused_moe_routed` as one custom call of three kernels (`routed_sequence`): the router
+    GEMM as split-K partials (Triton), the input stage with the routing epilogue (Triton), the
+    fused kernel. Operands checked by the op."""
     m, h = x.shape
     e, two_i, _ = w13.shape
     if m == 0:
         return jnp.zeros((0, h), jnp.bfloat16)
-    from custom_calls.triton.fused_input_kernel import fused_input_routed  # imports triton
-    from custom_calls.triton.router_kernel import router_partials
-
     cfg = _layer_config(m=m, hidden=h, intermediate=two_i // 2, num_experts=e, top_k=top_k,
                         activation_clamp=activation_clamp)
-    cubin = _kernel_cubin(cfg)
-    buf = fused_input_routed(x, router_partials(x, gate_weight), bias, expert_offset, buffer=cfg.buffer,
-                             routed_scaling_factor=routed_scaling_factor, top_k=top_k, scoring=scoring,
-                             n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob)
-    return _run_kernel(cfg, cubin, buf, m, w13, w13_scale, w2, w2_scale)[0]
+    return routed_sequence(cfg, x, gate_weight, bias, expert_offset, w13, w13_scale, w2, w2_scale, top_k=top_k,
+                           scoring=scoring, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+                           routed_scaling_factor=routed_scaling_factor)
+
+
+def routed_sequence(cfg: Sm90FusedMoEConfig, x: jax.Array, gate_weight: jax.Array, bias: jax.Array | None,
+                    expert_offset: jax.Array, w13: jax.Array, w13_scale: jax.Array, w2: jax.Array,
+                    w2_scale: jax.Array, **routing) -> jax.Array:
+    """The routed branch for ``cfg`` (1 to cfg.max_tokens tokens) in one custom call of three
+    kernels (`routed_plans`; ``routing``: its keyword arguments) -> y (M, H) bf16."""
+    plans, inputs, outputs = routed_plans(cfg, _kernel_cubin(cfg), detected_device()[1], x, gate_weight, bias,
+                                          expert_offset, w13, w13_scale, w2, w2_scale, **routing)
+    return launch(plans, inputs, outputs)[2]
+
+
+def routed_plans(cfg: Sm90FusedMoEConfig, fused_cubin: str, arch: int, x: jax.Array, gate_weight: jax.Array,
+                 bias: jax.Array | None, expert_offset: jax.Array, w13: jax.Array, w13_scale: jax.Array,
+                 w2: jax.Array, w2_scale: jax.Array, *, top_k: int, scoring: str, n_group: int, topk_group: int,
+                 norm_topk_prob: bool, routed_scaling_factor: float
+                 ) -> tuple[tuple[LP.LaunchPlan, ...], list[jax.Array], list[jax.ShapeDtypeStruct]]:
+    """(plans, inputs, outputs) of the routed branch's one custom call on the native launcher:
+    the router kernel (launched after everything before it, then letting the next kernel start),
+    the input kernel launched programmatically (its quantizing and zeroing programs run beside
+    the router; its routing programs wait for the router's completion before they read the
+    partials), and the fused kernel, launched programmatically when ``cfg.pdl`` (then compiled to
+    wait for the input kernel). Nothing XLA schedules can run between them, and the partials and
+    the buffer are outputs of the call, so the overlap touches no buffer another op could be
+    given. Operands: inputs 0 x, 1 gate_weight, 2 a float32 placeholder, 3 the bias operand,
+    4 expert_offset (1,), 5-8 w13, w13_scale, w2, w2_scale; outputs 9 the router partials,
+    10 the buffer, 11 y."""
+    from custom_calls.triton.fused_input_kernel import fused_input_routed_call  # imports triton
+    from custom_calls.triton.native import kernel_plan_for
+    from custom_calls.triton.router_kernel import router_call
+
+    m, h = x.shape
+    router = router_call(x, gate_weight, trigger=True)
+    (partials,) = router.out_shape
+    stage = fused_input_routed_call(x, partials, bias, expert_offset, buffer=cfg.buffer,
+                                    routed_scaling_factor=routed_scaling_factor, top_k=top_k, scoring=scoring,
+                                    n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob, wait=True)
+    _, _, placeholder, bias_op, offset = stage.operands
+    inputs = [x, gate_weight, placeholder, bias_op, offset, w13, w13_scale, w2, w2_scale]
+    outputs = [partials, *stage.out_shape, jax.ShapeDtypeStruct((m, h), jnp.bfloat16)]
+    plans = (kernel_plan_for(router, arch=arch, operands=(0, 1, 9)),
+             kernel_plan_for(stage, arch=arch, operands=(0, 9, 2, 3, 4, 10), programmatic=True),
+             fused_plan(cfg, fused_cubin, num_tokens=m).remap((10, 5, 6, 7, 8, 11, 10)))
+    return plans, inputs, outputs
 
 
 def static_supports_fused(*, m: int, hidden: int, intermediate: int, num_experts: int, top_k: int, x_dtype,
