@@ -321,13 +321,15 @@ def test_schedule_options_keep_the_output_bits():
 
 
 @pytest.mark.parametrize("m,e_route,scoring,ng,tg,offset", [(1, 16, "sigmoid", 4, 2, 0), (128, 16, "softmax", 1, 1, 0),
-                                                            (300, 64, "sigmoid", 8, 4, 16)])
+                                                            (300, 64, "sigmoid", 8, 4, 16),
+                                                            (4096, 32, "sigmoid", 4, 2, 8)])
 def test_routed_sequence_matches_separate_launches(m, e_route, scoring, ng, tg, offset):
     """The routed branch as one custom call of three kernels (the input kernel launched
     programmatically beside the router, the fused kernel too with its `pdl` option) gives the
     bits of the same three kernels in three custom calls: three dependent layers in one program
     (each layer's tokens are the previous one's output), so an input kernel that read its partials
-    before the router finished, or a kernel that read the previous layer's y early, would differ."""
+    before the router finished, or a kernel that read the previous layer's y early, would differ.
+    At 4096 tokens the router takes its prefill tile (128 rows, 3 stages: > 48 KB of shared memory)."""
     from custom_calls.deep_gemm import fused_moe as F
     from custom_calls.triton.fused_input_kernel import fused_input_routed
     from custom_calls.triton.router_kernel import router_partials

@@ -52,7 +52,8 @@ class KernelCall:
     """One launch of a Triton kernel, described before it runs: ``operands`` (arrays) then the
     outputs ``out_shape`` are its pointers, ``constexprs`` the rest of its parameters. `run` goes
     through `triton_call`; `custom_calls.triton.native.kernel_plan_for` makes it a launch plan of
-    the native launcher instead."""
+    the native launcher instead (there an operand may be a `jax.ShapeDtypeStruct`: another
+    kernel's output in the same call)."""
 
     kernel: Any
     operands: tuple[jax.Array, ...]
