@@ -195,10 +195,11 @@ def test_clusters_that_do_not_fit_are_left_out_by_the_layer_and_refused_when_ask
 def test_routed_branch_is_one_call_of_three_plans(tokens, tmp_path, monkeypatch):
     """The routed branch's one custom call: the router and input kernels compiled for sm_90a and
     placed on the call's operands (router: x, gate -> partials; input: x, partials, placeholder,
-    bias, offset -> buffer; the fused kernel on the buffer, the weights and y), only the input
-    kernel (and the fused kernel when its config says pdl) launched programmatically, the router
-    letting the next kernel start and the input kernel's routing waiting for it (its PTX), and
-    every map and pointer inside its operand."""
+    bias, offset -> buffer; the fused kernel on the buffer, the weights and y), the router and
+    the input kernel launched programmatically (the fused kernel when its config says pdl), the
+    router waiting for the kernel before it and then letting the next kernel start, the input
+    kernel's routing waiting for the router (their PTX), and every map and pointer inside its
+    operand."""
     pytest.importorskip("triton")
     import jax
     import jax.numpy as jnp
@@ -239,15 +240,15 @@ def test_routed_branch_is_one_call_of_three_plans(tokens, tmp_path, monkeypatch)
     assert ptrs(stage) == [0, 9, 2, 3, 4, 10] and stage.args[6:] == (LP.NULL, LP.NULL)
     assert {t.operand for t in fused.tmaps} == {10, 5, 7} and ptrs(fused) == [11, 6, 8]
     assert [a.value for a in fused.args if a.kind == LP.ARG_SYM_BUFFER] == [10]
-    assert [p.programmatic for p in plans] == [False, True, cfg.pdl]
+    assert [p.programmatic for p in plans] == [True, True, cfg.pdl]
     assert router.grid_yz[0] == outputs[0].shape[0]  # one program column per split
     assert stage.block == 32 and router.smem > 0  # the routed decode stage: one warp per program
-    assert LP.sequence_attributes(plans)["launch"].reshape(3, 8)[:, 5].tolist() == [0, 1, int(cfg.pdl)]
+    assert LP.sequence_attributes(plans)["launch"].reshape(3, 8)[:, 5].tolist() == [1, 1, int(cfg.pdl)]
     pdl = plans_for(dataclasses.replace(cfg, pdl=True))[0]
-    assert [p.programmatic for p in pdl] == [False, True, True]
+    assert [p.programmatic for p in pdl] == [True, True, True]
 
     # the PTX of the two Triton kernels, kept beside their cubins
-    for plan, want in ((router, ("griddepcontrol.launch_dependents",)),
+    for plan, want in ((router, ("griddepcontrol.wait", "griddepcontrol.launch_dependents")),
                        (stage, ("griddepcontrol.launch_dependents", "griddepcontrol.wait"))):
         assert plan.cubin.startswith(str(tmp_path / "cache"))
         ptx = (Path(plan.cubin).parent / "kernel.ptx").read_text()

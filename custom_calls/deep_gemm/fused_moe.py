@@ -13,8 +13,8 @@ buffer" for a single rank):
    buffer in and out (aliased) and writes y (M, H) bf16.
 
 With the routing inside (`fused_moe_routed_impl`) the router kernel, the input stage and the fused
-kernel run as one custom call of the native launcher (`routed_plans`), the input stage launched
-programmatically beside the router.
+kernel run as one custom call of the native launcher (`routed_plans`), the router and the input
+stage launched programmatically (the input stage beside the router).
 
 The kernel reads w13 with its gate and up rows interleaved in groups of 8
 (`layouts.interleave_gate_up`); that copy is made once, when the weights are prepared. Its
@@ -307,13 +307,13 @@ def routed_plans(cfg: Sm90FusedMoEConfig, fused_cubin: str, arch: int, x: jax.Ar
                  norm_topk_prob: bool, routed_scaling_factor: float
                  ) -> tuple[tuple[LP.LaunchPlan, ...], list[jax.Array], list[jax.ShapeDtypeStruct]]:
     """(plans, inputs, outputs) of the routed branch's one custom call on the native launcher:
-    the router kernel (launched after everything before it, then letting the next kernel start),
-    the input kernel launched programmatically (its quantizing and zeroing programs run beside
-    the router; its routing programs wait for the router's completion before they read the
-    partials), and the fused kernel, launched programmatically when ``cfg.pdl`` (then compiled to
-    wait for the input kernel). Nothing XLA schedules can run between them, and the partials and
-    the buffer are outputs of the call, so the overlap touches no buffer another op could be
-    given. Operands: inputs 0 x, 1 gate_weight, 2 a float32 placeholder, 3 the bias operand,
+    the router kernel, launched programmatically (it waits for the kernel before it to complete
+    before it touches memory, then lets the next kernel start), the input kernel launched
+    programmatically (its quantizing and zeroing programs run beside the router; its routing
+    programs wait for the router's completion before they read the partials), and the fused
+    kernel, launched programmatically when ``cfg.pdl`` (then compiled to wait for the input
+    kernel). Nothing XLA schedules can run between them, and the partials and the buffer are
+    outputs of the call, so the overlap touches no buffer another op could be given. Operands: inputs 0 x, 1 gate_weight, 2 a float32 placeholder, 3 the bias operand,
     4 expert_offset (1,), 5-8 w13, w13_scale, w2, w2_scale; outputs 9 the router partials,
     10 the buffer, 11 y."""
     from custom_calls.triton.fused_input_kernel import fused_input_routed_call  # imports triton
@@ -321,7 +321,7 @@ def routed_plans(cfg: Sm90FusedMoEConfig, fused_cubin: str, arch: int, x: jax.Ar
     from custom_calls.triton.router_kernel import router_call
 
     m, h = x.shape
-    router = router_call(x, gate_weight, trigger=True)
+    router = router_call(x, gate_weight, trigger=True, wait=True)
     (partials,) = router.out_shape
     stage = fused_input_routed_call(x, partials, bias, expert_offset, buffer=cfg.buffer,
                                     routed_scaling_factor=routed_scaling_factor, top_k=top_k, scoring=scoring,
@@ -329,7 +329,7 @@ def routed_plans(cfg: Sm90FusedMoEConfig, fused_cubin: str, arch: int, x: jax.Ar
     _, _, placeholder, bias_op, offset = stage.operands
     inputs = [x, gate_weight, placeholder, bias_op, offset, w13, w13_scale, w2, w2_scale]
     outputs = [partials, *stage.out_shape, jax.ShapeDtypeStruct((m, h), jnp.bfloat16)]
-    plans = (kernel_plan_for(router, arch=arch, operands=(0, 1, 9)),
+    plans = (kernel_plan_for(router, arch=arch, operands=(0, 1, 9), programmatic=True),
              kernel_plan_for(stage, arch=arch, operands=(0, 9, 2, 3, 4, 10), programmatic=True),
              fused_plan(cfg, fused_cubin, num_tokens=m).remap((10, 5, 6, 7, 8, 11, 10)))
     return plans, inputs, outputs

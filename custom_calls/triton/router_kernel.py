@@ -87,12 +87,16 @@ def router_partials_kernel(
     x_ptr, w_ptr, out_ptr,
     M: tl.constexpr, H: tl.constexpr, E: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
-    TRIGGER: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False,
 ):
     """Grid (cdiv(M, BLOCK_M), S, cdiv(E, BLOCK_E)): out[s, m, e] = sum over the split's columns.
     TRIGGER: let the kernel launched after this one with programmatic dependent launch start now
     (it waits for this grid's completion before it reads the partials); only where this kernel
-    was itself launched after everything it reads was complete."""
+    was itself launched after everything it reads was complete, or WAIT.
+    WAIT: this kernel was launched programmatically: before anything else (a memory access, the
+    trigger) wait for the kernel before it to complete (griddepcontrol.wait)."""
+    if WAIT:
+        tl.extra.cuda.gdc_wait()
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
@@ -119,9 +123,9 @@ def router_partials_kernel(
 
 
 def router_call(x: jax.Array, gate_weight: jax.Array, *, config: RouterConfig | None = None,
-                trigger: bool = False) -> KernelCall:
-    """The launch of `router_partials` (``trigger``: the kernel's TRIGGER, for a native launch
-    sequence whose next kernel is launched programmatically)."""
+                trigger: bool = False, wait: bool = False) -> KernelCall:
+    """The launch of `router_partials` (``trigger`` / ``wait``: the kernel's TRIGGER / WAIT, for a
+    native launch sequence: the next kernel launched programmatically / this one)."""
     m, h = x.shape
     e = gate_weight.shape[0]
     config = config_or_default(config, RouterConfig, lambda: heuristic_config(m, h, e))
@@ -131,7 +135,8 @@ def router_call(x: jax.Array, gate_weight: jax.Array, *, config: RouterConfig | 
         grid=(ceil_div(m, config.block_m), splits, ceil_div(e, config.block_e)), num_warps=config.num_warps,
         num_stages=config.num_stages, name="moe_router_partials",
         constexprs=dict(M=m, H=h, E=e, SPLIT_K=config.split_k, BLOCK_M=config.block_m, BLOCK_E=config.block_e,
-                        BLOCK_K=config.block_k, FP32_DOT=interpreting(), TRIGGER=trigger))
+                        BLOCK_K=config.block_k, FP32_DOT=interpreting(), TRIGGER=trigger,
+                        WAIT=wait))
 
 
 def router_partials(x: jax.Array, gate_weight: jax.Array, *, config: RouterConfig | None = None) -> jax.Array:
