@@ -187,8 +187,9 @@ def test_routed_input_stage(m, h, e_route):
     (300, 1024, 16, 64, 8, "sigmoid", 8, 4, True, 48),
 ])
 def test_routed_op_matches_reference(m, h, e, e_route, k, scoring, ng, tg, bias, offset):
-    """Op `fused_moe_routed` (three kernels in one custom call on SM90) against its reference (the layer's bf16 router
-    GEMM, `route_topk` and `fused_moe`'s reference), routes to experts held elsewhere included."""
+    """Op `fused_moe_routed` (three kernels in one custom call on SM90) against its reference (the
+    layer's bf16 router GEMM, `route_topk` and `fused_moe`'s reference), routes to experts held
+    elsewhere included."""
     from custom_calls import fused_moe_routed
 
     x, gate, b = _routed_problem(m * 7 + e_route, m, h, e_route, bias=bias)
