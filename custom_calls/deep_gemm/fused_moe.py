@@ -313,9 +313,9 @@ def routed_plans(cfg: Sm90FusedMoEConfig, fused_cubin: str, arch: int, x: jax.Ar
     programs wait for the router's completion before they read the partials), and the fused
     kernel, launched programmatically when ``cfg.pdl`` (then compiled to wait for the input
     kernel). Nothing XLA schedules can run between them, and the partials and the buffer are
-    outputs of the call, so the overlap touches no buffer another op could be given. Operands: inputs 0 x, 1 gate_weight, 2 a float32 placeholder, 3 the bias operand,
-    4 expert_offset (1,), 5-8 w13, w13_scale, w2, w2_scale; outputs 9 the router partials,
-    10 the buffer, 11 y."""
+    outputs of the call, so the overlap touches no buffer another op could be given. Operands:
+    inputs 0 x, 1 gate_weight, 2 a float32 placeholder, 3 the bias operand, 4 expert_offset (1,),
+    5-8 w13, w13_scale, w2, w2_scale; outputs 9 the router partials, 10 the buffer, 11 y."""
     from custom_calls.triton.fused_input_kernel import fused_input_routed_call  # imports triton
     from custom_calls.triton.native import kernel_plan_for
     from custom_calls.triton.router_kernel import router_call
