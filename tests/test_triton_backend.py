@@ -145,23 +145,13 @@ def test_constraints_hold_at_the_deepseek_shapes():
 # ------------------------------------------------------------------ offline compilation
 
 
-@pytest.fixture(autouse=True)
-def _writable_triton_cache(tmp_path_factory, monkeypatch):
-    """triton.compile needs a cache directory; the default under $HOME may not be writable."""
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "triton_cache"))
-
-
 def _compile(kernel, pointers: dict, constexprs: dict, arch: int, num_warps: int = 4, num_stages: int = 1):
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
+    """The kernel compiled as the native launcher compiles it (`native.compile_triton`: 16-byte
+    aligned pointers, so the loads vectorize as on the GPU)."""
+    pytest.importorskip("triton")
+    from custom_calls.triton.native import compile_triton
 
-    sig = dict(pointers)
-    sig.update({k: "constexpr" for k in constexprs})
-    # jax_triton assumes 16-byte aligned buffers; say the same so the loads vectorize as on the GPU
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
-    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    return compile_triton(kernel, pointers, constexprs, num_warps=num_warps, num_stages=num_stages, arch=arch)
 
 
 def _resources(compiled) -> dict:

@@ -64,13 +64,33 @@ def _key(kernel, pointers: tuple[str, ...], constexprs: tuple, options: tuple, a
     return h.hexdigest()[:32]
 
 
-@functools.cache
-def _compile(kernel, pointers: tuple[str, ...], constexprs: tuple, num_warps: int, num_stages: int,
-             arch: int) -> TritonCubin:
+def _options(num_warps: int, num_stages: int) -> tuple:
+    """triton.compile's options, as jax_triton passes them."""
+    return (("num_warps", num_warps), ("num_stages", num_stages), ("num_ctas", 1), ("enable_fp_fusion", True))
+
+
+def compile_triton(kernel, pointers: dict[str, str], constexprs: dict, *, num_warps: int, num_stages: int,
+                   arch: int):
+    """``kernel`` compiled by `triton.compile` for SM ``arch`` (Triton's CompiledKernel: asm["ptx"],
+    asm["cubin"], metadata): ``pointers`` {parameter name: Triton pointer type}, each 16-byte
+    aligned (XLA's buffers are; jax_triton tells Triton the same), ``constexprs`` {name: value}."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    options = (("num_warps", num_warps), ("num_stages", num_stages), ("num_ctas", 1), ("enable_fp_fusion", True))
+    signature = dict(pointers)
+    signature.update({k: "constexpr" for k in constexprs})
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
+    src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    # triton.compile needs a cache directory, and importing jax_triton empties $TRITON_CACHE_DIR
+    with tempfile.TemporaryDirectory() as triton_cache, triton.knobs.cache.scope():
+        triton.knobs.cache.dir = triton_cache
+        return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options=dict(_options(num_warps, num_stages)))
+
+
+@functools.cache
+def _compile(kernel, pointers: tuple[str, ...], constexprs: tuple, num_warps: int, num_stages: int,
+             arch: int) -> TritonCubin:
     names = kernel.arg_names
     consts = dict(constexprs)
     if len(names) != len(pointers) + len(consts) or set(names[len(pointers):]) != set(consts):
@@ -78,15 +98,8 @@ def _compile(kernel, pointers: tuple[str, ...], constexprs: tuple, num_warps: in
                          f"constexprs {sorted(consts)}, got {len(pointers)} ({names})")
 
     def build(out_dir) -> dict:
-        signature = dict(zip(names, pointers))
-        signature.update({k: "constexpr" for k in consts})
-        # XLA's buffers are at least 16-byte aligned; jax_triton tells Triton the same
-        attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
-        src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
-        # triton.compile needs a cache directory, and importing jax_triton empties $TRITON_CACHE_DIR
-        with tempfile.TemporaryDirectory() as triton_cache, triton.knobs.cache.scope():
-            triton.knobs.cache.dir = triton_cache
-            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
+        compiled = compile_triton(kernel, dict(zip(names, pointers)), consts, num_warps=num_warps,
+                                  num_stages=num_stages, arch=arch)
         md = compiled.metadata
         unused = {"global_scratch_size": md.global_scratch_size, "profile_scratch_size": md.profile_scratch_size}
         if any(unused.values()) or md.num_ctas != 1:
@@ -96,8 +109,8 @@ def _compile(kernel, pointers: tuple[str, ...], constexprs: tuple, num_warps: in
         (out_dir / PTX).write_text(compiled.asm["ptx"])  # beside it, for inspection
         return {"name": md.name, "num_warps": md.num_warps, "shared": md.shared, "arch": arch}
 
-    path, _ = toolchain.cached_artifact("triton", kernel.__name__, _key(kernel, pointers, constexprs, options, arch),
-                                        CUBIN, build)
+    key = _key(kernel, pointers, constexprs, _options(num_warps, num_stages), arch)
+    path, _ = toolchain.cached_artifact("triton", kernel.__name__, key, CUBIN, build)
     meta = json.loads((path.parent / toolchain.MANIFEST).read_text())
     return TritonCubin(str(path), meta["name"], int(meta["num_warps"]), int(meta["shared"]))
 
