@@ -6,6 +6,7 @@ once), and the FFI launcher build."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import re
@@ -264,6 +265,11 @@ def test_launch_sequence_encoding_and_remap():
         LP.LaunchPlan("k", "/x", 1, 32, 1, 0, (), (), grid_yz=(0, 1)).check()
     with pytest.raises(ValueError, match="newline"):
         LP.sequence_attributes((LP.LaunchPlan("k", "/x\ny", 1, 32, 1, 0, (), ()),))
+    from custom_calls.deep_gemm.launch import launch
+
+    one = LP.LaunchPlan("k", "/x", 1, 32, 1, 0, (), (), command_buffer=False)
+    with pytest.raises(ValueError, match="one command_buffer setting"):  # refused before anything is built
+        launch((one, dataclasses.replace(one, command_buffer=True)), [], [])
 
 
 def _nbytes(*shapes_dtypes):

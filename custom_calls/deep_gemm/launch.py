@@ -105,10 +105,13 @@ def launch(plan: LaunchPlan | Sequence[LaunchPlan], inputs: Sequence[jax.Array],
     Without ``plan.command_buffer`` the target has no command-buffer trait, so XLA calls the handler
     on every execution (measured cost: ~3-5 µs per launch); with it XLA may record the launch into a
     CUDA graph and re-record it when a buffer address changes (csrc/launch_handler.cc says why that
-    is safe). Either way the TMA descriptors hold the buffers' current addresses. A sequence is
-    recorded when its first plan says so.
+    is safe). Either way the TMA descriptors hold the buffers' current addresses. The plans of a
+    sequence must agree on it (ValueError otherwise).
     """
     plans = (plan,) if isinstance(plan, LaunchPlan) else tuple(plan)
+    if len({p.command_buffer for p in plans}) > 1:
+        raise ValueError(f"plans: expected one command_buffer setting for the call's kernels, got "
+                         f"{[(p.kernel, p.command_buffer) for p in plans]}")
     nbytes = tuple(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in (*inputs, *outputs))
     for p in plans:
         p.check_operands(nbytes)
