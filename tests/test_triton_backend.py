@@ -318,3 +318,35 @@ def test_router_kernel_compiles_for_sm90_on_tensor_cores():
             assert res["stack"] == 0 and res["reg"] <= 128, (m, e, res)
         else:
             _lean(c)
+
+
+def test_native_launch_refuses_bad_input(tmp_path, monkeypatch):
+    """custom_calls.triton.native names what it cannot take: an operand dtype without a Triton
+    pointer type, a grid of no or more than three extents, a call whose operand places do not
+    match its operands, constexprs that leave a kernel parameter unset."""
+    pytest.importorskip("triton")
+    import jax
+    import jax.numpy as jnp
+
+    from custom_calls.triton import native
+    from custom_calls.triton.router_kernel import router_call, router_partials_kernel
+
+    monkeypatch.setenv("MOE_JAX_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match=r"operand 1: expected a dtype in .*got bool"):
+        native.pointer_types([jnp.bfloat16, jnp.bool_])
+    cubin = native.TritonCubin("/k.cubin", "k", 4, 0)
+    for grid in ((), (1, 1, 1, 1), (4, 0)):
+        with pytest.raises(ValueError, match="grid: expected 1 to 3 positive extents"):
+            native.kernel_plan(cubin, grid=grid, num_operands=2)
+    plan = native.kernel_plan(cubin, grid=(5, 3), num_operands=2, programmatic=True)
+    assert (plan.grid, plan.grid_yz, plan.block, plan.programmatic) == (5, (3, 1), 128, True)
+    call = router_call(jax.ShapeDtypeStruct((16, 256), jnp.bfloat16), jax.ShapeDtypeStruct((8, 256), jnp.bfloat16))
+    with pytest.raises(ValueError, match="moe_router_partials: expected 3 operand places, got 2"):
+        native.kernel_plan_for(call, arch=90, operands=(0, 1))
+    with pytest.raises(ValueError, match=r"router_partials_kernel: expected a value for each parameter after its 3 "
+                       r"array operands.*missing \['BLOCK_E', 'BLOCK_K', 'BLOCK_M', 'FP32_DOT', 'SPLIT_K', 'TRIGGER', "
+                       r"'WAIT'\], not parameters there \[\]"):
+        native.compile_kernel(router_partials_kernel, dtypes=[jnp.bfloat16] * 2 + [jnp.float32], num_warps=4,
+                              arch=90, M=16, H=256, E=8)
+    with pytest.raises(ValueError, match="router_partials_kernel: expected at most 13 array operands, got 14"):
+        native.compile_kernel(router_partials_kernel, dtypes=[jnp.float32] * 14, num_warps=4, arch=90)

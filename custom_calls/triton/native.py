@@ -52,7 +52,8 @@ def pointer_types(dtypes: Sequence[Any]) -> tuple[str, ...]:
     for i, dt in enumerate(dtypes):
         t = POINTER_TYPES.get(jnp.dtype(dt))
         if t is None:
-            raise ValueError(f"operand {i}: expected a dtype in {sorted(str(d) for d in POINTER_TYPES)}, got {dt}")
+            raise ValueError(f"operand {i}: expected a dtype in {sorted(str(d) for d in POINTER_TYPES)}, "
+                             f"got {jnp.dtype(dt).name}")
         out.append(t)
     return tuple(out)
 
@@ -93,9 +94,13 @@ def _compile(kernel, pointers: tuple[str, ...], constexprs: tuple, num_warps: in
              arch: int) -> TritonCubin:
     names = kernel.arg_names
     consts = dict(constexprs)
-    if len(names) != len(pointers) + len(consts) or set(names[len(pointers):]) != set(consts):
-        raise ValueError(f"{kernel.__name__}: expected {len(names) - len(consts)} array operands before the "
-                         f"constexprs {sorted(consts)}, got {len(pointers)} ({names})")
+    if len(pointers) > len(names):
+        raise ValueError(f"{kernel.__name__}: expected at most {len(names)} array operands, got {len(pointers)}")
+    rest = names[len(pointers):]  # every parameter after the array operands is a constexpr
+    if set(rest) != set(consts):
+        raise ValueError(f"{kernel.__name__}: expected a value for each parameter after its {len(pointers)} array "
+                         f"operands, {list(rest)}; missing {sorted(set(rest) - set(consts))}, not parameters there "
+                         f"{sorted(set(consts) - set(rest))}")
 
     def build(out_dir) -> dict:
         compiled = compile_triton(kernel, dict(zip(names, pointers)), consts, num_warps=num_warps,
