@@ -219,7 +219,7 @@ def test_plan_checks_reject_illegal_descriptors():
 
 def test_ffi_attribute_encoding():
     c = H.sm100_mgrouped_config("mxfp4", "contig", 512, 1024, 2, 148)
-    attrs = LP.sm100_plan(c, "/x.cubin", m=256, n=512, k=1024).ffi_attributes()
+    attrs = LP.sequence_attributes((LP.sm100_plan(c, "/x.cubin", m=256, n=512, k=1024),))
     assert attrs["cubin"] == "/x.cubin"
     # grid x, block, cluster, smem, cooperative, programmatic, grid y, grid z
     assert attrs["launch"].tolist() == [148, 256, 2, c.smem_bytes, 0, 0, 1, 1]

@@ -77,13 +77,14 @@ def test_plans_stay_inside_their_regions(shape):
 
 def test_attributes_encode_offsets_clusters_and_cooperative():
     cfg = _cfg(128, 7168, 2048, 32, 8)
-    plan = F.fused_plan(cfg, "/f.cubin", num_tokens=128).ffi_attributes()
+    plan = LP.sequence_attributes((F.fused_plan(cfg, "/f.cubin", num_tokens=128),))
     # 128 tokens: 32 expected routes per expert, the rule's 2-CTA clusters (cooperative as well)
     assert cfg.cluster_size == 2 and plan["launch"].tolist()[:5] == [132, 384, 2, cfg.smem_bytes, 1]
     # programmatic dependent launch exactly when the kernel is compiled to wait for the input kernel
     assert plan["launch"].tolist()[5] == int(cfg.pdl)
     flipped = dataclasses.replace(cfg, pdl=not cfg.pdl)
-    assert F.fused_plan(flipped, "/f.cubin", num_tokens=128).ffi_attributes()["launch"].tolist()[5] == int(flipped.pdl)
+    flipped_plan = F.fused_plan(flipped, "/f.cubin", num_tokens=128)
+    assert LP.sequence_attributes((flipped_plan,))["launch"].tolist()[5] == int(flipped.pdl)
     assert ("_pdl_" in F.kernel_name(flipped)) != ("_pdl_" in F.kernel_name(cfg))
     tm = plan["tmaps"].reshape(-1, LP.TMAP_WORDS)
     assert tm[0, :2].tolist() == [0, cfg.buffer.regions["l1_tokens"][0]]

@@ -166,10 +166,6 @@ class LaunchPlan:
         tmaps = tuple(dataclasses.replace(t, operand=at(t.operand)) for t in self.tmaps)
         return dataclasses.replace(self, args=args, tmaps=tmaps)
 
-    def ffi_attributes(self) -> dict:
-        """Static attributes of the custom call (hashable by XLA; part of the compiled program)."""
-        return sequence_attributes((self,))
-
 
 def sequence_attributes(plans: tuple[LaunchPlan, ...]) -> dict:
     """Static attributes of one custom call that launches ``plans`` in order on its stream (their

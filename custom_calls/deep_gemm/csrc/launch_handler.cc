@@ -196,7 +196,7 @@ ffi::Error GetKernel(const Driver& d, const std::string& path, CUcontext ctx, in
   return ffi::Error::Success();
 }
 
-// Encodes kernel k's tensor maps (tmaps: its words) for the current addresses, 64-byte aligned.
+// Encodes one kernel's tensor maps (tmaps: its words) for the current addresses, 64-byte aligned.
 ffi::Error EncodeMaps(const Driver& d, const int64_t* tmaps, size_t num_maps, const std::vector<void*>& buffers,
                       const std::vector<uint64_t>& sizes, std::vector<CUtensorMap>* maps) {
   maps->resize(num_maps);
