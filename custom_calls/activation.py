@@ -134,11 +134,13 @@ def activation_quant_contig(gateup: jax.Array, *, act: ActivationSpec, recipe: s
 
 def activation_quant_masked(gateup: jax.Array, masked_m: jax.Array, *, act: ActivationSpec,
                             recipe: str, arch: int, backend: str | None = None,
-                            debug_checks: bool = False) -> tuple[jax.Array, jax.Array | None]:
+                            debug_checks: bool = False,
+                            assume_canonical: bool = False) -> tuple[jax.Array, jax.Array | None]:
     """Varlen form: gateup (G, m_pad, 2I) bf16, masked_m (G,) int32 (clamped to [0, m_pad] for
     every backend) -> (a (G, m_pad, I), a_scale (G, ...) image | None). Only rows < masked_m[g]
     are defined (the reference zeroes the rest). debug_checks: report masked_m outside
-    [0, m_pad] (`contracts.checked`)."""
+    [0, m_pad] (`contracts.checked`). assume_canonical: masked_m is already in [0, m_pad] (the
+    dispatcher's is), the clamp is skipped."""
     check_rank("gateup", gateup, 3, "(G, m_pad, 2I)")
     _check(gateup, act, recipe, arch)
     g, m_pad, two_i = gateup.shape
@@ -146,7 +148,8 @@ def activation_quant_masked(gateup: jax.Array, masked_m: jax.Array, *, act: Acti
     check_dtype("masked_m", masked_m, (jnp.int32,))
     if debug_checks:
         contracts.check_masked_m(masked_m, m_pad)
-    masked_m = contracts.canonical_masked_m(masked_m, m_pad)
+    if not assume_canonical:
+        masked_m = contracts.canonical_masked_m(masked_m, m_pad)
     impl = resolve(OP_MASKED, backend, num_groups=g, m_pad=m_pad, two_i=two_i, act=act,
                    recipe=recipe, arch=arch, dtype=gateup.dtype)
     return impl.impl(gateup, masked_m, act=act, recipe=recipe, arch=arch)

@@ -118,7 +118,8 @@ def _check_weights(rhs, rhs_scale) -> None:
 def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, *,
                           lhs_scale: jax.Array | None = None, rhs_scale: jax.Array | None = None,
                           recipe: str, arch: int, alignment: int = 128,
-                          backend: str | None = None, debug_checks: bool = False) -> jax.Array:
+                          backend: str | None = None, debug_checks: bool = False,
+                          assume_canonical: bool = False) -> jax.Array:
     """Contiguous grouped GEMM: D[r] = lhs[r] . rhs[m_indices[r]]^T.
 
     lhs: (M_cap, K) bf16 | e4m3; rhs: (G, N, K) [(G, N, K//2) int8 for mxfp4]; scales as
@@ -131,14 +132,19 @@ def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, 
     permute writes zero rows there) and the expert's weights and scales are finite; an accelerated
     kernel computes them from lhs, so a non-finite weight scale of the block's expert makes them
     NaN there (rows no route reads). debug_checks: report violations and non-finite weights
-    (`contracts.checked`).
+    (`contracts.checked`). assume_canonical: the caller vouches that every block is well formed,
+    as the dispatcher's m_indices are by construction, and the canonicalization pass is skipped.
+    A broken promise is undefined behaviour (like jax's `unique_indices`): an accelerated kernel
+    may read weight scales of an expert that does not exist. Pass it only for indices built by
+    `dispatch_map_contig`.
     """
     fmt = gemm_format(recipe, arch)
     m_cap, k, g, n = check_contig(lhs, rhs, m_indices, lhs_scale, rhs_scale, fmt, alignment)
     if debug_checks:
         contracts.check_m_indices(m_indices, g, alignment)
         _check_weights(rhs, rhs_scale)
-    m_indices = contracts.canonical_m_indices(m_indices, g, alignment)
+    if not assume_canonical:
+        m_indices = contracts.canonical_m_indices(m_indices, g, alignment)
     impl = resolve(OP_CONTIG, backend, m_cap=m_cap, n=n, k=k, num_groups=g, recipe=recipe,
                    arch=arch, alignment=alignment, lhs_dtype=lhs.dtype, rhs_dtype=rhs.dtype)
     return impl.impl(lhs, rhs, m_indices, lhs_scale=lhs_scale, rhs_scale=rhs_scale, recipe=recipe,
@@ -148,7 +154,7 @@ def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, 
 def m_grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *, expected_m: int,
                           lhs_scale: jax.Array | None = None, rhs_scale: jax.Array | None = None,
                           recipe: str, arch: int, backend: str | None = None,
-                          debug_checks: bool = False) -> jax.Array:
+                          debug_checks: bool = False, assume_canonical: bool = False) -> jax.Array:
     """Masked grouped GEMM: D[g, r] = lhs[g, r] . rhs[g]^T for r < masked_m[g].
 
     lhs: (G, m_pad, K) bf16 | e4m3, m_pad a multiple of 128; rhs: (G, N, K) [(G, N, K//2) int8 for
@@ -157,13 +163,16 @@ def m_grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *
     (ceil(M*top_k / E_global)) -> (G, m_pad, N) bf16. Rows >= masked_m[g] are UNSPECIFIED for
     accelerated implementations (the reference writes zeros); consumers never read them.
     debug_checks: report masked_m outside [0, m_pad] and non-finite weights (`contracts.checked`).
+    assume_canonical: masked_m is already in [0, m_pad] (the dispatcher's is), the clamp is skipped;
+    a broken promise is undefined behaviour, as for the contig op.
     """
     fmt = gemm_format(recipe, arch)
     g, m_pad, k, n = check_masked(lhs, rhs, masked_m, expected_m, lhs_scale, rhs_scale, fmt)
     if debug_checks:
         contracts.check_masked_m(masked_m, m_pad)
         _check_weights(rhs, rhs_scale)
-    masked_m = contracts.canonical_masked_m(masked_m, m_pad)
+    if not assume_canonical:
+        masked_m = contracts.canonical_masked_m(masked_m, m_pad)
     impl = resolve(OP_MASKED, backend, num_groups=g, m_pad=m_pad, n=n, k=k, expected_m=expected_m,
                    recipe=recipe, arch=arch, lhs_dtype=lhs.dtype, rhs_dtype=rhs.dtype)
     return impl.impl(lhs, rhs, masked_m, expected_m=expected_m, lhs_scale=lhs_scale,

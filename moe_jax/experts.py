@@ -1,5 +1,8 @@
 """The expert MLP of the routed experts: GEMM1 (w13) -> gated activation + quantization -> GEMM2
-(w2), on the contig or masked layout, for weights in GEMM form (`prepare_params`)."""
+(w2), on the contig or masked layout, for weights in GEMM form (`prepare_params`).
+
+The dispatcher's m_indices / masked_m keep the ops' index contracts by construction, so the ops
+are called with assume_canonical=True: no canonicalization pass runs before each GEMM."""
 
 from __future__ import annotations
 
@@ -19,11 +22,13 @@ def expert_core_contig(lhs: jax.Array, lhs_scale: jax.Array | None, disp: Contig
     recipe, arch = params.gemm_recipe, params.gemm_arch
     gateup = m_grouped_gemm_contig(lhs, params.w13, disp.m_indices, lhs_scale=lhs_scale,
                                    rhs_scale=params.w13_scale, recipe=recipe, arch=arch,
-                                   alignment=disp.alignment, backend=gemm_backend, debug_checks=debug_checks)
+                                   alignment=disp.alignment, backend=gemm_backend, debug_checks=debug_checks,
+                                   assume_canonical=True)
     a, a_scale = activation_quant_contig(gateup, act=act, recipe=recipe, arch=arch, backend=act_backend)
     return m_grouped_gemm_contig(a, params.w2, disp.m_indices, lhs_scale=a_scale,
                                  rhs_scale=params.w2_scale, recipe=recipe, arch=arch,
-                                 alignment=disp.alignment, backend=gemm_backend, debug_checks=debug_checks)
+                                 alignment=disp.alignment, backend=gemm_backend, debug_checks=debug_checks,
+                                 assume_canonical=True)
 
 
 def expert_core_masked(lhs: jax.Array, lhs_scale: jax.Array | None, disp: MaskedDispatch,
@@ -34,9 +39,12 @@ def expert_core_masked(lhs: jax.Array, lhs_scale: jax.Array | None, disp: Masked
     recipe, arch = params.gemm_recipe, params.gemm_arch
     gateup = m_grouped_gemm_masked(lhs, params.w13, disp.masked_m, expected_m=disp.expected_m,
                                    lhs_scale=lhs_scale, rhs_scale=params.w13_scale, recipe=recipe,
-                                   arch=arch, backend=gemm_backend, debug_checks=debug_checks)
+                                   arch=arch, backend=gemm_backend, debug_checks=debug_checks,
+                                   assume_canonical=True)
     a, a_scale = activation_quant_masked(gateup, disp.masked_m, act=act, recipe=recipe, arch=arch,
-                                         backend=act_backend, debug_checks=debug_checks)
+                                         backend=act_backend, debug_checks=debug_checks,
+                                         assume_canonical=True)
     return m_grouped_gemm_masked(a, params.w2, disp.masked_m, expected_m=disp.expected_m,
                                  lhs_scale=a_scale, rhs_scale=params.w2_scale, recipe=recipe,
-                                 arch=arch, backend=gemm_backend, debug_checks=debug_checks)
+                                 arch=arch, backend=gemm_backend, debug_checks=debug_checks,
+                                 assume_canonical=True)
