@@ -136,6 +136,29 @@ def test_assume_canonical_skips_the_pass_and_keeps_the_result():
     assert scatters(True) < scatters(False)
 
 
+@pytest.mark.parametrize("layout", ["contig", "masked"])
+def test_layer_runs_no_index_canonicalization(layout, monkeypatch):
+    """The dispatcher's m_indices / masked_m / src2dst keep the contracts by construction, so the
+    layer's grouped GEMMs, activation and (un)permute run no canonicalization pass; the ops called
+    directly still canonicalize (same bits as the layer for canonical indices)."""
+    config = mj.MoEConfig.deepseek_v3().scaled(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128)
+    params = mj.prepare_params(mj.init_params(jax.random.key(0), config), config)
+    x = jax.random.normal(jax.random.key(1), (19, 256), jnp.bfloat16)
+    want = mj.moe_forward(x, params, config, layout=layout)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a canonicalization pass on the layer's path")
+
+    for name in ("canonical_m_indices", "canonical_masked_m", "canonical_src2dst"):
+        monkeypatch.setattr(cc.contracts, name, refuse)
+    got = jax.jit(mj.moe_forward, static_argnames=("config", "layout"))(x, params, config=config, layout=layout)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(AssertionError, match="canonicalization pass"):  # the op alone still canonicalizes
+        cc.m_grouped_gemm_masked(jax.random.normal(jax.random.key(2), (2, 128, 256), jnp.bfloat16),
+                                 jax.random.normal(jax.random.key(3), (2, 64, 256), jnp.bfloat16),
+                                 jnp.ones((2,), jnp.int32), expected_m=1, recipe="bf16", arch=90)
+
+
 def test_assume_canonical_on_a_violating_src2dst_stays_in_bounds():
     """A broken promise gives unspecified values, never an access outside a buffer: repeats and
     rows outside [-1, num_rows) still run, and every token whose routes are all in range and
