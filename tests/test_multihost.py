@@ -36,6 +36,7 @@ def test_two_processes_match_one_process(tmp_path):
                            "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"OK: {len(PATTERNS)} patterns over 2 processes agree" in proc.stdout, proc.stdout[-3000:]
     multi = np.load(out)
     ex = _example()
     mesh = Mesh(np.array(jax.devices()[:4]), ("x",))

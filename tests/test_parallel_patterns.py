@@ -327,6 +327,7 @@ def test_sharded_example_runs_and_checks_itself():
     assert len(lines) == 6, proc.stdout
     for ln in lines:
         assert float(ln.split("=")[-1]) <= 2**-6, ln
+    assert proc.stdout.splitlines()[-1] == "OK: 6 patterns agree with the single-device layer", proc.stdout
 
 
 def test_traced_out_of_range_counts_without_stats_poison_their_shard():
