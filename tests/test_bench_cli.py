@@ -528,3 +528,30 @@ def test_fused_steady_timer_times_every_candidate_once_in_the_pass_order(monkeyp
     assert got == pytest.approx({"x": 1e3, "y": 2e3, "z": 3e3})
     order = ["c", "b", "a"] if reverse else ["a", "b", "c"]
     assert calls == [(f, 2, 3, 8) for f in order]
+
+
+def test_temp_memory_line_says_whose_goal_it_is(capsys):
+    """The 1.25x-activations goal is the accelerated path's: the reference row says why it is above
+    it; an accelerated row says ok or OVER."""
+    ran = {"m_grouped_gemm_masked": "deep_gemm"}
+    bench_layer.print_table([_table_result(dict(temp_MB=3.0, implementations=ran))], ["auto", "reference"],
+                            "test device", 1000.0)
+    out = capsys.readouterr().out
+    assert "temp 3 MB (goal <= 2 MB OVER)" in out
+    assert "temp 1 MB (reference: dequantized fp32 operands; the 2 MB goal is for accelerated backends)" in out
+    bench_layer.print_table([_table_result(dict(temp_MB=1.5, implementations=ran))], ["auto", "reference"],
+                            "test device", 1000.0)
+    assert "temp 2 MB (goal <= 2 MB ok)" in capsys.readouterr().out
+
+
+def test_progress_says_why_its_total_shrinks(capsys):
+    from moe_jax.bench._cli import Progress
+
+    progress = Progress("layer", total=10)
+    progress.step("a")
+    progress.drop(4, "triton: the reference row's code")
+    progress.step("b")
+    progress.close()
+    err = capsys.readouterr().err
+    assert "4 steps fewer (triton: the reference row's code): 6 in all" in err
+    assert "[layer 2/6" in err

@@ -77,10 +77,12 @@ class Progress:
         else:
             print(text, flush=True)
 
-    def drop(self, steps: int) -> None:
-        """`steps` of the announced total will not run (e.g. a backend that is not measured)."""
+    def drop(self, steps: int, why: str) -> None:
+        """`steps` of the announced total will not run; the new total is announced with `why`
+        (e.g. a backend that runs the same code as one already measured)."""
         if self.total:
             self.total = max(self.done, self.total - steps)
+            self.note(f"{steps} steps fewer ({why}): {self.total} in all")
             if self._bar is not None:
                 self._bar.total = self.total
                 self._bar.refresh()

@@ -144,9 +144,11 @@ def _kernel_s(run, needle: str) -> float | None:
     return statistics.median(durs) if durs else None
 
 
-def launch_overhead(chain: int = 32, iters: int = 300) -> dict:
+def launch_overhead(chain: int = 32, iters: int = 100, rounds: int = 9) -> dict:
     """Per-GEMM time in a jitted chain of ``chain`` small BF16 GEMMs (128x256x256), the kernel's own
-    duration, and their difference; the same chain of XLA dots for comparison."""
+    duration, and their difference; the same chain of XLA dots for comparison. Each step figure is
+    the median of ``rounds`` rounds of ``iters`` chained calls, the two implementations alternating
+    round by round (so a clock ramp hits both alike), with the rounds' min and max as its spread."""
     import jax
     import jax.numpy as jnp
 
@@ -162,24 +164,48 @@ def launch_overhead(chain: int = 32, iters: int = 300) -> dict:
             return x
         return jax.jit(f)
 
-    ours = make(lambda x, w: dg.gemm_nt_bf16(x, w))
-    xla = make(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    res = {}
-    for name, f in (("deep_gemm", ours), ("xla_dot", xla)):
+    fns = {"deep_gemm": make(lambda x, w: dg.gemm_nt_bf16(x, w)),
+           "xla_dot": make(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16))}
+    steps: dict[str, list[float]] = {name: [] for name in fns}
+    for f in fns.values():
         jax.block_until_ready(f(x, w))
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = f(x, w)
-        jax.block_until_ready(out)
-        res[f"{name}_step_us"] = (time.perf_counter() - t0) / iters / chain * 1e6
+    for _ in range(rounds):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                out = f(x, w)
+            jax.block_until_ready(out)
+            steps[name].append((time.perf_counter() - t0) / iters / chain * 1e6)
+    res = {}
+    for name, vals in steps.items():
+        res[f"{name}_step_us"] = statistics.median(vals)
+        res[f"{name}_step_us_min"], res[f"{name}_step_us_max"] = min(vals), max(vals)
     kernel_s = None
     try:
-        kernel_s = _kernel_s(lambda: jax.block_until_ready([ours(x, w) for _ in range(5)]), "sm90_bf16_gemm")
+        kernel_s = _kernel_s(lambda: jax.block_until_ready([fns["deep_gemm"](x, w) for _ in range(5)]),
+                             "sm90_bf16_gemm")
     except Exception as e:  # the profiler is optional; say why it is missing
         res["profiler_error"] = f"{type(e).__name__}: {e}"
     res["kernel_us"] = kernel_s * 1e6 if kernel_s else None
-    res["overhead_us"] = res["deep_gemm_step_us"] - res["kernel_us"] if kernel_s else None
+    if kernel_s:
+        for key in ("", "_min", "_max"):
+            res[f"overhead_us{key}"] = res[f"deep_gemm_step_us{key}"] - res["kernel_us"]
+    else:
+        res["overhead_us"] = None
     return res
+
+
+def format_launch_overhead(lo: dict) -> str:
+    """One line of `launch_overhead`'s result: each step as median (min-max over the rounds)."""
+    def spread(key: str) -> str:
+        if lo.get(key) is None:
+            return "n/a"
+        return f"{lo[key]:.2f} ({lo[key + '_min']:.2f}-{lo[key + '_max']:.2f})"
+    kernel = "n/a" if lo.get("kernel_us") is None else f"{lo['kernel_us']:.2f}"
+    line = (f"launch overhead (us per call, median (min-max) of the rounds): DeepGEMM custom-call step "
+            f"{spread('deep_gemm_step_us')}, its kernel {kernel}, overhead {spread('overhead_us')}; "
+            f"XLA dot step {spread('xla_dot_step_us')}")
+    return line + (f"; profiler: {lo['profiler_error']}" if "profiler_error" in lo else "")
 
 
 def run(args) -> int:
@@ -227,8 +253,7 @@ def run(args) -> int:
 
     progress.step("launch overhead chains")
     lo = launch_overhead()
-    print("launch overhead: " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in lo.items()}),
-          flush=True)
+    print(format_launch_overhead(lo), flush=True)
     print(_HEADER, flush=True)
     key = jax.random.key(0)
     for i, (what, shp) in enumerate(plan):
@@ -248,7 +273,7 @@ def run(args) -> int:
             f.write(f"{meta['date']}, {meta['device']}, jax {meta['jax']}\n\n{_HEADER}\n")
             for r in rows_out:
                 f.write(_fmt_row(r) + "\n")
-            f.write(f"\nlaunch overhead: {json.dumps(lo)}\n")
+            f.write(f"\n{format_launch_overhead(lo)}\n")
             if tuned:
                 f.write(f"\n{_TUNED_HEADER}\n" + "".join(_fmt_tuned(r) + "\n" for r in tuned))
     if args.plot:
