@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import math
 import datetime
-import json
 import statistics
 import sys
 import time
