@@ -52,7 +52,8 @@ checkpoint form (`prepare=False`, e.g. to shard before preparing).
 
 The config: a checkpoint directory's `config.json` (moe_jax/hf_config.py) gives the layer's
 `MoEConfig` when none is passed, says which layers are MoE / hash-MoE / dense, and an explicit
-config that disagrees with it is an error naming the field.
+config that disagrees with it is an error naming the field and quoting the file (or, for a key it
+lacks, the model_type's default that was assumed).
 
 Reading: with a `model.safetensors.index.json` the tensor names come from its weight map and a
 shard's header is read only when one of its tensors is needed; the safetensors header (8-byte
@@ -694,19 +695,20 @@ def read_checkpoint_config(ckpt: SafetensorsCheckpoint) -> dict | None:
     return hf_config.read_config_json(ckpt.directory)
 
 
-def _layer_config(ckpt, config, layer, arch, cfg_json) -> MoEConfig:
-    """The layer's MoEConfig: `config` checked against config.json, or built from it."""
+def _layer_config(ckpt, config, layer, arch, cfg_json) -> tuple[MoEConfig, dict | None]:
+    """(the layer's MoEConfig, sources): `config` checked against config.json (sources None), or
+    built from it (sources: `hf_config.resolve_layer`'s, which keys were stated or assumed)."""
     where = f"checkpoint layer {layer}"
     if cfg_json is None:
         if config is None:
             raise ValueError(f"config: the checkpoint has no {hf_config.CONFIG_FILE} beside its files "
                              f"(looked in {ckpt.directory}); pass a MoEConfig")
-        return config
+        return config, None
     if layer is None:  # prefix= names the tensors; config.json cannot say which layer they are
         if config is None:
             raise ValueError("config: required with prefix= (config.json describes layers by number; "
                              "or pass layer= instead)")
-        return config
+        return config, None
     kinds = hf_config.layer_kinds(cfg_json)
     if layer >= len(kinds) or kinds[layer] == "dense":
         held, moe = ckpt.layers()
@@ -714,13 +716,13 @@ def _layer_config(ckpt, config, layer, arch, cfg_json) -> MoEConfig:
         raise CheckpointError(where, [
             f"layer {layer} is {what}; config.json's layers: {hf_config.describe_kinds(kinds)}; the files "
             f"hold layers {hf_config.format_ranges(held)}, MoE routers in {hf_config.format_ranges(moe)}"])
-    kwargs = hf_config.moe_config_kwargs(cfg_json, layer)
+    kwargs, sources = hf_config.resolve_layer(cfg_json, layer)
     if config is None:
-        return MoEConfig(**kwargs, arch=arch)
-    bad = hf_config.disagreements(config, kwargs)
+        return MoEConfig(**kwargs, arch=arch), sources
+    bad = hf_config.disagreements(config, kwargs, sources)
     if bad:
         raise CheckpointError(where, bad)
-    return config
+    return config, None
 
 
 def load_moe_layer(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckpoint, *,
@@ -738,7 +740,7 @@ def load_moe_layer(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckpo
         raise ValueError(f"layer: expected a non-negative int, got {layer!r}")
     ckpt = checkpoint if isinstance(checkpoint, SafetensorsCheckpoint) else SafetensorsCheckpoint(checkpoint)
     cfg_json = read_checkpoint_config(ckpt)
-    config = _layer_config(ckpt, config, layer, arch, cfg_json)
+    config, json_sources = _layer_config(ckpt, config, layer, arch, cfg_json)
     if arch is None:
         arch = config.gemm_arch
     runs_on = tuple(sorted(get_recipe(config.recipe).supported_archs))
@@ -786,8 +788,14 @@ def load_moe_layer(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckpo
     else:
         _check_small(ckpt, bias, (e,), _FLOAT, problems, required=config.use_correction_bias)
         if not config.use_correction_bias and bias in ckpt:
-            problems.append(f"{bias}: present, but config.use_correction_bias is False (routing would "
-                            "silently differ from the model's)")
+            if json_sources is None:
+                problems.append(f"{bias}: present, but config.use_correction_bias is False (routing would "
+                                "silently differ from the model's)")
+            else:  # the config came from config.json: say how it decided, and what would fix it
+                said = hf_config.describe("use_correction_bias", False, json_sources)
+                problems.append(f"{bias}: present, but config.json routes layer {layer} without a correction "
+                                f"bias (use_correction_bias: {said}); routing would silently differ from the "
+                                "model's (a model routed with this bias has topk_method 'noaux_tc')")
         if tid in ckpt:
             problems.append(f"{tid}: present (a hash-routed layer), but config.hash_routing is False")
     plan = _plan(ckpt, config, naming, prefix, expert_range, problems)
