@@ -7,8 +7,8 @@ Importing this package imports no GPU dependency and probes no device.
 from custom_calls.act_quant import quantize_activation
 from custom_calls.activation import (ActivationSpec, activation_quant_contig,
                                      activation_quant_masked, gated_activation)
-from custom_calls.backends import (AUTO, REFERENCE, Implementation, OpSpec, auto_order, backend_stages,
-                                   backends, declare_op, get_default_backend, known_backends, op_spec,
+from custom_calls.backends import (AUTO, REFERENCE, Implementation, NoGradientError, OpSpec, auto_order,
+                                   backend_stages, backends, declare_op, get_default_backend, known_backends, op_spec,
                                    register, register_lazy, resolve, set_environment, static_supports,
                                    unavailable_reason, use_backend)
 from custom_calls.contracts import (canonical_m_indices, canonical_masked_m, canonical_src2dst,
@@ -24,7 +24,7 @@ from custom_calls.route_topk import route_topk
 from custom_calls.unpermute import unpermute
 
 __all__ = [
-    "AUTO", "REFERENCE", "ActivationSpec", "Implementation", "OpSpec", "activation_quant_contig",
+    "AUTO", "REFERENCE", "ActivationSpec", "Implementation", "NoGradientError", "OpSpec", "activation_quant_contig",
     "activation_quant_masked", "auto_order", "backend_stages", "backends", "canonical_m_indices",
     "canonical_masked_m", "canonical_src2dst", "canonical_topk_ids", "checked", "declare_op",
     "dequantize_lhs", "dequantize_rhs", "dispatch_map_contig", "dispatch_map_masked", "fused_moe",

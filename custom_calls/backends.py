@@ -21,6 +21,15 @@ The registry is the single source of truth about ops and backends:
   ops; `static_supports(...)` answers the shape question without the environment (e.g. whether
   the masked activation kernel could serve a layout, also on a machine without a GPU).
 
+Derivatives: every registered (non-reference) implementation is wrapped once, in `register`, in a
+`jax.custom_jvp` with its values unchanged; when a derivative (jax.grad, vjp, jvp, linearize)
+reaches one of its array inputs, the wrapper raises `NoGradientError` naming the op, its stage and
+the backend, and pointing to backend="reference" (whose ops are all differentiable) or
+`jax.lax.stop_gradient`. Without it the error would come from JAX and name no op ("The FFI call
+to ... cannot be differentiated", jax_triton's call without a differentiation rule, "Pure callbacks
+do not support JVP" under Triton's interpreter). The wrapper lowers to the same program (a
+custom_jvp call is inlined) and is seen only by derivatives.
+
 Accelerated packages register lazily: `register_lazy(backend, module, platforms)` names a module
 imported when the backend is first needed (resolution on one of `platforms`, or a stage/static
 query); the module registers its ops on import. Importing `custom_calls` imports no GPU dependency
@@ -31,10 +40,15 @@ and probes no device. Resolution happens at trace time: under `jax.jit` pass bac
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import inspect
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator
+
+import jax
+from jax.custom_derivatives import SymbolicZero, zero_from_primal
 
 REFERENCE = "reference"
 AUTO = "auto"
@@ -105,13 +119,85 @@ def op_spec(op: str) -> OpSpec:
 
 def register(op: str, backend: str, impl: Callable, supports: SupportsFn | None = None) -> None:
     """Register `impl` as `backend`'s implementation of the declared op `op` (replacing an earlier
-    one). `supports(**static) -> (ok, reason)` sees the op's declared static keywords."""
+    one). `supports(**static) -> (ok, reason)` sees the op's declared static keywords. `impl`
+    returns arrays (a pytree of them); it is stored wrapped by `without_derivative`."""
     if backend in (AUTO, REFERENCE):
         raise ValueError(f"backend: {backend!r} is reserved, not a registrable name")
     op_spec(op)
     with _LOCK:
         _BACKENDS.setdefault(backend, _Backend())
-        _IMPLS[op][backend] = Implementation(op, backend, supports or _always, impl)
+        wrapped = without_derivative(op, backend, impl)
+        _IMPLS[op][backend] = Implementation(op, backend, supports or _always, wrapped)
+
+
+class NoGradientError(NotImplementedError):
+    """A derivative (jax.grad, vjp, jvp) reached an accelerated implementation, which has none."""
+
+
+def without_derivative(op: str, backend: str, impl: Callable) -> Callable:
+    """`impl` with the same values, whose derivative raises `NoGradientError` (module docstring).
+
+    The jax.Array leaves of the call's arguments (positional and keyword) become the inputs of a
+    `jax.custom_jvp`; every other leaf (static keywords, None, numpy constants) reaches `impl` as
+    given. A derivative that moves only integer inputs (float0 tangents) gives zero tangents; a
+    call without any jax.Array calls `impl` directly."""
+
+    @functools.wraps(impl)
+    def call(*args, **kwargs):
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+        if not where:
+            return impl(*args, **kwargs)
+
+        def run(*arrays):
+            full = list(leaves)
+            for i, a in zip(where, arrays):
+                full[i] = a
+            a, kw = jax.tree_util.tree_unflatten(tree, full)
+            return impl(*a, **kw)
+
+        def jvp(primals, tangents):
+            moved = [k for k, t in enumerate(tangents)
+                     if type(t) is not SymbolicZero and t.dtype != jax.dtypes.float0]
+            if not moved:
+                out = run(*primals)
+                return out, zero_from_primal(out, symbolic_zeros=True)
+            moved = [where[k] for k in moved]
+            raise NoGradientError(_no_gradient_message(op, backend, impl, args, kwargs, moved))
+
+        fn = jax.custom_jvp(run)
+        fn.defjvp(jvp, symbolic_zeros=True)
+        return fn(*(leaves[i] for i in where))
+
+    call.without_derivative = (op, backend)
+    return call
+
+
+def _no_gradient_message(op: str, backend: str, impl: Callable, args: tuple, kwargs: dict,
+                         moved: list[int]) -> str:
+    """The error of a derivative reaching leaves `moved` (indices into the flattened (args, kwargs))."""
+    try:
+        params = inspect.signature(impl).parameters.values()
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):  # no signature to read
+        positional = []
+    paths = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+    names = []
+    for i in moved:
+        (top, key, *rest), _ = paths[i]
+        if top.idx == 0:  # a positional argument: its parameter's name where the signature has one
+            name = positional[key.idx] if key.idx < len(positional) else f"argument {key.idx}"
+        else:
+            name = key.key
+        names.append(name + jax.tree_util.keystr(tuple(rest)))
+    stage = op_spec(op).stage
+    where = f"op {op!r}" + (f" (stage {stage!r})" if stage else "")
+    alone = f"; a {{stage: backend}} dict with {stage!r}: 'reference' moves this stage alone" if stage else ""
+    return (f"{where} ran on backend {backend!r}, which has no derivative for it (its kernel is an XLA "
+            f"custom call), and a derivative (jax.grad / vjp / jvp) reached its input(s) {', '.join(names)}. "
+            f"Differentiate on backend='reference' instead, where every op is differentiable "
+            f"(moe_forward(..., backend='reference'){alone}), or apply jax.lax.stop_gradient to those "
+            f"inputs if no gradient should flow through this op.")
 
 
 def register_lazy(backend: str, module: str, platforms: tuple[str, ...] = ("gpu",)) -> None:
