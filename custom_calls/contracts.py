@@ -215,6 +215,20 @@ def check_topk_ids(topk_ids: jax.Array, num_experts: int) -> None:
                    "expert at most once)", t=t, j=j, v=ids[t, j], j0=j0)
 
 
+def check_in_range(name: str, values: jax.Array, bound: int, bound_name: str) -> None:
+    """Checks every entry of values (any shape, integer) is in [0, bound), naming the first one
+    outside by its index and value, e.g. "token_ids[1, 3] = 129280 is outside [0, vocab_size=129280)"."""
+    if values.size == 0:
+        return
+    bad = (values < 0) | (values >= bound)
+    i = _first(bad)
+    pos = jnp.unravel_index(i, values.shape)
+    names = [f"p{j}" for j in range(values.ndim)]
+    where = ", ".join("{" + a + "}" for a in names)
+    checkify.check(~jnp.any(bad), f"{name}[{where}] = {{v}} is outside [0, {bound_name}={bound})",
+                   v=values.reshape(-1)[i], **dict(zip(names, pos)))
+
+
 def check_finite_rows(name: str, x: jax.Array, what: str = "tokens") -> None:
     """x: (N, ...) float: reports the leading-axis indices holding a NaN or Inf, e.g.
     "x has non-finite values in tokens [3, 17]"."""

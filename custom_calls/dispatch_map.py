@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from custom_calls.backends import declare_op, resolve
 from custom_calls.expert_rank import rank_within_expert, stable_rank
+from custom_calls.limits import check_index_extents, routes_and_rows
 from layouts.checks import check_positive_int, check_rank
 
 OP_CONTIG = "dispatch_map_contig"
@@ -124,6 +125,12 @@ def _run(op: str, topk_ids, expert_offset, num_local_experts: int, backend, opti
     ((name, value),) = size.items()
     check_positive_int(name, value)
     m, k = topk_ids.shape
+    e = num_local_experts
+    if op == OP_CONTIG:
+        rows, rows_name = (lambda n: contig_capacity(n, k, e, value)), "contig rows (M_cap)"
+    else:  # the drop mark's row E_local * m_pad is an index value too
+        rows, rows_name = (lambda n: e * value), "masked rows (E_local * m_pad)"
+    check_index_extents("topk_ids", m, lambda n: routes_and_rows(n, k, rows, rows_name))
     impl = resolve(op, backend, num_routes=m * k, num_experts=num_local_experts, **size)
     return impl.impl(topk_ids.astype(jnp.int32), offset, num_local_experts=num_local_experts, **options, **size)
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from layouts.checks import check_dtype, check_rank
 from custom_calls.backends import declare_op, resolve
+from custom_calls.limits import check_index_extents
 
 OP = "rank_within_expert"
 
@@ -44,5 +45,6 @@ def rank_within_expert(e_flat: jax.Array, *, num_experts: int,
     check_dtype("e_flat", e_flat, (jnp.int32,))
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
+    check_index_extents("e_flat", e_flat.shape[0], lambda r: {"routes (R)": r}, unit="routes")
     impl = resolve(OP, backend, num_routes=e_flat.shape[0], num_experts=num_experts)
     return impl.impl(e_flat, num_experts=num_experts)

@@ -43,7 +43,8 @@ import numpy as np
 
 from custom_calls import contracts
 from custom_calls.backends import declare_op, resolve
-from custom_calls.dispatch_map import dispatch_map_contig_xla
+from custom_calls.dispatch_map import contig_capacity, dispatch_map_contig_xla
+from custom_calls.limits import check_index_extents, routes_and_rows
 from custom_calls.route_topk import route_topk, sum_partials
 from layouts import (
     FP8_E4M3_MAX,
@@ -247,6 +248,9 @@ def fused_moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: j
     check_dtype("w2", w2, (jnp.float8_e4m3fn,))
     check_shape("w2_scale", w2_scale, (e, h // _BLOCK, i // _BLOCK), "(E, H/128, I/128) of w2")
     check_dtype("w2_scale", w2_scale, (jnp.float32,))
+    k = topk_ids.shape[1]
+    check_index_extents("x", m, lambda n: routes_and_rows(n, k, lambda n: contig_capacity(n, k, e, _BLOCK),
+                                                          "expert pool rows"))
     routed_scaling_factor = _real("routed_scaling_factor", routed_scaling_factor)
     activation_clamp = _real("activation_clamp", activation_clamp, allow_none=True, positive=True)
     if isinstance(w13_interleave, bool) or not isinstance(w13_interleave, int) or w13_interleave < 0 or (

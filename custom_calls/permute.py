@@ -16,6 +16,7 @@ from layouts import FLOAT_DTYPES, gemm_format
 from layouts.checks import check_dtype, check_rank
 from custom_calls import contracts
 from custom_calls.backends import declare_op, resolve
+from custom_calls.limits import check_index_extents, routes_and_rows
 
 OP_CONTIG = "permute_contig"
 OP_MASKED = "permute_masked"
@@ -61,6 +62,8 @@ def _check(x, src2dst, recipe, arch, num_rows: int, debug_checks: bool, assume_c
     if src2dst.shape[0] != x.shape[0]:
         raise ValueError(f"src2dst: expected {x.shape[0]} rows (tokens of x), got shape {tuple(src2dst.shape)}")
     check_dtype("src2dst", src2dst, (jnp.int32,))
+    k = src2dst.shape[1]
+    check_index_extents("x", x.shape[0], lambda n: routes_and_rows(n, k, lambda _: num_rows, "num_rows"))
     if debug_checks:
         contracts.check_finite_rows("x", x, "tokens")
         contracts.check_src2dst(src2dst, num_rows, distinct=True)

@@ -10,6 +10,7 @@ from layouts import FLOAT_DTYPES
 from layouts.checks import check_dtype, check_rank
 from custom_calls import contracts
 from custom_calls.backends import declare_op, resolve
+from custom_calls.limits import check_index_extents, routes_and_rows
 
 OP = "unpermute"
 
@@ -52,6 +53,9 @@ def unpermute(d: jax.Array, src2dst: jax.Array, topk_weights: jax.Array, *,
     check_dtype("d", d, FLOAT_DTYPES)
     check_rank("src2dst", src2dst, 2, "(M, top_k)")
     check_dtype("src2dst", src2dst, (jnp.int32,))
+    k, rows = src2dst.shape[1], d.shape[0]
+    check_index_extents("src2dst", src2dst.shape[0],
+                        lambda n: routes_and_rows(n, k, lambda _: rows, "d rows (R)"))
     if topk_weights.shape != src2dst.shape:
         raise ValueError(f"topk_weights: expected shape {tuple(src2dst.shape)} (as src2dst), got "
                          f"{tuple(topk_weights.shape)}")

@@ -127,16 +127,22 @@ def dispatch_masked(topk_ids: jax.Array, *, num_local_experts: int, m_pad: int,
 
 # -- layout choice (the seed's App. B rule) ---------------------------------------------------------
 
-def masked_peak_bytes(*, num_local_experts: int, m_pad: int, hidden_size: int,
-                      intermediate_size: int, quantized: bool) -> int:
-    """Estimated peak of the masked path: E_local * m_pad * (largest per-row footprint among
+def grouped_row_bytes(*, hidden_size: int, intermediate_size: int, quantized: bool) -> int:
+    """Bytes per row of the grouped layout at the expert MLP's peak: the largest footprint among
     GEMM1 (input + 2I bf16 output), activation (2I bf16 + I input of GEMM2) and GEMM2 (I input +
-    H bf16 output)); quantized inputs count 1 byte per value plus 4 bytes per 32 values of scales."""
+    H bf16 output); quantized inputs count 1 byte per value plus 4 bytes per 32 values of scales."""
     def act_bytes(k: int) -> int:
         return k + 4 * ceil_div(k, 32) if quantized else 2 * k
 
     h, i = hidden_size, intermediate_size
-    per_row = max(act_bytes(h) + 4 * i, 4 * i + act_bytes(i), act_bytes(i) + 2 * h)
+    return max(act_bytes(h) + 4 * i, 4 * i + act_bytes(i), act_bytes(i) + 2 * h)
+
+
+def masked_peak_bytes(*, num_local_experts: int, m_pad: int, hidden_size: int,
+                      intermediate_size: int, quantized: bool) -> int:
+    """Estimated peak of the masked path: E_local * m_pad * `grouped_row_bytes`."""
+    per_row = grouped_row_bytes(hidden_size=hidden_size, intermediate_size=intermediate_size,
+                                quantized=quantized)
     return num_local_experts * m_pad * per_row
 
 

@@ -25,9 +25,17 @@ reference), or a dict {stage: name} over `STAGES` (missing stages -> "reference"
 trace time.
 
 Every public function here takes tokens with any leading dims, `x: (..., H)`, checks its inputs once
-and returns the same leading shape.
+and returns the same leading shape. Each also checks the size of the call at trace time, before
+any stage or backend is resolved (`moe_jax.validate.check_call_size`: the int32 index extents of
+routes and buffer rows, and the estimate of its temporaries against MAX_TEMPORARY_BYTES): a batch
+past them is a ValueError naming the chunk size to split it into.
 
-Checked mode: `debug_checks=True` (a static argument) reports non-finite tokens by index and turns
+Hash routing: a token id outside [0, vocab_size) is a ValueError when token_ids are concrete and a
+checked-mode report under jit; unchecked under jit, its token is routed nowhere (routed output 0,
+shared experts only; `moe_jax.routing`), on every backend and layout.
+
+Checked mode: `debug_checks=True` (a static argument) reports non-finite tokens and token ids
+outside the vocabulary by index and turns
 on the ops' checks of their index contracts (m_indices, masked_m, src2dst, and on the fused layout
 topk_ids: a token naming an expert twice; `custom_calls.contracts`);
 run the function under `custom_calls.checked`. Off (the default), no check is traced.
@@ -50,7 +58,7 @@ from moe_jax.experts import expert_core_contig, expert_core_masked
 from moe_jax.params import MoEParams, check_params, check_shared, prepare_params
 from moe_jax.routing import check_router, route_tokens, routing_groups
 from moe_jax.shared import shared_mlp
-from moe_jax.validate import check_token_ids, flatten_routes, flatten_tokens
+from moe_jax.validate import check_call_size, check_token_ids, flatten_routes, flatten_tokens
 
 # The layer's stages in data-flow order; every registered op names one of them (or none).
 STAGES = ("route", "dispatch", "permute", "gemm", "activation", "unpermute")
@@ -123,6 +131,8 @@ def routed_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, p
     x2, lead = flatten_tokens(x, config)
     ids, weights = flatten_routes(topk_ids, topk_weights, lead, config)
     params, sizes = _checked_params(params, config)
+    _check_size(x2.shape[0], config, params, sizes, layout, stage_backends(backend),
+                routes_per_token=ids.shape[1], shared_intermediate_size=0)
     if debug_checks:
         contracts.check_finite_rows("x", x2, "tokens")
     out = _routed(x2, ids, weights, params, config, sizes, expert_offset=expert_offset, layout=layout,
@@ -139,6 +149,18 @@ def _checked_params(params: MoEParams, config: MoEConfig) -> tuple[MoEParams, tu
     elif config.arch is not None and params.gemm_arch != config.arch:
         raise ValueError(f"params: prepared for arch {params.gemm_arch}, but config.arch={config.arch}")
     return params, sizes
+
+
+def _check_size(m: int, config: MoEConfig, gemm_params: MoEParams, sizes: tuple[int, int], layout: str,
+                be: dict, *, routes_per_token: int, shared_intermediate_size: int) -> None:
+    """`check_call_size` for m tokens of a call of the routed branch with GEMM-form params, in the
+    layout it resolves to (`resolve_layout`, as `_routed` resolves it)."""
+    e_loc = int(gemm_params.w13.shape[0])
+    lay = resolve_layout(layout, config, num_tokens=m, num_local_experts=e_loc,
+                         local_intermediate_size=sizes[1], arch=gemm_params.gemm_arch,
+                         act_backend=be["activation"])
+    check_call_size(m, config, layout=lay, routes_per_token=routes_per_token, num_local_experts=e_loc,
+                    intermediate_size=sizes[1], shared_intermediate_size=shared_intermediate_size)
 
 
 def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, layout, backend,
@@ -238,6 +260,8 @@ def shared_experts(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dt
                          f"(params.fused_shared={params.fused_shared}); moe_forward runs them")
     if config.n_shared_experts:
         check_shared(params, config)
+    check_call_size(x2.shape[0], config, routes_per_token=0,
+                    shared_intermediate_size=int(params.shared_w2.shape[1]) if config.n_shared_experts else 0)
     be = stage_backends(backend)
     out = shared_mlp(x2, params, config, out_dtype=x.dtype if out_dtype is None else jnp.dtype(out_dtype),
                      gemm_backend=be["gemm"], act_backend=be["activation"], permute_backend=be["permute"])
@@ -250,8 +274,10 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
     """The MoE layer: route -> routed_experts + shared_experts (tail rule: the routed output
     already carries routed_scaling_factor; the two are added in fp32 and cast once, inside the
     un-permute, whose `addend` the dense shared MLP's output is).
-    x: (..., H) float (bf16 typical) -> (..., H) x.dtype; token_ids (...) int for hash-routed
-    layers. jit-able with `config` (and layout/backend) static:
+    x: (..., H) float (bf16 typical) -> (..., H) x.dtype; token_ids (...) int in [0, vocab_size)
+    for hash-routed layers (concrete ids outside: ValueError naming position and value; traced
+    ones: reported in checked mode, else that token's routes are dropped and its row is the
+    shared-expert output alone, `moe_jax.routing`). jit-able with `config` (and layout/backend) static:
     `jax.jit(moe_forward, static_argnames=("config", "layout", "backend"))`.
     Pass `prepare_params(params, config)` to keep the load-time conversion out of the call.
     debug_checks (static): checked mode, run under `custom_calls.checked` (module docstring)."""
@@ -261,10 +287,14 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
         raise ValueError(f"params.w13: moe_forward needs all {config.num_experts} experts, got "
                          f"{params.w13.shape[0]}; for an expert shard call routed_experts(..., "
                          f"expert_offset=first_expert) or moe_jax.parallel.sharded_moe_forward")
-    tok = check_token_ids(token_ids, lead, config)
+    tok = check_token_ids(token_ids, lead, config, debug_checks=debug_checks)
     check_router(params, config)
     gemm_params, sizes = _checked_params(params, config)
     be = stage_backends(backend)
+    dense_shared = bool(config.n_shared_experts) and not gemm_params.fused_shared
+    _check_size(x2.shape[0], config, gemm_params, sizes, layout, be,
+                routes_per_token=config.top_k + gemm_params.fused_shared,
+                shared_intermediate_size=int(gemm_params.shared_w2.shape[1]) if dense_shared else 0)
     if debug_checks:
         contracts.check_finite_rows("x", x2, "tokens")
     # the dense shared MLP's output is the routed branch's addend: routed + shared summed in fp32 and

@@ -39,6 +39,7 @@ from moe_jax.parallel.ep_normal import ep_moe_normal
 from moe_jax.parallel.ep_ring import ep_moe_ring
 from moe_jax.parallel.packing import pack_rows, row_format, unpack_rows
 from moe_jax.routing import route
+from moe_jax.validate import check_token_id_values
 from moe_jax.parallel.sharding import (axes_size, check_divisibility, from_tp_view, param_specs,
                                        to_tp_view)
 
@@ -206,6 +207,8 @@ def _check_inputs(x, token_ids, num_tokens, config: MoEConfig, pc: ParallelConfi
             raise ValueError(f"token_ids: expected shape ({t},), got {tuple(token_ids.shape)}")
         if not jnp.issubdtype(token_ids.dtype, jnp.integer):  # the DP gather packs them as int32
             raise TypeError(f"token_ids: expected an integer dtype, got {token_ids.dtype}")
+        if config.hash_routing and not isinstance(token_ids, jax.core.Tracer):
+            check_token_id_values(token_ids, config.vocab_size)
     if num_tokens is not None:
         if pc.pattern == "cp":
             raise ValueError("num_tokens: pattern 'cp' gathers sequence segments whose every row is "
