@@ -237,8 +237,13 @@ def _validate(c: MoEConfig) -> None:
                f"recipe={c.recipe!r}")
     if c.layout == "fused":
         # what the fused op computes (custom_calls/fused_moe.py): FP8 block-scaled weights, SiLU
-        # with an optional clamp, the shared experts added outside it
-        _check(c.recipe == "fp8_block", f"MoEConfig.layout='fused' needs recipe 'fp8_block', got {c.recipe!r}")
+        # with an optional clamp, the shared experts added outside it. The recipe the GEMMs run
+        # decides: mxfp4 experts become fp8_block at load on arch 90 (DeepSeek-V4 on Hopper).
+        # The op reads arch 90's fp32 block scales (arch 100's are packed UE8M0).
+        _check(c.gemm_recipe == "fp8_block" and c.gemm_arch == 90,
+               f"MoEConfig.layout='fused' needs weights that run as recipe 'fp8_block' on arch 90 "
+               f"(fp8_block, or mxfp4, which becomes fp8_block at load there), got recipe "
+               f"{c.recipe!r}, which runs as {c.gemm_recipe!r} on arch {c.gemm_arch}")
         _check(c.activation.kind == "silu" and not c.activation.keep_fp32,
                f"MoEConfig.layout='fused' needs activation kind 'silu' (optional swiglu_limit), got {c.activation!r}")
         _check(not c.fuse_shared_experts,

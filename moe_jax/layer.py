@@ -318,10 +318,27 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
         topk_ids, topk_weights, rsf = fuse_shared_routes(topk_ids, topk_weights, config.routed_scaling_factor,
                                                          num_routed=config.num_experts,
                                                          num_shared=gemm_params.fused_shared)
+    if config.hash_routing and gemm_params.w13_interleave:
+        # a tid2eid row may name an expert twice; the fused op holds a token once per expert
+        topk_ids, topk_weights = merge_repeated_routes(topk_ids, topk_weights)
     out = _routed(x2, topk_ids, topk_weights, gemm_params, config, sizes, expert_offset=0, layout=layout,
                   backend=be, out_dtype=x.dtype, routed_scaling_factor=rsf, debug_checks=debug_checks,
                   addend=shared)
     return out.reshape(*lead, -1)
+
+
+def merge_repeated_routes(topk_ids: jax.Array, topk_weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """ids (M, k) int, weights (M, k) float -> the same routes with each expert named once per token:
+    a later slot naming an expert again adds its weight to the first slot naming it and becomes -1
+    (routed nowhere). The layer's sum over slots is unchanged, and the fused op, whose pool holds a
+    token once per expert (it drops a repeat), computes it."""
+    same = topk_ids[:, :, None] == topk_ids[:, None, :]  # (M, k_first, k_slot)
+    first = jnp.argmax(same, axis=1)  # the first slot naming each slot's expert (<= the slot)
+    k = topk_ids.shape[1]
+    owner = first[:, None, :] == jnp.arange(k)[None, :, None]  # (M, k_first, k_slot)
+    weights = jnp.sum(jnp.where(owner, topk_weights[:, None, :], 0), axis=2).astype(topk_weights.dtype)
+    ids = jnp.where(first == jnp.arange(k)[None, :], topk_ids, -1).astype(topk_ids.dtype)
+    return ids, weights
 
 
 def _routes_inside_fused_op(x2, params, gemm_params, config, sizes, layout, be, debug_checks) -> bool:

@@ -10,7 +10,9 @@ intermediate I, shared intermediate I_s; K' = K/2 for int8-packed MXFP4 values:
     gate_weight (E, H) f32 or bf16 (as loaded), e_score_correction_bias (E,) f32 (if configured)
     w13 (E, 2, I, H') — gate rows [:, 0], up rows [:, 1] (the "TP view" of the parallel package,
         so the intermediate axis can be sharded without splitting gate from up); w13_scale alike
-        when its layout has N on axis 1 (checkpoint form, arch-90 GEMM form), else as stored
+        when its layout has N on axis 1 (checkpoint form, arch-90 GEMM form), else as stored.
+        A fused-layout config's w13 (rows interleaved gate/up by 8, `w13_interleave`) is kept as
+        (E, 2I, H): its rows mix gate and up, and the TP patterns refuse it anyway
     w2 (E, H, I'), w2_scale; shared_w13 (2*I_s, H), shared_w2 (H, I_s): bf16, or e4m3 with
         shared_w13_scale / shared_w2_scale (FP8 shared experts, moe_jax/params.py); with
         config.fuse_shared_experts the shared experts are experts E..E+n_s-1 of w13/w2 instead
@@ -135,6 +137,7 @@ class MoE(nnx.Module):
         self.gemm_recipe = params.gemm_recipe
         self.gemm_arch = params.gemm_arch
         self.fused_shared = params.fused_shared
+        self.w13_interleave = params.w13_interleave
         ea = _axes("expert_axis", expert_axis, ep_default, mesh)
         ia = _axes("intermediate_axis", intermediate_axis, tp_default, mesh)
         self.expert_axis, self.intermediate_axis = ea, ia
@@ -151,7 +154,10 @@ class MoE(nnx.Module):
 
         self.gate_weight = var(params.gate_weight, (None, None))
         self.e_score_correction_bias = var(params.e_score_correction_bias, (None,))
-        self.w13 = var(view(params.w13), (ea, None, ia, None))
+        if params.w13_interleave:
+            self.w13 = var(params.w13, (ea, None, None))
+        else:
+            self.w13 = var(view(params.w13), (ea, None, ia, None))
         s13 = params.w13_scale
         if _w13_scale_viewable(params):
             self.w13_scale = var(view(s13), (ea, None, ia, None))
@@ -216,6 +222,7 @@ class MoE(nnx.Module):
             shared_w13=get(self.shared_w13), shared_w2=get(self.shared_w2), tid2eid=get(self.tid2eid),
             shared_w13_scale=get(self.shared_w13_scale), shared_w2_scale=get(self.shared_w2_scale),
             gemm_recipe=self.gemm_recipe, gemm_arch=self.gemm_arch, fused_shared=self.fused_shared,
+            w13_interleave=self.w13_interleave,
         )
 
     def __call__(self, x: jax.Array, *, token_ids: jax.Array | None = None,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import layouts
-from moe_jax import MoEConfig, MoEParams, layer_kinds, moe_forward
+from moe_jax import MoEConfig, MoEParams, layer_kinds, moe_forward, prepare_params
 from moe_jax.checkpoint import (MAX_LISTED, CheckpointError, SafetensorsCheckpoint, load_moe_layer,
                                 load_moe_params, read_safetensors_header)
 from moe_jax.hf_config import moe_config_kwargs
@@ -382,6 +382,29 @@ def test_load_without_a_config(tmp_path):
     ref = forward(direct_params(want, config), moe.config)  # the same weights given directly
     assert np.isfinite(y).all()
     np.testing.assert_array_equal(y, ref)  # both convert with the same load-time path
+
+
+def test_v4_checkpoint_runs_the_fused_layout_through_the_flax_module(tmp_path):
+    """A V4 checkpoint (MXFP4 experts) loads into `MoE` with a fused-layout config on arch 90: the
+    module keeps the interleaved w13 (w13_interleave) and runs the fused op, the routed layer and
+    the hash-routed one, as moe_forward does on the same prepared params."""
+    from moe_jax.nn import MoE
+
+    t, want = build_layer("v4", layer=5, fmt="mxfp4")
+    t1, want1 = build_layer("v4", layer=1, fmt="mxfp4", hashed=True, seed=1)
+    write_st(tmp_path / "model.safetensors", {**t, **t1})
+    (tmp_path / "config.json").write_text(json.dumps(small_json("v4")))
+    tok = jnp.asarray(np.random.default_rng(3).integers(0, VOCAB, (M,)), jnp.int32)
+    for layer, w in ((5, want), (1, want1)):
+        cfg = MoEConfig.from_pretrained(tmp_path, layer=layer, arch=90, layout="fused")
+        moe = MoE.from_pretrained(tmp_path, layer=layer, config=cfg, backend="reference")
+        assert moe.config == cfg and moe.w13_interleave == 8 and moe.moe_params().w13_interleave == 8
+        token_ids = tok if cfg.hash_routing else None
+        x = jnp.asarray(np.random.default_rng(7).normal(0, 1, (M, H)), jnp.bfloat16)
+        y = np.asarray(moe(x, token_ids=token_ids).astype(jnp.float32))
+        np.testing.assert_array_equal(y, forward(prepare_params(direct_params(w, cfg), cfg), cfg, token_ids))
+        staged = forward(direct_params(w, cfg.scaled(layout="contig")), cfg.scaled(layout="contig"), token_ids)
+        assert np.linalg.norm(y - staged) / np.linalg.norm(staged) < 5e-2
 
 
 def test_v3_family_without_a_config(tmp_path):

@@ -350,13 +350,28 @@ def test_smem_probe_catches_a_difference(tmp_path):
     assert r.returncode != 0 and "differs from sm90_fused_moe_smem_bytes" in r.stderr, r.stderr[-3000:]
 
 
+# DeepSeek-V4-Flash on one H200 (its MXFP4 experts as fp8_block after loading): a 32-expert slice
+# and all 256 experts, top-6, H 4096, I 2048, swiglu_limit 10
+V4_MODELS = [dict(hidden=4096, intermediate=2048, num_experts=e, top_k=6, num_sms=132) for e in (32, 256)]
+
+
+@pytest.mark.parametrize("model", V4_MODELS, ids=["v4-slice", "v4-256"])
+def test_deepseek_v4_shapes_have_configs(model):
+    for t in (8, 32, 128, 512, 4096, 16384):  # the op's token capacities (powers of two, at least 8)
+        assert H.sm90_fused_moe_reason(**model, max_tokens=t) is None, t
+        c = H.sm90_fused_moe_config(**model, max_tokens=t, activation_clamp=10.0)
+        assert c.smem_bytes <= SMEM_CAPACITY and H.sm90_fused_moe_options_reason(c) is None, (t, c)
+
+
 def test_chosen_configs_compile(tmp_path):
     nvcc, inc = _toolchain()
     # the rule's two BLOCK_Ms, and BLOCK_M 64 with four dispatch and four loader warps (512 threads:
-    # registers for its math warpgroups still fit, unlike BLOCK_M 128's)
+    # registers for its math warpgroups still fit, unlike BLOCK_M 128's); DeepSeek-V4's shapes
     configs = [_config(max_tokens=4096), _config(max_tokens=128, activation_clamp=7.0),
                dataclasses.replace(_config(max_tokens=128), num_dispatch_threads=128, num_non_epilogue_threads=128,
-                                   pull_eager_publish=True)]
+                                   pull_eager_publish=True),
+               H.sm90_fused_moe_config(**V4_MODELS[0], max_tokens=4096, activation_clamp=10.0),
+               H.sm90_fused_moe_config(**V4_MODELS[1], max_tokens=128, activation_clamp=10.0)]
     assert all(H.sm90_fused_moe_options_reason(c) is None for c in configs)
     (tmp_path / "kernel.cu").write_text(_unit(configs))
     r = _nvcc(nvcc, tmp_path, "kernel.cu", "--cubin", "-o", "kernel.cubin", *_flags(), "-I", inc)

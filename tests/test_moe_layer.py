@@ -571,6 +571,49 @@ def test_fused_layout_is_the_fused_op_on_the_routes(shared, clamp):
     assert np.linalg.norm(d) / np.linalg.norm(np.asarray(other.astype(jnp.float32))) < 5e-2
 
 
+@pytest.mark.parametrize("hashed,router", [(False, "f32"), (False, "bf16"), (True, "f32")])
+def test_deepseek_v4_runs_the_fused_layout_on_hopper(hashed, router):
+    """DeepSeek-V4's MXFP4 experts run as fp8_block on arch 90, so its config takes the fused layout:
+    sqrtsoftplus + correction bias routing (inside the op with a bf16 router, `fused_moe_routed`),
+    or hash routing by tid2eid before the op; the swiglu_limit clamp inside. Against the float64
+    model of the checkpoint and against the contig layout of the same weights."""
+    cfg = V4.scaled(arch=90, layout="fused", hash_routing=hashed)
+    contig = cfg.scaled(layout="contig")
+    assert cfg.recipe == "mxfp4" and cfg.gemm_recipe == "fp8_block"
+    raw, _ = params_for(cfg)
+    if router == "bf16":
+        raw = raw.replace(gate_weight=raw.gate_weight.astype(jnp.bfloat16))
+    fused, staged = mj.prepare_params(raw, cfg), mj.prepare_params(raw, contig)
+    assert fused.w13_interleave == 8 and fused.gemm_recipe == "fp8_block"
+    x = inputs(23, seed=8)
+    tok = jax.random.randint(jax.random.key(9), (23,), 0, cfg.vocab_size, jnp.int32) if hashed else None
+    y = np.asarray(_forward(x, fused, config=cfg, token_ids=tok).astype(jnp.float32))
+    ref = np_moe(x.astype(jnp.float32), raw, cfg, token_ids=None if tok is None else np.asarray(tok))
+    assert rel_err(y, ref) < TOL[("mxfp4", 90)]
+    other = np.asarray(_forward(x, staged, config=contig, token_ids=tok).astype(jnp.float32))
+    assert np.linalg.norm(y - other) / np.linalg.norm(other) < 5e-2
+
+
+def test_merge_repeated_routes_keeps_the_sum_over_slots():
+    from moe_jax.layer import merge_repeated_routes
+
+    rng = np.random.default_rng(4)
+    ids = rng.integers(-1, 5, (200, 6)).astype(np.int32)  # many repeats, -1 among them
+    w = rng.random((200, 6)).astype(np.float32)
+    got_ids, got_w = (np.asarray(a) for a in merge_repeated_routes(jnp.asarray(ids), jnp.asarray(w)))
+    for m in range(200):
+        want = {}
+        for e, v in zip(ids[m], w[m]):
+            want[e] = want.get(e, 0.0) + v
+        kept = [e for e in got_ids[m] if e != -1]
+        assert len(kept) == len(set(kept))  # each expert once
+        for e in set(ids[m]) - {-1}:
+            (slot,) = np.flatnonzero(got_ids[m] == e)
+            assert slot == list(ids[m]).index(e)  # at its first slot
+            np.testing.assert_allclose(got_w[m, slot], want[e], rtol=1e-6)
+        np.testing.assert_allclose(got_w[m, got_ids[m] != -1].sum(), w[m, ids[m] != -1].sum(), rtol=1e-6)
+
+
 def test_fused_layout_refuses_mismatched_params_and_configs():
     cfg, raw, params = _fused_setup()
     contig = MoEConfig(**{**cfg.__dict__, "layout": "contig"})
@@ -582,8 +625,14 @@ def test_fused_layout_refuses_mismatched_params_and_configs():
         mj.moe_forward(x, staged, cfg, backend="reference")
     assert mj.prepare_params(staged, cfg).w13_interleave == 8  # prepared params convert both ways
     assert mj.prepare_params(params, contig).w13_interleave == 0
-    with pytest.raises(ValueError, match="layout='fused' needs recipe 'fp8_block', got 'bf16'"):
+    with pytest.raises(ValueError, match="layout='fused' needs weights that run as recipe 'fp8_block' on arch "
+                                         "90.*got recipe 'bf16', which runs as 'bf16' on arch 90"):
         MoEConfig(**{**cfg.__dict__, "recipe": "bf16"})
+    with pytest.raises(ValueError, match="got recipe 'mxfp4', which runs as 'mxfp4' on arch 100"):
+        MoEConfig(**{**cfg.__dict__, "recipe": "mxfp4", "arch": 100})
+    with pytest.raises(ValueError, match="got recipe 'fp8_block', which runs as 'fp8_block' on arch 100"):
+        MoEConfig(**{**cfg.__dict__, "arch": 100})
+    assert MoEConfig(**{**cfg.__dict__, "recipe": "mxfp4", "arch": 90}).gemm_recipe == "fp8_block"
     with pytest.raises(ValueError, match="layout='fused' needs activation kind 'silu'"):
         MoEConfig(**{**cfg.__dict__, "activation": ActivationSpec(kind="situ")})
     with pytest.raises(ValueError, match="fuse_shared_experts must be False"):
