@@ -8,10 +8,8 @@ tests/test_conformance.py ("violations" cases)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
 import sys
 
 import jax
@@ -30,6 +28,7 @@ from moe_jax.params import _quantize_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_conformance import np_canonical_m_indices, np_canonical_src2dst  # noqa: E402
+from interpreter_script import run_under_interpreter  # noqa: E402
 
 
 def _error(fn, *args, **kwargs) -> str | None:
@@ -508,15 +507,7 @@ print(json.dumps(out))
 
 
 def test_triton_backend_checked_under_interpreter():
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=root)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    got = json.loads(lines[-1])
+    got = run_under_interpreter(TRITON_SCRIPT)
     assert got["permute_msg"] == "src2dst[5, 0] = 3 names the same row as src2dst[1, 1] (rows must be distinct)"
     assert got["permute_same"]
     assert got["nan_msg"] == "x has non-finite values in tokens [2]"

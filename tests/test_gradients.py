@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +20,7 @@ import pytest
 import custom_calls as cc
 import moe_jax as mj
 from layouts import gemm_format, quantize_fp8_per_token_group
+from interpreter_script import run_under_interpreter
 
 registry = importlib.import_module("custom_calls.backends")  # the package attribute is a function
 
@@ -406,15 +403,7 @@ def test_triton_backend_forward_unchanged_and_gradient_error_under_interpreter()
     """The wrapper on the Triton backend's own implementations: the layer's output has the same
     bits with and without it, and a gradient names the first Triton op it reaches: the routing
     epilogue for x, the un-permute for GEMM2's weights and for the shared expert (its addend)."""
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=root)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    got = json.loads(lines[-1])
+    got = run_under_interpreter(TRITON_SCRIPT)
     assert got["same_bits"] and got["finite"], got
     head = "ran on backend 'triton', which has no derivative for it (its kernel is an XLA custom call)"
     assert got["x"].startswith(f"op 'route_topk' (stage 'route') {head}"), got["x"]

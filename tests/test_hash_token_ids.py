@@ -6,11 +6,7 @@ interpreter, in a subprocess: TRITON_INTERPRET must be set before triton is impo
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +16,7 @@ from jax.experimental import checkify
 
 import custom_calls as cc
 import moe_jax as mj
+from interpreter_script import run_under_interpreter
 
 VOCAB = 40
 BAD_IDS = [VOCAB, 10**6, -1]
@@ -116,13 +113,5 @@ print(json.dumps(out))
 
 
 def test_triton_backend_under_interpreter_drops_the_token():
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=root)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    got = json.loads(lines[-1])
+    got = run_under_interpreter(TRITON_SCRIPT)
     assert got == {"40": [True, True], "1000000": [True, True], "-1": [True, True], "valid_differs": True}
