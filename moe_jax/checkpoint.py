@@ -24,7 +24,8 @@ Leaves under the prefix (E experts, H hidden, I = config.intermediate_size, I_s 
                                                                        iff config.n_shared_experts
 
 A scale tensor is named `<weight name without .weight>` + `.weight_scale_inv`, `.weight_scale` or
-`.scale`. Accepted formats, per projection of shape (N, K) (every routed expert of a layer in one):
+`.scale`. Accepted formats, per projection of shape (N, K) (every routed expert of a layer in one;
+the table is `FORMATS` in moe_jax/checkpoint_formats.py, block sizes from the `layouts` recipes):
 
     format          .weight                 scale: shape, dtype
     bf16            BF16 | F16 | F32 (N, K) none
@@ -55,9 +56,10 @@ The config: a checkpoint directory's `config.json` (moe_jax/hf_config.py) gives 
 config that disagrees with it is an error naming the field and quoting the file (or, for a key it
 lacks, the model_type's default that was assumed).
 
-Reading: with a `model.safetensors.index.json` the tensor names come from its weight map and a
-shard's header is read only when one of its tensors is needed; the safetensors header (8-byte
-little-endian length, then JSON) is parsed here; numpy cannot name FP8 dtypes, so
+Reading (moe_jax/safetensors_reader.py): with a `model.safetensors.index.json` the tensor names
+come from its weight map and a shard's header is read only when one of its tensors is needed; the
+safetensors header (8-byte little-endian length, then JSON) is parsed there; numpy cannot name FP8
+dtypes, so
 `safetensors.safe_open(framework="numpy")` (0.8) refuses F8_E4M3/F8_E8M0 tensors — ml_dtypes
 supplies them. The loader reads with pread (no file pages stay mapped in the process;
 `SafetensorsCheckpoint.read` offers read-only memory-mapped views): each expert tensor is copied
@@ -72,49 +74,33 @@ tid2eid) are checked, before any weight is stacked; all problems are reported to
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-import ml_dtypes
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from layouts import get_recipe
 from layouts.checks import ceil_div
 from moe_jax import hf_config
+from moe_jax.checkpoint_formats import (CHECKPOINT_FORMATS, FORMATS, RECIPE_SOURCES, ProjPlan, classify,
+                                        scale_kind, scale_to_f32)
 from moe_jax.config import MoEConfig
-from moe_jax.params import MoEParams
+from moe_jax.params import SHARED_FP8, MoEParams, check_params, prepare_params
+from moe_jax.safetensors_reader import (INDEX_FILE, SafetensorsCheckpoint, TensorInfo,
+                                        read_safetensors_header)
 
-CHECKPOINT_FORMATS = ("bf16", "fp8_block", "fp8_per_tensor", "mxfp8", "mxfp4")
-# config.recipe -> checkpoint formats it can be loaded from
-RECIPE_SOURCES = {"bf16": ("bf16",), "fp8_block": ("fp8_block", "fp8_per_tensor"),
-                  "mxfp8": ("mxfp8", "bf16"), "mxfp4": ("mxfp4",)}
-INDEX_FILE = "model.safetensors.index.json"
 MAX_LISTED = 20  # problems listed in a CheckpointError's message; the rest are counted
-
-BLOCK = 128  # fp8_block weight block: 128x128 values share one scale
-MX_GROUP = 32  # MXFP8 / MXFP4 scale group along K
+BLOCK = get_recipe("fp8_block").weight_block[0]  # fp8_block weight block: BLOCK x BLOCK values share a scale
+MX_GROUP = get_recipe("mxfp8").weight_block[1]  # MXFP8 / MXFP4 scale group along K
 HOST_ALIGN = 64  # stacked host buffers: jax's CPU client adopts 64-byte aligned arrays without a copy
 
-_ST_DTYPES = {
-    "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
-    "I16": np.dtype(np.int16), "U16": np.dtype(np.uint16), "I32": np.dtype(np.int32),
-    "U32": np.dtype(np.uint32), "I64": np.dtype(np.int64), "U64": np.dtype(np.uint64),
-    "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16), "F32": np.dtype(np.float32),
-    "F64": np.dtype(np.float64), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "F8_E8M0": np.dtype(np.uint8),  # exponent bytes; kept raw, converted by _scale_to_f32 / layouts
-}
 _FLOAT = ("BF16", "F16", "F32")
 _INT = ("I8", "U8", "I16", "I32", "I64")
-_E8M0 = ("U8", "F8_E8M0")
-_SCALE_FLOAT = ("F32", "BF16")
 _PROJ = ("gate_proj", "up_proj", "down_proj")
-_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".scale")
 
 
 @dataclass(frozen=True)
@@ -139,8 +125,6 @@ NAMINGS = {
     "v4_hf": Naming("v4_hf", "model.layers.{layer}.ffn.", "gate.bias", "w1", "w3", "w2"),
 }
 DEFAULT_PREFIX = NAMINGS["v3"].prefix
-_LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
-_MOE_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(?:mlp|ffn)\.gate\.weight$")
 
 
 class CheckpointError(ValueError):
@@ -153,196 +137,6 @@ class CheckpointError(ValueError):
         more = len(self.problems) - len(shown)
         lines = "\n  ".join(shown + ([f"... and {more} more"] if more else []))
         super().__init__(f"{where}: {len(self.problems)} problem(s):\n  {lines}")
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    file: Path
-    dtype: str  # safetensors dtype name, e.g. "F8_E4M3"
-    shape: tuple[int, ...]
-    begin: int  # absolute byte offsets in `file`
-    end: int
-
-
-def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
-    """Tensor table of one .safetensors file (no data read). Raises ValueError naming the file
-    for a malformed header, a file shorter than its header says ("truncated"), or an entry whose
-    byte range disagrees with its dtype and shape or ends past the end of the file ("truncated")."""
-    path = Path(path)
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path}: not a safetensors file, or truncated (shorter than its 8-byte "
-                             f"header length)")
-        (n,) = struct.unpack("<Q", raw)
-        size = path.stat().st_size
-        if n > size - 8:
-            raise ValueError(f"{path}: truncated or not a safetensors file: header length {n} exceeds "
-                             f"the file size {size}")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: header is not valid JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: header must be a JSON object, got {type(header).__name__}")
-    base = 8 + n
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (b, e) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{path}: malformed header entry for {name!r}: {entry!r}") from None
-        if dtype in _ST_DTYPES:
-            want = int(np.prod(shape, dtype=np.int64)) * _ST_DTYPES[dtype].itemsize
-            if e - b != want or b < 0:
-                raise ValueError(f"{path}: tensor {name!r} ({dtype} {list(shape)}) has byte range "
-                                 f"[{b}, {e}) (expected {want} bytes)")
-            if base + e > size:
-                raise ValueError(f"{path}: truncated: tensor {name!r} ({dtype} {list(shape)}) ends at "
-                                 f"byte {base + e}, the file has {size} bytes")
-        out[name] = TensorInfo(path, dtype, shape, base + b, base + e)
-    return out
-
-
-class SafetensorsCheckpoint:
-    """All tensors of a checkpoint: one .safetensors file, a list of files, or a directory (its
-    `model.safetensors.index.json` weight map if present, else every *.safetensors file in it).
-    With an index, a shard's header is parsed only when one of its tensors is first looked at;
-    otherwise every header is parsed here. `read` returns read-only memory-mapped views."""
-
-    def __init__(self, path: str | os.PathLike | Sequence[str | os.PathLike]):
-        self._headers: dict[Path, dict[str, TensorInfo]] = {}
-        self._where: dict[str, Path] = {}  # tensor name -> file
-        self.directory: Path | None = None  # where config.json is looked for
-        weight_map = None
-        if isinstance(path, (str, os.PathLike)):
-            p = Path(path)
-            if p.is_dir():
-                self.directory = p
-                index = p / INDEX_FILE
-                if index.exists():
-                    try:
-                        weight_map = json.loads(index.read_text())["weight_map"]
-                        self._where = {str(k): p / v for k, v in weight_map.items()}
-                    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-                        raise ValueError(f"path: {index} is not an index with a 'weight_map' of "
-                                         f"tensor name -> file ({type(exc).__name__}: {exc})") from None
-                    files = sorted(set(self._where.values()))
-                    absent = [str(f) for f in files if not f.is_file()]
-                    if absent:
-                        raise ValueError(f"path: {index} names file(s) that do not exist: {absent}")
-                else:
-                    files = sorted(p.glob("*.safetensors"))
-                if not files:
-                    raise ValueError(f"path: no *.safetensors files in directory {p}")
-            elif p.is_file():
-                files = [p]
-                self.directory = p.parent
-            else:
-                raise ValueError(f"path: {p} is neither a safetensors file nor a directory")
-        else:
-            files = [Path(f) for f in path]
-            if not files:
-                raise ValueError("path: expected at least one safetensors file, got an empty list")
-            absent = [str(f) for f in files if not f.is_file()]
-            if absent:
-                raise ValueError(f"path: no such safetensors file(s): {absent}")
-            self.directory = files[0].parent
-        self.files = files
-        if weight_map is None:
-            for f in files:
-                for name in self._header(f):
-                    if name in self._where:
-                        raise ValueError(f"checkpoint: tensor {name!r} appears in both "
-                                         f"{self._where[name]} and {f}")
-                    self._where[name] = f
-        self._maps: dict[Path, np.memmap] = {}
-
-    def _header(self, f: Path) -> dict[str, TensorInfo]:
-        h = self._headers.get(f)
-        if h is None:
-            h = self._headers[f] = read_safetensors_header(f)
-        return h
-
-    @property
-    def headers_read(self) -> int:
-        """How many files' headers have been parsed so far."""
-        return len(self._headers)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def keys(self) -> list[str]:
-        return list(self._where)
-
-    def info(self, name: str) -> TensorInfo:
-        f = self._where[name]
-        h = self._header(f)
-        if name not in h:
-            raise ValueError(f"checkpoint: {INDEX_FILE} places tensor {name!r} in {f}, whose header "
-                             f"does not have it")
-        return h[name]
-
-    def read(self, name: str) -> np.ndarray:
-        """A read-only view (no copy) of tensor `name` with its numpy/ml_dtypes dtype."""
-        info = self.info(name)
-        if info.dtype not in _ST_DTYPES:
-            raise TypeError(f"checkpoint: tensor {name!r} has dtype {info.dtype}, which this loader "
-                            f"does not read (readable: {sorted(_ST_DTYPES)})")
-        mm = self._maps.get(info.file)
-        if mm is None:
-            mm = self._maps[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
-        return mm[info.begin:info.end].view(_ST_DTYPES[info.dtype]).reshape(info.shape)
-
-    def read_into(self, name: str, out: np.ndarray) -> None:
-        """Copy tensor `name` into the C-contiguous array `out` (its shape; a dtype of the same bytes,
-        or a float dtype the values are cast to). Same-byte tensors go from the file straight into
-        `out` (pread: no memory map, so the file's pages never count in this process's RSS)."""
-        info = self.info(name)
-        src = _ST_DTYPES.get(info.dtype)
-        if src is None or tuple(out.shape) != info.shape:
-            raise ValueError(f"checkpoint: cannot read {name!r} ({info.dtype} {list(info.shape)}) into "
-                             f"{out.dtype} {list(out.shape)}")
-        same_bytes = src == out.dtype or (src.kind in "iu" and out.dtype.kind in "iu"
-                                          and src.itemsize == out.dtype.itemsize == 1)
-        if not (same_bytes and out.flags.c_contiguous):
-            out[...] = self.read(name)  # a cast (F16/F32 -> bf16) through the memory map
-            return
-        view = memoryview(out.reshape(-1).view(np.uint8))
-        fd = os.open(info.file, os.O_RDONLY)
-        try:
-            done, size = 0, info.end - info.begin
-            while done < size:
-                got = os.preadv(fd, [view[done:]], info.begin + done)
-                if got <= 0:
-                    raise ValueError(f"{info.file}: truncated: tensor {name!r} ends at byte {info.end}, "
-                                     f"reading stopped at {info.begin + done}")
-                done += got
-        finally:
-            os.close(fd)
-
-    def read_copy(self, name: str) -> np.ndarray:
-        """Tensor `name` as a new array (read with pread: no file pages stay mapped in this process)."""
-        info = self.info(name)
-        if info.dtype not in _ST_DTYPES:
-            raise TypeError(f"checkpoint: tensor {name!r} has dtype {info.dtype}, which this loader "
-                            f"does not read (readable: {sorted(_ST_DTYPES)})")
-        out = np.empty(info.shape, _ST_DTYPES[info.dtype])
-        self.read_into(name, out)
-        return out
-
-    def layers(self) -> tuple[list[int], list[int]]:
-        """(layer indices with any tensor, layer indices with a MoE router `gate.weight`)."""
-        held, moe = set(), set()
-        for name in self._where:
-            m = _LAYER_RE.match(name)
-            if m:
-                held.add(int(m.group(1)))
-                if _MOE_RE.match(name):
-                    moe.add(int(m.group(1)))
-        return sorted(held), sorted(moe)
 
 
 def detect_naming(ckpt: SafetensorsCheckpoint, *, layer: int | None = None, prefix: str | None = None,
@@ -367,7 +161,8 @@ def detect_naming(ckpt: SafetensorsCheckpoint, *, layer: int | None = None, pref
     if not hits:
         raise CheckpointError(f"checkpoint layer {layer}", [
             f"no tensor of layer {layer} under any known naming ({tried}); the files hold layers "
-            f"{hf_config.format_ranges(held)}, with a MoE router (gate.weight) in layers {hf_config.format_ranges(moe)}"
+            f"{hf_config.format_ranges(held)}, with a MoE router (gate.weight) in layers "
+            f"{hf_config.format_ranges(moe)}"
             + (f"; config.json's layers: {hf_config.describe_kinds(kinds)}" if kinds else "")])
     raise CheckpointError(f"checkpoint layer {layer}", [
         f"tensors of layer {layer} under more than one naming ({', '.join(p for _, p in hits)}); "
@@ -376,140 +171,25 @@ def detect_naming(ckpt: SafetensorsCheckpoint, *, layer: int | None = None, pref
 
 # -- planning: which tensors, which format, every problem found from the headers ----------------
 
-@dataclass(frozen=True)
-class _ProjPlan:
-    weight: str
-    scale: str | None
-
-
 @dataclass
 class _Plan:
-    fmt: str | None = None
+    """The layer's tensors, found and checked from the headers: the routed experts' one format."""
+
+    fmt: str | None = None  # a FORMATS key
     scale_dtype: str | None = None  # the scale's dtype kind: "E8M0" (F8_E8M0 / U8 bytes), "F32", "BF16"
     weight_dtype: str | None = None
-    experts: list = dataclasses.field(default_factory=list)  # [e_local][proj] -> _ProjPlan
-    shared: dict = dataclasses.field(default_factory=dict)  # proj -> (fmt, _ProjPlan)
-
-
-def _scale_kind(dtype: str) -> str:
-    return "E8M0" if dtype in _E8M0 else dtype
-
-
-def _scale_name(ckpt: SafetensorsCheckpoint, w: str) -> str | None:
-    base = w[: -len(".weight")]
-    for suffix in _SCALE_SUFFIXES:
-        if base + suffix in ckpt:
-            return base + suffix
-    return None
-
-
-def _scale_to_f32(s: np.ndarray) -> np.ndarray:
-    """Scale values (E8M0 bytes, BF16 or F32) as f32 on the host; exact (a byte b is 2^(b-127),
-    bits b << 23; bf16 widens exactly). Bytes 0 and 255 are refused before this is called."""
-    if s.dtype == np.uint8:
-        return (s.astype(np.uint32) << 23).view(np.float32)
-    return s.astype(np.float32)
-
-
-def _scale_value_problem(ckpt: SafetensorsCheckpoint, name: str, pow2: bool, problems: list[str]) -> bool:
-    """Appends the problem with the values of scale tensor `name`, if any: E8M0 bytes 0 (2^-127,
-    below fp32's normal range) and 255 (NaN); F32/BF16 scales that are not positive finite, or
-    (`pow2`: MX formats, whose GEMMs read UE8M0) not powers of two."""
-    s, dt = ckpt.read_copy(name), ckpt.info(name).dtype
-    if s.dtype == np.uint8:
-        bad = int(np.count_nonzero((s == 0) | (s == 255)))
-        msg = (f"{name}: {bad} scale byte(s) are 0 or 255 (E8M0 2^-127 / NaN are not usable scales; "
-               f"values {int(s.min())}..{int(s.max())})")
-    elif pow2:
-        mant, _ = np.frexp(s.astype(np.float32))
-        bad = int(np.count_nonzero(~((mant == 0.5) & np.isfinite(s))))
-        msg = f"{name}: {bad} {dt} scale(s) are not positive powers of two (MX formats need UE8M0 scales)"
-    else:
-        bad = int(np.count_nonzero(~(np.isfinite(s) & (s > 0))))
-        msg = f"{name}: {bad} {dt} scale(s) are not positive finite numbers"
-    if bad:
-        problems.append(msg)
-    return bool(bad)
-
-
-def _classify(ckpt: SafetensorsCheckpoint, w: str, n: int, k: int, problems: list[str]):
-    """Format of projection `w` ((N, K) logical), or None after appending its problems. Scale
-    values are part of a projection's validity: they are read and checked here (small tensors),
-    before any weight is stacked."""
-    if w not in ckpt:
-        problems.append(f"missing {w}")
-        return None
-    info = ckpt.info(w)
-    sname = _scale_name(ckpt, w)
-    sinfo = ckpt.info(sname) if sname else None
-    base = w[: -len(".weight")]
-    scale_names = " or ".join(base + s for s in _SCALE_SUFFIXES)
-
-    def bad_shape(name, got, want, what=""):
-        problems.append(f"{name}: expected shape {tuple(want)}{what}, got {tuple(got)}")
-
-    if info.dtype in _FLOAT:
-        if info.shape != (n, k):
-            bad_shape(w, info.shape, (n, k))
-            return None
-        if sname:
-            problems.append(f"{sname}: unexpected scale for {info.dtype} weight {w}")
-            return None
-        return "bf16", _ProjPlan(w, None)
-    if info.dtype == "F8_E4M3":
-        if info.shape != (n, k):
-            bad_shape(w, info.shape, (n, k))
-            return None
-        if sinfo is None:
-            problems.append(f"missing {scale_names} for F8_E4M3 weight {w}")
-            return None
-        blocks = (ceil_div(n, BLOCK), ceil_div(k, BLOCK))
-        groups = (n, ceil_div(k, MX_GROUP))
-        if sinfo.shape in ((), (1,)):
-            fmt = "fp8_per_tensor"
-        elif sinfo.shape == blocks and sinfo.shape != groups:
-            fmt = "fp8_block"
-        elif sinfo.shape == groups:
-            fmt = "mxfp8"
-        else:
-            problems.append(f"{sname}: expected shape {blocks} (128x128 blocks), {groups} (MXFP8 "
-                            f"1x32 groups) or () (per tensor) for weight {w} {(n, k)}, got {sinfo.shape}")
-            return None
-        allowed = {"mxfp8": _E8M0 + _SCALE_FLOAT, "fp8_block": _SCALE_FLOAT + ("F8_E8M0",),
-                   "fp8_per_tensor": _SCALE_FLOAT}[fmt]
-        if sinfo.dtype not in allowed:
-            problems.append(f"{sname}: expected dtype in {allowed} for format {fmt}, got {sinfo.dtype}")
-            return None
-        if _scale_value_problem(ckpt, sname, fmt == "mxfp8", problems):
-            return None
-        return fmt, _ProjPlan(w, sname)
-    if info.dtype in ("I8", "U8"):
-        if k % 2 or info.shape != (n, k // 2):
-            bad_shape(w, info.shape, (n, k // 2), " (MXFP4: two e2m1 codes per byte)")
-            return None
-        groups = (n, ceil_div(k, MX_GROUP))
-        if sinfo is None:
-            problems.append(f"missing {scale_names} for MXFP4 weight {w}")
-            return None
-        if sinfo.shape != groups:
-            bad_shape(sname, sinfo.shape, groups, " (MXFP4: one scale per 32 values along K)")
-            return None
-        if sinfo.dtype not in _E8M0 + _SCALE_FLOAT:
-            problems.append(f"{sname}: expected dtype F8_E8M0, U8, F32 or BF16 (MXFP4 scales), got {sinfo.dtype}")
-            return None
-        if _scale_value_problem(ckpt, sname, True, problems):
-            return None
-        return "mxfp4", _ProjPlan(w, sname)
-    problems.append(f"{w}: dtype {info.dtype} is not an accepted expert weight dtype "
-                    f"(BF16/F16/F32, F8_E4M3, or I8/U8 packed e2m1)")
-    return None
+    experts: list = dataclasses.field(default_factory=list)  # [e_local][proj] -> ProjPlan
+    shared: dict = dataclasses.field(default_factory=dict)  # proj -> (format name, ProjPlan)
 
 
 def _proj_shapes(h: int, i: int) -> dict[str, tuple[int, int]]:
     return {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
 
 
-def _plan(ckpt, config, naming: Naming, prefix, expert_range, problems) -> _Plan:
+def _plan(ckpt: SafetensorsCheckpoint, config: MoEConfig, naming: Naming, prefix: str,
+          expert_range: tuple[int, int], problems: list[str]) -> _Plan:
+    """Classifies every routed projection of `expert_range` and the shared expert's; appends the
+    problems found (including experts whose format or dtypes differ from the first one's)."""
     plan = _Plan()
     h, i = config.hidden_size, config.intermediate_size
     shapes = _proj_shapes(h, i)
@@ -518,11 +198,11 @@ def _plan(ckpt, config, naming: Naming, prefix, expert_range, problems) -> _Plan
         row = {}
         for proj in _PROJ:
             w = f"{prefix}experts.{e}.{naming.proj(proj)}.weight"
-            got = _classify(ckpt, w, *shapes[proj], problems)
+            got = classify(ckpt, w, *shapes[proj], problems)
             if got is None:
                 continue
             fmt, pp = got
-            sdt = _scale_kind(ckpt.info(pp.scale).dtype) if pp.scale else None
+            sdt = scale_kind(ckpt.info(pp.scale).dtype) if pp.scale else None
             wdt = ckpt.info(w).dtype
             if plan.fmt is None:
                 plan.fmt, plan.scale_dtype, plan.weight_dtype = fmt, sdt, wdt
@@ -536,13 +216,14 @@ def _plan(ckpt, config, naming: Naming, prefix, expert_range, problems) -> _Plan
     if config.n_shared_experts:
         i_s = config.shared_intermediate_size
         for proj, shp in _proj_shapes(h, i_s).items():
-            got = _classify(ckpt, f"{prefix}shared_experts.{naming.proj(proj)}.weight", *shp, problems)
+            got = classify(ckpt, f"{prefix}shared_experts.{naming.proj(proj)}.weight", *shp, problems)
             if got is not None:
                 plan.shared[proj] = got
     return plan
 
 
-def _check_small(ckpt, name, shape, kinds, problems, required: bool):
+def _check_small(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], kinds: tuple[str, ...],
+                 problems: list[str], required: bool) -> None:
     if name not in ckpt:
         if required:
             problems.append(f"missing {name}")
@@ -565,127 +246,78 @@ def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     return raw[off:off + nbytes].view(dtype).reshape(shape)
 
 
-def _stack_experts(ckpt, plan: _Plan, config: MoEConfig, naming: Naming, which: str):
-    """Stacked checkpoint-form values (E_loc, N, Kv) and scale (or None) for "w13" or "w2"; every
-    scale becomes f32 here, exactly, one expert at a time (no whole-layer byte copy beside it)."""
+def _stack_experts(ckpt: SafetensorsCheckpoint, plan: _Plan, config: MoEConfig, which: str
+                   ) -> tuple[np.ndarray, np.ndarray | None]:
+    """Stacked checkpoint-form values (E_loc, N, K / k_pack) and scale (E_loc, ceil(N/bn),
+    ceil(K/bk)) f32 (None without one) for "w13" (N = 2I, K = H) or "w2" (N = H, K = I). Every scale
+    becomes f32 here, exactly, one expert at a time (no whole-layer byte copy beside it); a per-tensor
+    scale fills its projection's pseudo blocks."""
     h, i = config.hidden_size, config.intermediate_size
-    e_loc = len(plan.experts)
+    f = FORMATS[plan.fmt]
     projs = ("gate_proj", "up_proj") if which == "w13" else ("down_proj",)
     n, k = (2 * i, h) if which == "w13" else (h, i)
-    fmt = plan.fmt
-    wdt = _ST_DTYPES[plan.weight_dtype]
-    if fmt == "bf16":
-        wdt = np.dtype(ml_dtypes.bfloat16)
-    elif fmt == "mxfp4":
-        wdt = np.dtype(np.int8)
-    kv = k // 2 if fmt == "mxfp4" else k
-    values = _aligned_empty((e_loc, n, kv), wdt)
-    if fmt == "bf16":
-        scale = None
-    elif fmt == "fp8_block":
-        scale = np.empty((e_loc, ceil_div(n, BLOCK), ceil_div(k, BLOCK)), np.float32)
-    elif fmt == "fp8_per_tensor":
-        scale = np.empty((e_loc, len(projs)), np.float32)
-    else:
-        scale = _aligned_empty((e_loc, n, ceil_div(k, MX_GROUP)), np.float32)
+    values = _aligned_empty((len(plan.experts), *f.weight_shape(n, k)), f.values_dtype)
+    scale = None if f.block is None else _aligned_empty((len(plan.experts), *f.block_grid(n, k)), np.float32)
     for e, row in enumerate(plan.experts):
         r0 = 0
-        for j, proj in enumerate(projs):
+        for proj in projs:
             pp = row[proj]
             rows = ckpt.info(pp.weight).shape[0]
             ckpt.read_into(pp.weight, values[e, r0:r0 + rows])  # the one host copy (F16/F32 -> bf16 cast)
-            if fmt == "fp8_block":
-                rb = rows // BLOCK  # quantized recipes: I is a multiple of 128, blocks do not straddle
-                scale[e, r0 // BLOCK:r0 // BLOCK + rb] = _scale_to_f32(ckpt.read_copy(pp.scale))
-            elif fmt == "fp8_per_tensor":
-                scale[e, j] = _scale_to_f32(ckpt.read_copy(pp.scale)).reshape(())
-            elif fmt in ("mxfp8", "mxfp4"):  # values checked by _classify
-                scale[e, r0:r0 + rows] = _scale_to_f32(ckpt.read_copy(pp.scale))
+            if scale is not None:  # quantized recipes: I is a multiple of the block, none straddles
+                b0 = r0 // f.block[0]  # scale values were checked by classify
+                scale[e, b0:b0 + ceil_div(rows, f.block[0])] = scale_to_f32(ckpt.read_copy(pp.scale))
             r0 += rows
     return values, scale
 
 
-def _to_checkpoint_form(values, scale, fmt, recipe, n_split, k):
-    """Host buffers -> jax arrays in the checkpoint form of `recipe` (MoEParams docstring)."""
-    import jax
-    import jax.numpy as jnp
-
-    import layouts
-
-    v = jax.device_put(values)
-    if fmt == "bf16":
-        if recipe == "mxfp8":  # weight path D: from high-precision weights
-            return layouts.quantize_mxfp8(v, MX_GROUP)
-        return v, None
-    if fmt == "fp8_per_tensor":
-        # each projection's scalar -> its own pseudo blocks (gate and up keep their own scales)
-        parts = [layouts.expand_per_tensor_scale(jnp.asarray(scale[:, j]), rows, k, BLOCK)
-                 for j, rows in enumerate(n_split)]
-        return v, jnp.concatenate(parts, axis=1)
-    return v, jax.device_put(scale)
-
-
-def _read_shared_projection(ckpt: SafetensorsCheckpoint, fmt: str, pp: _ProjPlan
-                            ) -> tuple[np.ndarray, np.ndarray | None, str]:
-    """One shared-expert projection as stored: (values (N, Kv) — int8 packed e2m1 for mxfp4 —,
-    scale as exact f32 (None for bf16), checkpoint format). Host copies, never views of a file
-    map (jax may alias host memory)."""
+def _read_shared_projection(ckpt: SafetensorsCheckpoint, fmt: str, pp: ProjPlan
+                            ) -> tuple[np.ndarray, np.ndarray | None]:
+    """One shared-expert projection as stored: (values (N, K / k_pack) — int8 packed e2m1 for
+    mxfp4 —, scale as exact f32 (None without one)). Host copies, never views of a file map (jax
+    may alias host memory)."""
+    f = FORMATS[fmt]
     w = ckpt.read_copy(pp.weight)
-    if fmt == "mxfp4":
-        w = w.view(np.int8)
-    s = None if pp.scale is None else _scale_to_f32(ckpt.read_copy(pp.scale))
-    return w, s, fmt
+    if f.values_dtype.kind in "iu":  # packed codes: the stored bytes, reinterpreted
+        w = w.view(f.values_dtype)
+    s = None if pp.scale is None else scale_to_f32(ckpt.read_copy(pp.scale))
+    return w, s
 
 
-def _dequantize_shared(values: np.ndarray, scale: np.ndarray | None, fmt: str, n: int, k: int):
-    """A `_read_shared_projection` result -> (N, K) bf16 jax array."""
-    import jax.numpy as jnp
-
-    import layouts
-
-    if fmt == "bf16":
-        return jnp.asarray(values).astype(jnp.bfloat16)
-    w, s = jnp.asarray(values), jnp.asarray(scale)
-    if fmt == "mxfp4":
-        return layouts.dequantize_mxfp4(w, s, MX_GROUP, jnp.bfloat16)
-    if fmt == "mxfp8":
-        return layouts.dequantize_fp8_per_token_group(w, s, MX_GROUP, jnp.bfloat16)
-    if fmt == "fp8_per_tensor":
-        s = layouts.expand_per_tensor_scale(s.reshape(()), n, k, BLOCK)
-    return layouts.dequantize_fp8_per_block(w, s, BLOCK, jnp.bfloat16)
-
-
-def _fp8_shared(ckpt, plan: "_Plan", h: int, i_s: int, required: bool) -> dict:
-    """An fp8_block / fp8_per_tensor shared expert kept as FP8: {shared_w13 (2*I_s, H) e4m3,
-    shared_w13_scale (2*I_s/128, ceil(H/128)) f32, shared_w2 (H, I_s) e4m3, shared_w2_scale} in
-    checkpoint form (MoEParams fields). {} when its projections are not all FP8 with block scales
-    or I_s is not a multiple of 128 (gate and up blocks would share scale rows once stacked),
-    unless `required`, which makes those an error."""
-    import jax.numpy as jnp
-
-    import layouts
-
-    fmts = {p: plan.shared[p][0] for p in _proj_shapes(h, i_s)}
-    if not all(f in ("fp8_block", "fp8_per_tensor") for f in fmts.values()):
+def _fp8_shared(ckpt: SafetensorsCheckpoint, plan: _Plan, h: int, i_s: int, required: bool) -> dict:
+    """A shared expert stored in the SHARED_FP8 recipe's form (fp8_block, fp8_per_tensor) kept as
+    FP8: {shared_w13 (2*I_s, H) e4m3, shared_w13_scale (2*I_s/bs, ceil(H/bs)) f32, shared_w2 (H, I_s)
+    e4m3, shared_w2_scale} in checkpoint form (MoEParams fields), (bs, bs) that recipe's block. {}
+    when its projections are not all in that form or I_s is not a multiple of bs (gate and up blocks
+    would share scale rows once stacked), unless `required`, which makes those an error."""
+    fmts = {p: FORMATS[plan.shared[p][0]] for p in _proj_shapes(h, i_s)}
+    if not all(f.recipe == SHARED_FP8 for f in fmts.values()):
         if required:
-            raise ValueError(f"shared_fp8=True: the shared expert is stored as {sorted(set(fmts.values()))}, "
+            raise ValueError(f"shared_fp8=True: the shared expert is stored as "
+                             f"{sorted({f.name for f in fmts.values()})}, "
                              "not FP8 with block or per-tensor scales")
         return {}
-    if i_s % BLOCK:
+    bs = get_recipe(SHARED_FP8).weight_block[0]
+    if i_s % bs:
         if required:
-            raise ValueError(f"shared_fp8=True: the shared intermediate size must be a multiple of {BLOCK}, "
+            raise ValueError(f"shared_fp8=True: the shared intermediate size must be a multiple of {bs}, "
                              f"got {i_s}")
         return {}
     out = {}
     for p, (n, k) in _proj_shapes(h, i_s).items():
-        values, scale, fmt = _read_shared_projection(ckpt, *plan.shared[p])
-        s = jnp.asarray(scale)
-        if fmt == "fp8_per_tensor":
-            s = layouts.expand_per_tensor_scale(s.reshape(()), n, k, BLOCK)
-        out[p] = (jnp.asarray(values), s)
+        values, scale = _read_shared_projection(ckpt, *plan.shared[p])
+        out[p] = (jnp.asarray(values), jnp.asarray(fmts[p].block_scale(scale, n, k)))
     (g, gs), (u, us), (d, ds) = (out[p] for p in ("gate_proj", "up_proj", "down_proj"))
-    return dict(shared_w13=jnp.concatenate([g, u]), shared_w13_scale=jnp.concatenate([gs, us]),
-                shared_w2=d, shared_w2_scale=ds)
+    return {"shared_w13": jnp.concatenate([g, u]), "shared_w13_scale": jnp.concatenate([gs, us]),
+            "shared_w2": d, "shared_w2_scale": ds}
+
+
+def _bf16_shared(ckpt: SafetensorsCheckpoint, plan: _Plan, h: int, i_s: int) -> dict:
+    """The shared expert dequantized: {shared_w13 (2*I_s, H) bf16 (gate rows, then up rows),
+    shared_w2 (H, I_s) bf16}."""
+    g, u, d = (FORMATS[plan.shared[p][0]].dequantize(*_read_shared_projection(ckpt, *plan.shared[p]), *shp)
+               for p, shp in _proj_shapes(h, i_s).items())
+    return {"shared_w13": jnp.concatenate([g, u], axis=0), "shared_w2": d}
 
 
 def read_checkpoint_config(ckpt: SafetensorsCheckpoint) -> dict | None:
@@ -725,6 +357,90 @@ def _layer_config(ckpt, config, layer, arch, cfg_json) -> tuple[MoEConfig, dict 
     return config, None
 
 
+def _target_arch(config: MoEConfig, arch: int | None) -> int:
+    """The arch the params are prepared for: `arch`, or config.gemm_arch; it must run the recipe."""
+    if arch is None:
+        arch = config.gemm_arch
+    runs_on = tuple(sorted(get_recipe(config.recipe).supported_archs))
+    if arch not in runs_on:
+        raise ValueError(f"arch: target arch {arch!r} cannot run recipe {config.recipe!r} "
+                         f"(runs on {runs_on})")
+    if arch != config.gemm_arch:  # the layer runs params in the form of config.gemm_arch
+        raise ValueError(f"arch: {arch} disagrees with config.gemm_arch={config.gemm_arch} "
+                         f"(set MoEConfig.arch={arch})")
+    return arch
+
+
+def _expert_range(config: MoEConfig, expert_range: tuple[int, int] | None) -> tuple[int, int]:
+    e = config.num_experts
+    if expert_range is None:
+        return 0, e
+    start, stop = expert_range
+    if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= e):
+        raise ValueError(f"expert_range: expected (start, stop) with 0 <= start < stop <= "
+                         f"num_experts={e}, got {expert_range!r}")
+    return expert_range
+
+
+def _check_routing(ckpt: SafetensorsCheckpoint, config: MoEConfig, names: dict[str, str], layer: int | None,
+                   json_sources: dict | None, problems: list[str]) -> None:
+    """Appends the problems of the router tensors `names` (gate, bias, tid: tensor names): the gate
+    (E, H); a hash layer's tid2eid (vocab, top_k) with ids in [0, E); else the correction bias (E,)
+    iff config.use_correction_bias, and no tid2eid."""
+    e, gate, bias, tid = config.num_experts, names["gate"], names["bias"], names["tid"]
+    _check_small(ckpt, gate, (e, config.hidden_size), _FLOAT, problems, required=True)
+    if config.hash_routing:  # routed by tid2eid: a correction bias is neither needed nor read
+        if config.use_correction_bias:
+            problems.append("config.use_correction_bias=True on a hash-routed layer: hash layers route "
+                            "by tid2eid and have no correction bias (set use_correction_bias=False; "
+                            "MoEConfig.deepseek_v4(hash_routing=True) and from_pretrained do)")
+        n_before = len(problems)
+        _check_small(ckpt, tid, (config.vocab_size, config.top_k), _INT, problems, required=True)
+        if len(problems) == n_before:  # well-formed: its ids must name experts (routing gathers them)
+            ids = ckpt.read_copy(tid)
+            bad = int(np.count_nonzero((ids < 0) | (ids >= e)))
+            if bad:
+                problems.append(f"{tid}: {bad} expert id(s) outside [0, {e}) (values "
+                                f"{int(ids.min())}..{int(ids.max())})")
+        return
+    _check_small(ckpt, bias, (e,), _FLOAT, problems, required=config.use_correction_bias)
+    if not config.use_correction_bias and bias in ckpt:
+        if json_sources is None:
+            problems.append(f"{bias}: present, but config.use_correction_bias is False (routing would "
+                            "silently differ from the model's)")
+        else:  # the config came from config.json: say how it decided, and what would fix it
+            said = hf_config.describe("use_correction_bias", False, json_sources)
+            problems.append(f"{bias}: present, but config.json routes layer {layer} without a correction "
+                            f"bias (use_correction_bias: {said}); routing would silently differ from the "
+                            "model's (a model routed with this bias has topk_method 'noaux_tc')")
+    if tid in ckpt:
+        problems.append(f"{tid}: present (a hash-routed layer), but config.hash_routing is False")
+
+
+def _build_params(ckpt: SafetensorsCheckpoint, config: MoEConfig, plan: _Plan, names: dict[str, str],
+                  shared_fp8: bool | None) -> MoEParams:
+    """Checkpoint-form MoEParams of a checked plan: experts stacked, converted to config.recipe's
+    form; router f32, tid2eid int32; the shared expert FP8 (`_fp8_shared`) or bf16."""
+    h, f = config.hidden_size, FORMATS[plan.fmt]
+    w13, s13 = f.to_checkpoint_form(*_stack_experts(ckpt, plan, config, "w13"), config.recipe)
+    w2, s2 = f.to_checkpoint_form(*_stack_experts(ckpt, plan, config, "w2"), config.recipe)
+    shared = {"shared_w13": None, "shared_w2": None}
+    if config.n_shared_experts:
+        i_s = config.shared_intermediate_size
+        kept = {} if shared_fp8 is False else _fp8_shared(ckpt, plan, h, i_s, required=shared_fp8 is True)
+        shared = kept or _bf16_shared(ckpt, plan, h, i_s)
+    use_bias = config.use_correction_bias and not config.hash_routing
+
+    def read(name: str, dtype) -> jax.Array:
+        return jnp.asarray(np.array(ckpt.read_copy(name), dtype))
+
+    return MoEParams(
+        gate_weight=read(names["gate"], np.float32), w13=w13, w2=w2, w13_scale=s13, w2_scale=s2,
+        e_score_correction_bias=read(names["bias"], np.float32) if use_bias else None, **shared,
+        tid2eid=read(names["tid"], np.int32) if config.hash_routing else None,
+    )
+
+
 def load_moe_layer(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckpoint, *,
                    layer: int | None = None, config: MoEConfig | None = None, arch: int | None = None,
                    expert_range: tuple[int, int] | None = None, prefix: str | None = None,
@@ -741,22 +457,8 @@ def load_moe_layer(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckpo
     ckpt = checkpoint if isinstance(checkpoint, SafetensorsCheckpoint) else SafetensorsCheckpoint(checkpoint)
     cfg_json = read_checkpoint_config(ckpt)
     config, json_sources = _layer_config(ckpt, config, layer, arch, cfg_json)
-    if arch is None:
-        arch = config.gemm_arch
-    runs_on = tuple(sorted(get_recipe(config.recipe).supported_archs))
-    if arch not in runs_on:
-        raise ValueError(f"arch: target arch {arch!r} cannot run recipe {config.recipe!r} "
-                         f"(runs on {runs_on})")
-    if arch != config.gemm_arch:  # the layer runs params in the form of config.gemm_arch
-        raise ValueError(f"arch: {arch} disagrees with config.gemm_arch={config.gemm_arch} "
-                         f"(set MoEConfig.arch={arch})")
-    e = config.num_experts
-    if expert_range is None:
-        expert_range = (0, e)
-    start, stop = expert_range
-    if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= e):
-        raise ValueError(f"expert_range: expected (start, stop) with 0 <= start < stop <= "
-                         f"num_experts={e}, got {expert_range!r}")
+    arch = _target_arch(config, arch)
+    expert_range = _expert_range(config, expert_range)
     kinds = hf_config.layer_kinds(cfg_json) if cfg_json is not None else None
     naming, prefix = detect_naming(ckpt, layer=layer, prefix=prefix, kinds=kinds)
     where = f"checkpoint layer prefix {prefix!r} ({naming.name} naming)"
@@ -768,71 +470,15 @@ def load_moe_layer(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckpo
             f"MoE routers are in layers {hf_config.format_ranges(moe)}"
             + (f"; config.json's layers: {hf_config.describe_kinds(kinds)}" if kinds else "")])
     problems: list[str] = []
-    h = config.hidden_size
-    _check_small(ckpt, f"{prefix}gate.weight", (e, h), _FLOAT, problems, required=True)
-    bias = f"{prefix}{naming.bias}"
-    tid = f"{prefix}gate.tid2eid"
-    if config.hash_routing:  # routed by tid2eid: a correction bias is neither needed nor read
-        if config.use_correction_bias:
-            problems.append("config.use_correction_bias=True on a hash-routed layer: hash layers route "
-                            "by tid2eid and have no correction bias (set use_correction_bias=False; "
-                            "MoEConfig.deepseek_v4(hash_routing=True) and from_pretrained do)")
-        n_before = len(problems)
-        _check_small(ckpt, tid, (config.vocab_size, config.top_k), _INT, problems, required=True)
-        if len(problems) == n_before:  # well-formed: its ids must name experts (routing gathers them)
-            ids = ckpt.read_copy(tid)
-            bad = int(np.count_nonzero((ids < 0) | (ids >= e)))
-            if bad:
-                problems.append(f"{tid}: {bad} expert id(s) outside [0, {e}) (values "
-                                f"{int(ids.min())}..{int(ids.max())})")
-    else:
-        _check_small(ckpt, bias, (e,), _FLOAT, problems, required=config.use_correction_bias)
-        if not config.use_correction_bias and bias in ckpt:
-            if json_sources is None:
-                problems.append(f"{bias}: present, but config.use_correction_bias is False (routing would "
-                                "silently differ from the model's)")
-            else:  # the config came from config.json: say how it decided, and what would fix it
-                said = hf_config.describe("use_correction_bias", False, json_sources)
-                problems.append(f"{bias}: present, but config.json routes layer {layer} without a correction "
-                                f"bias (use_correction_bias: {said}); routing would silently differ from the "
-                                "model's (a model routed with this bias has topk_method 'noaux_tc')")
-        if tid in ckpt:
-            problems.append(f"{tid}: present (a hash-routed layer), but config.hash_routing is False")
+    names = {"gate": f"{prefix}gate.weight", "bias": f"{prefix}{naming.bias}", "tid": f"{prefix}gate.tid2eid"}
+    _check_routing(ckpt, config, names, layer, json_sources, problems)
     plan = _plan(ckpt, config, naming, prefix, expert_range, problems)
     if plan.fmt is not None and plan.fmt not in RECIPE_SOURCES[config.recipe]:
         problems.append(f"recipe {config.recipe!r} cannot be loaded from {plan.fmt} expert weights "
                         f"(it loads from {RECIPE_SOURCES[config.recipe]})")
     if problems:
         raise CheckpointError(where, problems)
-
-    import jax.numpy as jnp
-
-    from moe_jax.params import check_params
-    from moe_jax.params import prepare_params
-
-    i = config.intermediate_size
-    w13, s13 = _to_checkpoint_form(*_stack_experts(ckpt, plan, config, naming, "w13"), plan.fmt,
-                                   config.recipe, (i, i), h)
-    w2, s2 = _to_checkpoint_form(*_stack_experts(ckpt, plan, config, naming, "w2"), plan.fmt,
-                                 config.recipe, (h,), i)
-    shared_w13 = shared_w2 = None
-    shared_fp8_parts = {}
-    if config.n_shared_experts:
-        i_s = config.shared_intermediate_size
-        shared_fp8_parts = ({} if shared_fp8 is False
-                            else _fp8_shared(ckpt, plan, h, i_s, required=shared_fp8 is True))
-        if not shared_fp8_parts:
-            g, u, d = (_dequantize_shared(*_read_shared_projection(ckpt, *plan.shared[p]), *shp)
-                       for p, shp in _proj_shapes(h, i_s).items())
-            shared_w13, shared_w2 = jnp.concatenate([g, u], axis=0), d
-    use_bias = config.use_correction_bias and not config.hash_routing
-    params = MoEParams(
-        gate_weight=jnp.asarray(np.array(ckpt.read_copy(f"{prefix}gate.weight"), np.float32)),
-        w13=w13, w2=w2, w13_scale=s13, w2_scale=s2,
-        e_score_correction_bias=jnp.asarray(np.array(ckpt.read_copy(bias), np.float32)) if use_bias else None,
-        **(shared_fp8_parts or dict(shared_w13=shared_w13, shared_w2=shared_w2)),
-        tid2eid=jnp.asarray(np.array(ckpt.read_copy(tid), np.int32)) if config.hash_routing else None,
-    )
+    params = _build_params(ckpt, config, plan, names, shared_fp8)
     check_params(params, config)
     return config, (prepare_params(params, config, arch) if prepare else params)
 
@@ -847,10 +493,10 @@ def load_moe_params(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckp
     config: the layer's MoEConfig; None -> built from the checkpoint directory's config.json
     (`load_moe_layer` returns it too); given -> checked against config.json when there is one.
     layer / prefix: give one; the tensor naming (v3, v4, v4_hf) is detected, prefix overrides it.
-    arch: target GPU family 90 | 100 (None -> config.gemm_arch; must equal it); it picks the load-time path
-    (weight paths, layouts/weight_paths.py: fp8_block on 100 -> UE8M0 requant C; mxfp4 on 90 -> FP4->FP8 B, on 100 -> A;
-    mxfp8 -> D). expert_range: (start, stop) global expert ids held by this rank (EP); only those
-    experts are read; the router, bias and shared expert are whole.
+    arch: target GPU family 90 | 100 (None -> config.gemm_arch; must equal it); it picks the load-time
+    path (weight paths, layouts/weight_paths.py: fp8_block on 100 -> UE8M0 requant C; mxfp4 on 90 ->
+    FP4->FP8 B, on 100 -> A; mxfp8 -> D). expert_range: (start, stop) global expert ids held by this
+    rank (EP); only those experts are read; the router, bias and shared expert are whole.
     prepare: True -> GEMM form for `arch` (`prepare_params`); False -> checkpoint form.
     shared_fp8: None (default) keeps a shared expert stored as FP8 with block (or per-tensor) scales
     in FP8, as it ships, when its intermediate size is a multiple of 128, and dequantizes any other
@@ -866,3 +512,9 @@ def load_moe_params(checkpoint: str | os.PathLike | Sequence | SafetensorsCheckp
         raise TypeError(f"config: expected MoEConfig or None, got {type(config).__name__}")
     return load_moe_layer(checkpoint, layer=layer, config=config, arch=arch, expert_range=expert_range,
                           prefix=prefix, prepare=prepare, shared_fp8=shared_fp8)[1]
+
+
+__all__ = ["BLOCK", "CHECKPOINT_FORMATS", "DEFAULT_PREFIX", "HOST_ALIGN", "INDEX_FILE", "MAX_LISTED",
+           "MX_GROUP", "NAMINGS", "RECIPE_SOURCES", "CheckpointError", "Naming", "SafetensorsCheckpoint",
+           "TensorInfo", "detect_naming", "load_moe_layer", "load_moe_params", "read_checkpoint_config",
+           "read_safetensors_header"]
