@@ -3,6 +3,11 @@
 * Eight host CPU devices, so the shard_map suites can build 1x8, 2x4 and 4x2 meshes. This must be
   set before jax is imported anywhere, hence at the top of this file.
 * ``gpu``-marked tests are skipped unless jax sees a CUDA device.
+* ``slow``-marked tests (interpreter sweeps, long property runs, packaging builds) are deselected
+  unless ``--slow`` is given, and the property tests draw fewer examples (tests/run_mode.py): the
+  README's test command stays a few minutes on two cores; ``.ci/run`` runs the rest as well
+  (``-m "slow or property" --slow``: the slow tests, and the hypothesis tests, which get the
+  ``property`` marker here, again at their full count).
 * examples/ is importable: its float64 NumPy model of the layer (numpy_reference.py, which the
   quickstart checks against) is the tests' model too.
 """
@@ -29,7 +34,26 @@ def _has_cuda() -> bool:
         return False
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="also run the tests marked slow (deselected by default)")
+
+
+def pytest_configure(config):
+    import run_mode
+
+    run_mode.SLOW = config.getoption("--slow")
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+            item.add_marker(pytest.mark.property)
+    if not config.getoption("--slow"):
+        slow = [item for item in items if "slow" in item.keywords]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if "slow" not in item.keywords]
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (no CUDA jax backend here)")

@@ -440,6 +440,7 @@ def test_goal_ratios_come_first_and_follow_their_definitions(capsys):
     assert "with routing 1080.0 us steady, 1070.0 us marginal (320 us once per stream)" in fused_line
 
 
+@pytest.mark.slow
 def test_layer_shared_variants_side_by_side_on_cpu(tmp_path):
     """`layer --shared bf16,fp8,fused` at the scaled CPU size: one row per variant, the FP8 variants
     within FP8 rounding of the bf16 one, fused equal to dense FP8 up to bf16 rounding, the shared MLP

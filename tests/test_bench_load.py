@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from moe_jax import layer_kinds
 from moe_jax.bench.load import families, write_layer
@@ -30,6 +31,7 @@ def test_written_layers_load_from_their_config(tmp_path):
         assert np.isfinite(np.asarray(p.w13_scale)).all() and np.isfinite(np.asarray(p.shared_w13, np.float32)).all()
 
 
+@pytest.mark.slow
 def test_small_run_measures_every_load_and_cleans_up(tmp_path):
     out, d = tmp_path / "rows.json", tmp_path / "d"
     proc = subprocess.run([sys.executable, "-m", "moe_jax.bench", "load", "--small", "--dir", str(d),

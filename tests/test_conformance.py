@@ -584,12 +584,22 @@ def run_case(case: Case, backend: str) -> str:
 # ------------------------------------------------------------------------------ the pytest side
 
 def _implementations():
+    """(backend, case id) of every accelerated implementation; the Triton cases (all of them run by
+    Triton's interpreter in one subprocess, off a GPU) are in the slow set."""
     out = []
     for case in CASES.values():
         for backend in cc.backends(case.op):
             if backend != cc.REFERENCE:
-                out.append((backend, case.id))
+                slow = backend == "triton" and not _has_gpu()
+                out.append(pytest.param(backend, case.id, marks=pytest.mark.slow) if slow else (backend, case.id))
     return out
+
+
+def _has_gpu() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
 
 
 def _environment(backend: str, case: Case) -> str:

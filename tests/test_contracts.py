@@ -378,6 +378,7 @@ def _layer(layout):
     return cfg, params, x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["contig", "masked"])
 def test_layer_checked_mode(layout):
     cfg, params, x = _layer(layout)
@@ -506,6 +507,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_triton_backend_checked_under_interpreter():
     got = run_under_interpreter(TRITON_SCRIPT)
     assert got["permute_msg"] == "src2dst[5, 0] = 3 names the same row as src2dst[1, 1] (rows must be distinct)"

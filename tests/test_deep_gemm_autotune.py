@@ -532,6 +532,7 @@ def test_bench_shapes_map_to_tuning_problems():
     assert len(tune.problems(quick=True)) == 3
 
 
+@pytest.mark.slow
 def test_decode_layer_measurement_runs_at_smoke_size(capsys):
     from moe_jax.bench import tune
 
@@ -599,6 +600,7 @@ _TRAITS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_launcher_exports_a_plain_and_a_command_buffer_handler(tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_JAX_CACHE_DIR", str(tmp_path))
@@ -617,6 +619,7 @@ def test_launcher_exports_a_plain_and_a_command_buffer_handler(tmp_path, monkeyp
 
 # --- nvcc: non-default candidates compile for sm_90a ----------------------------------------------
 
+@pytest.mark.slow
 @needs_nvcc
 def test_non_default_candidates_compile_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_JAX_CACHE_DIR", str(tmp_path))

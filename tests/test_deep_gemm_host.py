@@ -581,6 +581,7 @@ def _result(p):
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_compile_sm90_and_sm100_kernels_cache_across_processes(tmp_path):
     sm90 = [dict(kind="contig", rows=512, n=256, k=256, num_groups=2),  # FP8 1D2D
@@ -630,6 +631,7 @@ def test_nvcc_failure_is_reported(tmp_path, monkeypatch):
     assert not (tmp_path / "cubin").exists() or not list((tmp_path / "cubin").iterdir())
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_ffi_launcher_builds_with_shared_libstdcxx(tmp_path, monkeypatch):
     from custom_calls.deep_gemm import launch

@@ -36,6 +36,7 @@ def test_notebook_is_stored_without_outputs():
     assert nb.metadata["kernelspec"]["name"] == "python3"
 
 
+@pytest.mark.slow
 def test_notebook_executes_on_cpu(tmp_path):
     pytest.importorskip("nbclient")
     pytest.importorskip("matplotlib")
@@ -71,6 +72,7 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
 
 
+@pytest.mark.slow
 def test_quickstart_agrees_with_numpy_and_says_ok():
     proc = subprocess.run([sys.executable, str(EXAMPLES / "quickstart.py")], capture_output=True, text=True,
                           timeout=300, env=_env(), cwd=EXAMPLES.parent)
@@ -86,6 +88,7 @@ def test_quickstart_agrees_with_numpy_and_says_ok():
     assert len(out.splitlines()) < 40  # short: no per-expert histograms
 
 
+@pytest.mark.slow
 def test_quickstart_reports_a_layer_that_disagrees(monkeypatch, capsys):
     spec = importlib.util.spec_from_file_location("quickstart", EXAMPLES / "quickstart.py")
     quickstart = importlib.util.module_from_spec(spec)
@@ -109,3 +112,21 @@ def test_multihost_without_flags_prints_usage():
     assert proc.returncode == 2, proc.stderr
     assert "usage: multihost.py" in proc.stderr and "examples/multihost.py --local 2" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_notebook_extra_covers_its_imports_and_a_runner():
+    """`pip install -e ".[notebook]"` (README) gives every package the notebook imports and a Jupyter
+    that runs it: each third-party import is a base dependency or in the extra."""
+    import json
+    import tomllib
+
+    project = tomllib.loads((EXAMPLES.parent / "pyproject.toml").read_text())["project"]
+    name = lambda req: re.split(r"[\[<>=!~; ]", req, maxsplit=1)[0].lower()  # noqa: E731
+    have = {name(r) for r in project["dependencies"] + project["optional-dependencies"]["notebook"]}
+    assert "jupyterlab" in have  # brings `jupyter lab` and `jupyter nbconvert --execute`
+    nb = json.loads(NOTEBOOK.read_text())
+    source = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    imported = set(re.findall(r"^\s*(?:from|import)\s+(\w+)", source, re.M))
+    ours = {"layouts", "custom_calls", "moe_jax"}
+    third_party = {m for m in imported - ours if m not in sys.stdlib_module_names}
+    assert third_party and third_party <= have, (third_party, have)

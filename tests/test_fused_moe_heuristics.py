@@ -330,6 +330,7 @@ def _probe_header(tmp_path, inc):
     return probe_inc
 
 
+@pytest.mark.slow
 def test_smem_matches_the_kernel(tmp_path):
     nvcc, inc = _toolchain()
     probe_inc = _probe_header(tmp_path, inc)
@@ -363,6 +364,7 @@ def test_deepseek_v4_shapes_have_configs(model):
         assert c.smem_bytes <= SMEM_CAPACITY and H.sm90_fused_moe_options_reason(c) is None, (t, c)
 
 
+@pytest.mark.slow
 def test_chosen_configs_compile(tmp_path):
     nvcc, inc = _toolchain()
     # the rule's two BLOCK_Ms, and BLOCK_M 64 with four dispatch and four loader warps (512 threads:

@@ -399,6 +399,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_triton_backend_forward_unchanged_and_gradient_error_under_interpreter():
     """The wrapper on the Triton backend's own implementations: the layer's output has the same
     bits with and without it, and a gradient names the first Triton op it reaches: the routing

@@ -112,6 +112,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_triton_backend_under_interpreter_drops_the_token():
     got = run_under_interpreter(TRITON_SCRIPT)
     assert got == {"40": [True, True], "1000000": [True, True], "-1": [True, True], "valid_differs": True}

@@ -59,6 +59,7 @@ def _race(root: str, barrier) -> dict:
                 lib=str(lib), lib_sha=_sha(lib), symbol=bool(ctypes.CDLL(str(lib)).MoeJaxDeepGemmLaunch))
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_two_processes_build_the_same_kernel_and_launcher_at_once(cache):
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that runs jax threads
@@ -112,6 +113,7 @@ def test_corrupt_cubin_is_rebuilt_not_returned(cache, corrupt):
     assert not list((cache / "tmp").iterdir())
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_truncated_launcher_library_is_rebuilt_not_loaded(cache):
     lib = launch.build_handler()
@@ -183,6 +185,7 @@ def test_read_only_cache_still_serves_its_valid_entries(tmp_path, monkeypatch):
         compiler.clear_memory_cache()
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_full_cache_dir_is_a_clear_error(tmp_path, monkeypatch):
     if os.geteuid() != 0:

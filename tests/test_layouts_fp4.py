@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import layouts as L
+from run_mode import property_examples
 from test_layouts_np_model import (
     np_ceil_pow2,
     np_e2m1_code,
@@ -18,7 +19,7 @@ from test_layouts_np_model import (
 )
 
 
-SETTINGS = settings(max_examples=15, deadline=None)  # one compilation per drawn shape
+SETTINGS = settings(max_examples=property_examples(15), deadline=None)  # one compilation per drawn shape
 
 qmx4_j = jax.jit(L.quantize_mxfp4, static_argnums=1)
 dqmx4_j = jax.jit(L.dequantize_mxfp4, static_argnums=2)

@@ -8,10 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import layouts as L
+from run_mode import property_examples
 from test_layouts_np_model import np_block_amax, np_fp8_scale, np_group_amax, np_quant_e4m3
 
 
-SETTINGS = settings(max_examples=15, deadline=None)  # one compilation per drawn shape
+SETTINGS = settings(max_examples=property_examples(15), deadline=None)  # one compilation per drawn shape
 
 qtg_j = jax.jit(L.quantize_fp8_per_token_group, static_argnums=(1, 2))
 qblk_j = jax.jit(L.quantize_fp8_per_block, static_argnums=(1, 2))

@@ -257,6 +257,7 @@ def _kernel_slicing_code(include_dir) -> str:
     return text[text.rindex("\n", 0, start) + 1:end]
 
 
+@pytest.mark.slow
 def test_buffer_matches_kernel_headers(tmp_path):
     nvcc, inc = _toolchain()
     buffers = [L.FusedMoEBuffer(*cfg) for cfg in CONFIGS]

@@ -8,10 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import layouts as L
+from run_mode import property_examples
 from test_layouts_np_model import np_exponent_byte, np_mn_major_image, np_pack_bytes
 
 
-SETTINGS = settings(max_examples=25, deadline=None)
+SETTINGS = settings(max_examples=property_examples(25), deadline=None)
 
 to_img_j = jax.jit(L.to_mn_major_tma_aligned)
 from_img_j = jax.jit(L.from_mn_major_tma_aligned, static_argnums=1)

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import layouts as L
+from run_mode import property_examples
 from test_layouts_np_model import np_ceil_pow2, np_exponent_byte, np_pack_bytes
 
 
@@ -15,7 +16,7 @@ def jv(f):
     """vmap under one jit (eager vmap dispatches, and compiles, op by op)."""
     return jax.jit(jax.vmap(f))
 
-SETTINGS = settings(max_examples=25, deadline=None)
+SETTINGS = settings(max_examples=property_examples(25), deadline=None)
 
 # one compilation per shape (eager dispatch of every primitive is far slower on CPU)
 pack_j = jax.jit(L.pack_ue8m0, static_argnames="check")

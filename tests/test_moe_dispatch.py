@@ -163,6 +163,7 @@ def test_permute_quantizes_into_the_gemm_image(recipe, arch):
     assert np.all(deq[np.asarray(d.m_indices) < 0] == 0)
 
 
+@pytest.mark.slow
 def test_masked_overflow_poisons_the_tokens_that_lost_a_route():
     cfg = mj.MoEConfig(num_experts=2, top_k=2, hidden_size=16, intermediate_size=8,
                        masked_m_pad=128)

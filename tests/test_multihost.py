@@ -12,6 +12,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import Mesh
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -27,6 +28,7 @@ def _example():
     return mod
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
     out = tmp_path / "multi.npz"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}

@@ -181,6 +181,7 @@ def test_batch_seq_hidden_activations_keep_their_shape():
         fwd(moe, x, token_ids=tok.reshape(-1))
 
 
+@pytest.mark.slow
 def test_checked_mode_names_the_non_finite_tokens(mesh):
     from jax.experimental import checkify
 

@@ -3,10 +3,14 @@ sdist; both carry every non-Python file the packages read, the license and the m
 installed non-editable into a fresh virtual environment, finds the FFI launcher source where the
 launcher looks for it and runs the layer on the CPU with the same result as this checkout.
 
-The virtual environment sees the system site-packages and the wheel is installed with --no-deps:
-jax, numpy and ml_dtypes come from the environment running the tests instead of being downloaded
-again (hundreds of MB), while the moe_jax code comes only from the wheel (checked: the imported
-package lives in the venv). Building needs `build`, setuptools and wheel from the package index.
+The new virtual environment sees the site-packages of the interpreter running the tests, whatever
+that is (a venv, a conda-like environment or a global python), through a `.pth` file listing
+them after its own: `--system-site-packages` would give the *base* interpreter's site instead,
+which inside a venv lacks jax. The wheel is installed with --no-deps, so jax, numpy and ml_dtypes
+come from the running environment instead of being downloaded again (hundreds of MB), while the
+moe_jax code comes only from the wheel (checked: the imported package lives in the venv; a path
+line in a `.pth` runs no other `.pth`, so an editable install of this checkout stays invisible).
+Building needs `build`, setuptools and wheel from the package index.
 
 Also here: each command-line entry point names itself as it is invoked, and a missing optional
 extra names the extra to install.
@@ -23,6 +27,7 @@ import subprocess
 import sys
 import tarfile
 import textwrap
+import sysconfig
 import tomllib
 import zipfile
 from pathlib import Path
@@ -81,6 +86,17 @@ CHECK = textwrap.dedent("""
 """)
 
 
+def _inherit_site_packages(venv: Path) -> None:
+    """Make `venv` see the running interpreter's site-packages, after its own (module docstring)."""
+    py = venv / "bin" / "python"
+    own = _run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip()
+    dirs = [p for p in dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                                      *sys.path]) if p.endswith(("site-packages", "dist-packages"))
+            and Path(p).is_dir()]
+    assert dirs, f"no site-packages on sys.path of {sys.executable}"
+    (Path(own) / "_moe_jax_test_parent_site.pth").write_text("\n".join(dirs) + "\n")
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> dict:
     """Build sdist + wheel from a copy of the checkout, install the wheel into a fresh venv and run
@@ -89,7 +105,8 @@ def dist(tmp_path_factory) -> dict:
     src = tmp / "src"  # setuptools writes build/ and *.egg-info into the tree it builds
     shutil.copytree(REPO, src, ignore=COPY_IGNORE)
     venv = tmp / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
+    _run([sys.executable, "-m", "venv", str(venv)])
+    _inherit_site_packages(venv)
     py = str(venv / "bin" / "python")
     _run([py, "-m", "pip", "install", "-q", "build"])
     _run([py, "-m", "build", "--outdir", str(tmp / "out"), str(src)])  # the wheel is built from the sdist
@@ -104,6 +121,7 @@ def dist(tmp_path_factory) -> dict:
     return dict(sdist=sdist, wheel=wheel, venv=venv, check=check, y=np.load(out))
 
 
+@pytest.mark.slow  # the dist fixture builds an sdist and a wheel
 def test_sdist_and_wheel_carry_package_data_and_license(dist):
     with tarfile.open(dist["sdist"]) as tar:
         root = tar.getnames()[0].split("/")[0]
@@ -122,6 +140,7 @@ def test_sdist_and_wheel_carry_package_data_and_license(dist):
         assert not [n for n in names if n.startswith(("tests/", "examples/"))]
 
 
+@pytest.mark.slow  # the dist fixture builds an sdist and a wheel
 def test_wheel_metadata(dist):
     with zipfile.ZipFile(dist["wheel"]) as whl:
         (meta,) = [n for n in whl.namelist() if n.endswith(".dist-info/METADATA")]
@@ -139,6 +158,7 @@ def test_wheel_metadata(dist):
     assert any(r.startswith("jax[cuda") for r in gpu), gpu
 
 
+@pytest.mark.slow  # the dist fixture builds an sdist and a wheel
 def test_installed_wheel_finds_launcher_source_and_runs_on_cpu(dist):
     check, venv = dist["check"], dist["venv"].resolve()
     for module in ("moe_jax", "launch"):  # the code came from the wheel, not from this checkout

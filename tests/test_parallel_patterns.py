@@ -314,6 +314,7 @@ def test_fp8_wire_follows_the_arch_prepared_params_run():
     np.testing.assert_array_equal(y_fp8, y_bf16)
 
 
+@pytest.mark.slow
 def test_sharded_example_runs_and_checks_itself():
     import pathlib
     import subprocess
@@ -349,6 +350,7 @@ def test_traced_out_of_range_counts_without_stats_poison_their_shard():
     np.testing.assert_allclose(y[good][real], ref[real], rtol=2 ** -6, atol=2 ** -6 * np.abs(ref).max())
 
 
+@pytest.mark.slow
 def test_fused_layout_under_expert_parallelism():
     """The fused layout's routed branch per EP shard (local ids, the other experts' routes dropped)
     sums to the single-device layer: only the bf16 rounding of each shard's partial output differs."""

@@ -47,18 +47,29 @@ CASES = [
 # ---------------------------------------------------------------- pytest side
 
 
+# the sweeps over non-default configs and the two-launch forms (two thirds of the interpreter's
+# time): the `slow` set; every kernel keeps its cases against the models in the default run
+SLOW_CASES = {"host_quant_configs", "host_permute_configs", "host_act_configs", "host_unpermute_config",
+              "host_rank_config", "host_route_config", "host_dispatch_map_configs", "host_fused_input_configs",
+              "dispatch_map_contig_two_launches", "dispatch_map_masked_two_launches"}
+assert SLOW_CASES <= set(CASES), SLOW_CASES - set(CASES)
+
+
 @pytest.fixture(scope="module")
-def interpreter_results():
+def interpreter_results(request):
     pytest.importorskip("triton")
+    selected = [item.callspec.params["case"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_kernel_under_interpreter"]
     env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, __file__, *selected], env=env, capture_output=True, text=True,
                           timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(lines[-1])
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c
+                                  for c in CASES])
 def test_kernel_under_interpreter(interpreter_results, case):
     assert interpreter_results.get(case) == "ok", interpreter_results.get(case, "case did not run")
 
