@@ -3,7 +3,8 @@
 * Eight host CPU devices, so the shard_map suites can build 1x8, 2x4 and 4x2 meshes. This must be
   set before jax is imported anywhere, hence at the top of this file.
 * ``gpu``-marked tests are skipped unless jax sees a CUDA device.
-* ``slow``-marked tests (interpreter sweeps, long property runs, packaging builds) are deselected
+* ``slow``-marked tests (interpreter sweeps, long property runs, packaging builds, and the cases
+  of a parametrized sweep past the first few, `SWEEPS`) are deselected
   unless ``--slow`` is given, and the property tests draw fewer examples (tests/run_mode.py): the
   README's test command stays a few minutes on two cores; ``.ci/run`` runs the rest as well
   (``-m "slow or property" --slow``: the slow tests, and the hypothesis tests, which get the
@@ -45,10 +46,61 @@ def pytest_configure(config):
     run_mode.SLOW = config.getoption("--slow")
 
 
+# The default run keeps the first N cases of these tests (the main recipe, layout or pattern comes
+# first in every list; N = 0: the test is slow as a whole), --slow all of them. Chosen by measured
+# time: what the default run keeps covers every stage, recipe family, layout and backend once.
+SWEEPS = {
+    "test_pattern_matches_single_device_and_collectives": 3, "test_checked_mode_reports_under_jit": 1,
+    "test_layer_matches_numpy_model_every_recipe": 3, "test_fused_equals_unfused": 2,
+    "test_layer_under_jit_gives_the_shared_output_for_the_token": 1, "test_jit_and_vmap": 3,
+    "test_values_independent_of_chunk_size": 1, "test_m_indices_violations_are_named": 1,
+    "test_fused_moe_topk_ids_violations_are_named": 1, "test_reference_matches_the_numpy_model": 2,
+    "test_dense_shared_expert_is_the_unpermutes_addend": 1, "test_leading_dims_are_kept": 1,
+    "test_fused_layout_is_the_fused_op_on_the_routes": 1, "test_deepseek_v4_runs_the_fused_layout_on_hopper": 1,
+    "test_activation_and_scoring_variants_bf16": 2, "test_permute_quantizes_into_the_gemm_image": 2,
+    "test_sharded_patterns_run_fp8_shared_expert": 1, "test_distribution": 1,
+    "test_deepseek_v4_score_and_hash_routed": 1, "test_routing_ids_exact_and_weights": 3,
+    "test_contig_matches_numpy": 2, "test_ep_modes_match_float64_model": 2, "test_kernels_compile_for_sm90_and_sm100": 0,
+    "test_peak_memory_moderate": 1, "test_layer_without_flags_on_cpu_runs_scaled_shapes_quickly_and_honestly": 0,
+    "test_params_shapes_and_prepare": 2, "test_search_inputs_match_the_launch_plans": 1,
+    "test_interleave_bit_exact_numpy_and_jax": 6, "test_the_kernel_refuses_what_the_reason_refuses": 0,
+    "test_gpu_subcommand_without_gpu_exits_with_a_message_not_a_traceback": 1,
+    "test_layer_exits_1_when_a_requested_row_failed": 0, "test_parallel_exits_1_when_a_requested_row_failed": 0,
+    "test_quantized_contig_and_keep_fp32": 2, "test_dispatch_map_reference_against_numpy": 2,
+    "test_route_count_past_int32_names_count_limit_and_chunk": 1, "test_corrupt_cubin_is_rebuilt_not_returned": 1,
+    "test_fp8_shared_reference_matches_float64_model": 1, "test_masked_matches_numpy": 2,
+    "test_fp32_model_matches_float64_per_token_loop": 1,
+    "test_routed_reference_is_the_router_then_route_topk_then_fused_moe": 1,
+    "test_eager_call_names_position_and_value": 1, "test_flax_module_holds_fp8_shared_expert": 1,
+    "test_permute_unpermute_round_trip_identity_experts": 1, "test_reference_gradients_match_the_float32_model": 1,
+    "test_fp8_gradients_depend_on_the_loss_scale_bf16_ones_do_not": 1,
+    "test_layer_runs_no_index_canonicalization": 1,
+    "test_layer_checked_mode_fused_layout_names_a_repeated_expert": 0,
+    "test_v4_checkpoint_runs_the_fused_layout_through_the_flax_module": 0,
+    "test_non_finite_weight_scales_are_named_by_expert": 0,
+    "test_layer_routes_inside_the_fused_op_only_where_that_is_the_same_computation": 0,
+    "test_sharded_patterns_match_single_device": 0, "test_fp8_shared_within_fp8_tolerance_of_bf16_shared": 0,
+    "test_fp8_wire_follows_the_arch_prepared_params_run": 0,
+}
+
+
+def _mark_sweeps(items) -> None:
+    seen: dict[tuple, int] = {}
+    for item in items:
+        name = getattr(item, "originalname", None)
+        if name not in SWEEPS:
+            continue
+        key = (item.module.__name__, name)
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] > SWEEPS[name]:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
             item.add_marker(pytest.mark.property)
+    _mark_sweeps(items)
     if not config.getoption("--slow"):
         slow = [item for item in items if "slow" in item.keywords]
         if slow:
