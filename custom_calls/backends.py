@@ -396,6 +396,7 @@ def static_supports(op: str, backend: str, **static) -> tuple[bool, str]:
 
 
 # Accelerated packages: imported when first needed (never at `import custom_calls`).
-register_lazy("deep_gemm", "custom_calls.deep_gemm", platforms=("gpu",))
+# the GEMMs of custom_calls.deep_gemm and the fused MoE ops, its kernel composed with Triton kernels
+register_lazy("deep_gemm", "custom_calls.fused_moe_sm90", platforms=("gpu",))
 # the CPU only under Triton's interpreter (its environment check says which)
 register_lazy("triton", "custom_calls.triton", platforms=("gpu", "cpu"))

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from custom_calls.deep_gemm import autotune as A, codegen, heuristics as H, launch, launch_plan as LP, ops, toolchain
+from custom_calls.deep_gemm import autotune as A, codegen, heuristics as H, ops, plans as P
+from custom_calls.native import launch, launch_plan as LP, toolchain
 from test_deep_gemm_host import needs_nvcc
 
 CAP = 232448
@@ -163,7 +164,7 @@ def _operand_bytes(p: A.Sm90Problem) -> tuple[int, ...]:
 @pytest.mark.parametrize("p", PROBLEMS, ids=lambda p: p.label)
 def test_candidate_launch_plans_fit_their_operands(p):
     first = A.phase1_candidates(p, 132, 14)
-    builder = LP.sm90_fp8_plan if p.kernel == "fp8_1d2d" else LP.sm90_bf16_plan
+    builder = P.sm90_fp8_plan if p.kernel == "fp8_1d2d" else P.sm90_bf16_plan
     for c in first + A.refine_candidates(p, 132, first[:3]):
         plan = builder(c, "/x.cubin", m=p.m, n=p.n, k=p.k, num_groups=p.num_groups)
         plan.check()
@@ -335,7 +336,7 @@ def test_search_inputs_match_the_launch_plans(p):
     and the output check flags exactly the elements more than one bf16 ulp off, on valid rows only."""
     case = A._Case(p, seed=3, weights={})
     cfg = p.heuristic(132)
-    builder = LP.sm90_fp8_plan if p.kernel == "fp8_1d2d" else LP.sm90_bf16_plan
+    builder = P.sm90_fp8_plan if p.kernel == "fp8_1d2d" else P.sm90_bf16_plan
     plan = builder(cfg, "/x.cubin", m=p.m, n=p.n, k=p.k, num_groups=p.num_groups)
     for pat, layout in case.layouts.items():
         ops_ = [*case.inputs, layout]
@@ -549,7 +550,7 @@ def test_command_buffer_option_selects_the_target(monkeypatch):
     cfg = p.heuristic(132)
 
     def plan():
-        return LP.sm90_bf16_plan(cfg, "/x.cubin", m=p.m, n=p.n, k=p.k, num_groups=p.num_groups)
+        return P.sm90_bf16_plan(cfg, "/x.cubin", m=p.m, n=p.n, k=p.k, num_groups=p.num_groups)
 
     monkeypatch.delenv(LP.COMMAND_BUFFER_ENV, raising=False)
     assert plan().command_buffer is False

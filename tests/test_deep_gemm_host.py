@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from custom_calls.deep_gemm import codegen, heuristics as H, launch, launch_plan as LP, ops, toolchain
+from custom_calls.deep_gemm import codegen, heuristics as H, ops, plans as P
+from custom_calls.native import launch, launch_plan as LP, toolchain
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,7 +138,7 @@ def _maps(plan):
 
 def test_sm90_fp8_plans():
     c = H.sm90_gemm_config("fp8_1d2d", "masked", 256, 4096, 7168, 32, 132, expected_m=32)
-    p = LP.sm90_fp8_plan(c, "/x.cubin", m=256, n=4096, k=7168, num_groups=32)
+    p = P.sm90_fp8_plan(c, "/x.cubin", m=256, n=4096, k=7168, num_groups=32)
     p.check()
     a, b, d, sfa = p.tmaps
     assert a.dims == (7168, 32 * 256) and a.box == (128, c.block_m) and a.swizzle == 128
@@ -147,21 +148,21 @@ def test_sm90_fp8_plans():
     assert [x.kind for x in p.args] == [LP.ARG_PTR, LP.ARG_PTR] + [LP.ARG_U32] * 3 + [LP.ARG_TMAP] * 4
     assert p.args[2].value == 256 and p.grid == 132 and p.smem == c.smem_bytes
     cc = H.sm90_gemm_config("fp8_1d2d", "contig", 1000 // 128 * 128 + 128, 512, 256, 3, 132)
-    q = LP.sm90_fp8_plan(cc, "/x", m=1024, n=512, k=256, num_groups=3)
+    q = P.sm90_fp8_plan(cc, "/x", m=1024, n=512, k=256, num_groups=3)
     assert q.tmaps[0].dims == (256, 1024) and q.tmaps[1].dims == (256, 3 * 512)
     assert q.tmaps[3].dims == (1024, 2)  # contiguous: no group factor on the scales
 
 
 def test_dense_plan_pads_scale_rows_to_four():
     c = H.sm90_gemm_config("fp8_1d2d", "normal", 203, 448, 768, 1, 132)
-    p = LP.sm90_fp8_plan(c, "/x", m=203, n=448, k=768, num_groups=1)
+    p = P.sm90_fp8_plan(c, "/x", m=203, n=448, k=768, num_groups=1)
     assert p.args[1].kind == LP.ARG_NULL and p.tmaps[3].dims == (204, 6) and p.tmaps[3].strides == (816,)
     assert p.tmaps[2].operand == 4
 
 
 def test_bf16_f32_output_plan_is_unswizzled():
     c = H.sm90_gemm_config("bf16", "normal", 77, 320, 448, 1, 132, cd_dtype="f32")
-    p = LP.sm90_bf16_plan(c, "/x", m=77, n=320, k=448, num_groups=1)
+    p = P.sm90_bf16_plan(c, "/x", m=77, n=320, k=448, num_groups=1)
     d = p.tmaps[2]
     assert d.dtype == LP.TMA_FLOAT32 and d.swizzle == 0 and d.box == (c.block_n, c.block_m)
     assert d.strides == (320 * 4,)
@@ -172,7 +173,7 @@ def test_bf16_f32_output_plan_is_unswizzled():
 def test_sm100_launch_geometry(recipe, kind):
     g, n, k, rows, sms = 8, 4096, 7168, 512, 148
     c = H.sm100_mgrouped_config(recipe, kind, n, k, g, sms)
-    p = LP.sm100_plan(c, "/x", m=rows, n=n, k=k)
+    p = P.sm100_plan(c, "/x", m=rows, n=n, k=k)
     p.check()
     assert (p.grid, p.block, p.cluster) == (148, 256, 2)
     assert p.smem == c.smem_bytes <= H.SM100_SMEM_CAPACITY and c.num_stages == 8
@@ -219,14 +220,14 @@ def test_plan_checks_reject_illegal_descriptors():
 
 def test_ffi_attribute_encoding():
     c = H.sm100_mgrouped_config("mxfp4", "contig", 512, 1024, 2, 148)
-    attrs = LP.sequence_attributes((LP.sm100_plan(c, "/x.cubin", m=256, n=512, k=1024),))
+    attrs = LP.sequence_attributes((P.sm100_plan(c, "/x.cubin", m=256, n=512, k=1024),))
     assert attrs["cubin"] == "/x.cubin"
     # grid x, block, cluster, smem, cooperative, programmatic, grid y, grid z
     assert attrs["launch"].tolist() == [148, 256, 2, c.smem_bytes, 0, 0, 1, 1]
     assert attrs["counts"].tolist() == [10, 5]  # arguments, tensor maps
     args = attrs["args"].reshape(-1, 3)
     assert args.shape[0] == 10 and args[4].tolist() == [LP.ARG_BYTES, 0, 48]
-    assert attrs["blob"].tobytes()[:48] == LP.SM100_EPILOGUE_ARGS
+    assert attrs["blob"].tobytes()[:48] == P.SM100_EPILOGUE_ARGS
     tm = attrs["tmaps"].reshape(-1, LP.TMAP_WORDS)
     assert tm.shape[0] == 5
     row = tm[1]  # B: operand, offset, dtype, rank, dims[5], strides[4], box[5], swizzle enum
@@ -241,7 +242,7 @@ def test_launch_sequence_encoding_and_remap():
     concatenated (a map argument indexes its own plan's maps), by-value arguments at their offset in
     one blob, and each plan's operands placed by `remap`."""
     c = H.sm100_mgrouped_config("mxfp4", "contig", 512, 1024, 2, 148)
-    first = LP.sm100_plan(c, "/a.cubin", m=256, n=512, k=1024)
+    first = P.sm100_plan(c, "/a.cubin", m=256, n=512, k=1024)
     second = LP.LaunchPlan("k2", "/b.cubin", 7, 64, 1, 0,
                            (LP.KernelArg(LP.ARG_PTR, 1, offset=32), LP.KernelArg(LP.ARG_BYTES, data=b"abc"),
                             LP.KernelArg(LP.ARG_TMAP, 0), LP.NULL),
@@ -265,7 +266,7 @@ def test_launch_sequence_encoding_and_remap():
         LP.LaunchPlan("k", "/x", 1, 32, 1, 0, (), (), grid_yz=(0, 1)).check()
     with pytest.raises(ValueError, match="newline"):
         LP.sequence_attributes((LP.LaunchPlan("k", "/x\ny", 1, 32, 1, 0, (), ()),))
-    from custom_calls.deep_gemm.launch import launch
+    from custom_calls.native.launch import launch
 
     one = LP.LaunchPlan("k", "/x", 1, 32, 1, 0, (), (), command_buffer=False)
     with pytest.raises(ValueError, match="one command_buffer setting"):  # refused before anything is built
@@ -283,34 +284,34 @@ def _plans_with_operand_bytes():
     g, n, k, m_pad, m_cap, m = 3, 320, 640, 256, 384, 203
     out = []
     c = H.sm90_gemm_config("fp8_1d2d", "masked", m_pad, n, k, g, 132, expected_m=40)
-    out.append((LP.sm90_fp8_plan(c, "/x", m=m_pad, n=n, k=k, num_groups=g),
+    out.append((P.sm90_fp8_plan(c, "/x", m=m_pad, n=n, k=k, num_groups=g),
                 _nbytes(((g, m_pad, k), f8), ((g, n, k), f8), ((g, k // 128, m_pad), f32),
                         ((g, 3, k // 128), f32), ((g,), i32), ((g, m_pad, n), bf))))
     c = H.sm90_gemm_config("fp8_1d2d", "contig", m_cap, n, k, g, 132)
-    out.append((LP.sm90_fp8_plan(c, "/x", m=m_cap, n=n, k=k, num_groups=g),
+    out.append((P.sm90_fp8_plan(c, "/x", m=m_cap, n=n, k=k, num_groups=g),
                 _nbytes(((m_cap, k), f8), ((g, n, k), f8), ((k // 128, m_cap), f32),
                         ((g, 3, k // 128), f32), ((m_cap,), i32), ((m_cap, n), bf))))
     c = H.sm90_gemm_config("fp8_1d2d", "normal", m, n, k, 1, 132)
-    out.append((LP.sm90_fp8_plan(c, "/x", m=m, n=n, k=k, num_groups=1),
+    out.append((P.sm90_fp8_plan(c, "/x", m=m, n=n, k=k, num_groups=1),
                 _nbytes(((m, k), f8), ((n, k), f8), ((k // 128, 204), f32), ((3, k // 128), f32), ((m, n), bf))))
     for kind, rows, lhs, d in (("masked", m_pad, (g, m_pad, k), (g, m_pad, n)),
                                ("contig", m_cap, (m_cap, k), (m_cap, n))):
         c = H.sm90_gemm_config("bf16", kind, rows, n, k, g, 132)
-        out.append((LP.sm90_bf16_plan(c, "/x", m=rows, n=n, k=k, num_groups=g),
+        out.append((P.sm90_bf16_plan(c, "/x", m=rows, n=n, k=k, num_groups=g),
                     _nbytes((lhs, bf), ((g, n, k), bf), ((lhs[0],), i32), (d, bf))))
     c = H.sm90_gemm_config("bf16", "normal", m, n, k, 1, 132, cd_dtype="f32")
-    out.append((LP.sm90_bf16_plan(c, "/x", m=m, n=n, k=k, num_groups=1),
+    out.append((P.sm90_bf16_plan(c, "/x", m=m, n=n, k=k, num_groups=1),
                 _nbytes(((m, k), bf), ((n, k), bf), ((m, n), f32))))
     for splits in (1, 3):
         c = H.sm90_prenorm_config(24, k, splits)
-        out.append((LP.sm90_prenorm_plan(c, "/x", m=m),
+        out.append((P.sm90_prenorm_plan(c, "/x", m=m),
                     _nbytes(((m, k), bf), ((24, k), f32), ((splits, m, 24), f32), ((splits, m), f32))))
     for recipe, gka, gkb in (("fp8_block", 128, 128), ("mxfp8", 32, 32), ("mxfp4", 128, 32)):
         rhs = ((g, n, k // 2), i8) if recipe == "mxfp4" else ((g, n, k), f8)
         for kind, rows, lhs, d, sa in (("masked", m_pad, (g, m_pad, k), (g, m_pad, n), (g,)),
                                        ("contig", m_cap, (m_cap, k), (m_cap, n), ())):
             c = H.sm100_mgrouped_config(recipe, kind, n, k, g, 148)
-            out.append((LP.sm100_plan(c, "/x", m=rows, n=n, k=k),
+            out.append((P.sm100_plan(c, "/x", m=rows, n=n, k=k),
                         _nbytes((lhs, f8), rhs, ((*sa, -(-k // (4 * gka)), rows), i32),
                                 ((g, -(-k // (4 * gkb)), n), i32), ((lhs[0],), i32), (d, bf))))
     return out
@@ -337,10 +338,10 @@ def test_a_tensor_map_larger_than_its_operand_is_refused():
 
 
 def test_launch_refuses_a_plan_larger_than_its_buffers_at_trace_time():
-    from custom_calls.deep_gemm import launch
+    from custom_calls.native import launch
 
     c = H.sm90_gemm_config("bf16", "masked", 256, 256, 512, 2, 132, expected_m=8)
-    plan = LP.sm90_bf16_plan(c, "/x", m=256, n=256, k=512, num_groups=2)
+    plan = P.sm90_bf16_plan(c, "/x", m=256, n=256, k=512, num_groups=2)
     with pytest.raises(ValueError, match="tensor map 0 .* operand 0 holds"):  # lhs has 128 rows per group, not 256
         launch.launch(plan, [jnp.zeros((2, 128, 512), jnp.bfloat16), jnp.zeros((2, 256, 512), jnp.bfloat16),
                              jnp.zeros((2,), jnp.int32)], [jax.ShapeDtypeStruct((2, 256, 256), jnp.bfloat16)])
@@ -549,7 +550,9 @@ def test_import_is_lazy_and_registers():
         import sys, custom_calls
         assert "custom_calls.deep_gemm" not in sys.modules
         import custom_calls.deep_gemm
-        assert not any(m.startswith(("cuda", "jax_triton", "torch")) for m in sys.modules), "GPU import"
+        gpu = [m for m in sys.modules if m.startswith(("cuda", "jax_triton", "triton", "torch"))]
+        assert not gpu, gpu
+        assert "custom_calls.triton" not in sys.modules  # the family imports the native launcher only
         assert "deep_gemm" in custom_calls.backends("m_grouped_gemm_contig")
         assert "deep_gemm" in custom_calls.backends("m_grouped_gemm_masked")
         print("ok")
@@ -634,7 +637,7 @@ def test_nvcc_failure_is_reported(tmp_path, monkeypatch):
 @pytest.mark.slow
 @needs_nvcc
 def test_ffi_launcher_builds_with_shared_libstdcxx(tmp_path, monkeypatch):
-    from custom_calls.deep_gemm import launch
+    from custom_calls.native import launch
 
     monkeypatch.setenv("MOE_JAX_CACHE_DIR", str(tmp_path))
     lib = launch.build_handler()

@@ -1,7 +1,7 @@
-"""The fused MoE kernel (custom_calls/deep_gemm/fused_moe.py) on an SM90 GPU against the op's
-pure-JAX reference (itself checked against a float64 NumPy model in tests/test_fused_moe.py): fresh
-random inputs, odd token counts, routes to no expert, a clamp, every output row written, and the
-layer's fused layout end to end."""
+"""The fused MoE kernel (custom_calls/deep_gemm/fused_moe.py, composed with the Triton kernels in
+custom_calls/fused_moe_sm90.py) on an SM90 GPU against the op's pure-JAX reference (itself checked
+against a float64 NumPy model in tests/test_fused_moe.py): fresh random inputs, odd token counts,
+routes to no expert, a clamp, every output row written, and the layer's fused layout end to end."""
 
 from __future__ import annotations
 
@@ -233,6 +233,7 @@ def test_programmatic_launch_waits_for_the_input_stage():
     writes its buffer: three dependent layers in one program (each layer's tokens are the previous
     one's output, so a kernel that read its buffer early would read stale or half-written tokens)
     give the same bits with and without it, at both BLOCK_Ms."""
+    from custom_calls import fused_moe_sm90 as S
     from custom_calls.deep_gemm import fused_moe as F
 
     x, ids, w, w1, s1, w2, s2 = _problem(5, 200, 2048, 512, 16, 6, drop=0.1)
@@ -244,7 +245,7 @@ def test_programmatic_launch_waits_for_the_input_stage():
         for cfg in (dataclasses.replace(base, pdl=False), dataclasses.replace(base, pdl=True)):
             def chain(x, *rest, c=cfg):
                 for _ in range(3):
-                    x = F.fused_moe_with_config(c, x, *rest, routed_scaling_factor=0.5)
+                    x = S.fused_moe_with_config(c, x, *rest, routed_scaling_factor=0.5)
                 return x
             outs.append(np.asarray(jax.jit(chain)(x[:tokens], ids[:tokens], w[:tokens], w1, s1, w2, s2)
                                    .astype(jnp.float32)))
@@ -255,6 +256,7 @@ def test_programmatic_launch_waits_for_the_input_stage():
 def test_traced_build_keeps_the_bits_and_records_every_cta():
     """The diagnostic build with the kernel's event trace gives the untraced kernel's bits, and its
     trace holds every CTA's start and end and both GEMM phases' tiles."""
+    from custom_calls import fused_moe_sm90 as S
     from custom_calls.deep_gemm import fused_moe as F
     from moe_jax.bench.fused import trace_phases
 
@@ -263,8 +265,8 @@ def test_traced_build_keeps_the_bits_and_records_every_cta():
     base = F.fused_config(num_tokens=200, hidden=2048, intermediate=512, num_experts=16, top_k=6,
                           activation_clamp=None)
     args = (x, ids, w, w1, s1, w2, s2)
-    plain = jax.jit(lambda *a: F.fused_moe_with_config(base, *a, routed_scaling_factor=1.5))(*args)
-    y, words = jax.jit(lambda *a: F.fused_moe_traced(dataclasses.replace(base, trace=True), *a,
+    plain = jax.jit(lambda *a: S.fused_moe_with_config(base, *a, routed_scaling_factor=1.5))(*args)
+    y, words = jax.jit(lambda *a: S.fused_moe_traced(dataclasses.replace(base, trace=True), *a,
                                                      routed_scaling_factor=1.5))(*args)
     np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(plain.astype(jnp.float32)))
     res = trace_phases(np.asarray(words))
@@ -279,6 +281,7 @@ def test_schedule_options_keep_the_output_bits():
     only the order of work: the same bits as the template's defaults, at both BLOCK_Ms, and the
     H200 holds the rule's 2-CTA clusters of the whole grid (at both BLOCK_Ms, the benchmark layer's
     sizes too)."""
+    from custom_calls import fused_moe_sm90 as S
     from custom_calls.deep_gemm import compiler
     from custom_calls.deep_gemm import fused_moe as F
     from custom_calls.deep_gemm.codegen import sm90_fused_moe_source
@@ -301,7 +304,7 @@ def test_schedule_options_keep_the_output_bits():
                dataclasses.replace(d0, cluster_size=2, pull_eager_publish=True)]
     outs = []
     for cfg in configs:
-        f = jax.jit(lambda *a, c=cfg: F.fused_moe_with_config(c, *a, routed_scaling_factor=1.5))
+        f = jax.jit(lambda *a, c=cfg: S.fused_moe_with_config(c, *a, routed_scaling_factor=1.5))
         outs.append(np.asarray(f(x, ids, w, w1, s1, w2, s2).astype(jnp.float32)))
     assert np.isfinite(outs[0]).all()
     for cfg, out in zip(configs[1:], outs[1:]):
@@ -331,6 +334,7 @@ def test_routed_sequence_matches_separate_launches(m, e_route, scoring, ng, tg, 
     (each layer's tokens are the previous one's output), so an input kernel that read its partials
     before the router finished, or a kernel that read the previous layer's y early, would differ.
     At 4096 tokens the router takes its prefill tile (128 rows, 3 stages: > 48 KB of shared memory)."""
+    from custom_calls import fused_moe_sm90 as S
     from custom_calls.deep_gemm import fused_moe as F
     from custom_calls.triton.fused_input_kernel import fused_input_routed
     from custom_calls.triton.router_kernel import router_partials
@@ -346,12 +350,12 @@ def test_routed_sequence_matches_separate_launches(m, e_route, scoring, ng, tg, 
     def separate(x, gate, b, *w):
         for _ in range(3):
             buf = fused_input_routed(x, router_partials(x, gate), b, offset, buffer=base.buffer, **kw)
-            x = F._run_kernel(base, F._kernel_cubin(base), buf, m, *w)[0]
+            x = F.run_kernel(base, F.kernel_cubin(base), buf, m, *w)[0]
         return x
 
     def one_call(x, gate, b, *w, cfg):
         for _ in range(3):
-            x = F.routed_sequence(cfg, x, gate, b, offset, *w, **kw)
+            x = S.routed_sequence(cfg, x, gate, b, offset, *w, **kw)
         return x
 
     want = np.asarray(jax.jit(separate)(x, gate, b, w1, s1, w2, s2).astype(jnp.float32))

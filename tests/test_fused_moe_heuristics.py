@@ -198,7 +198,7 @@ _PROBE = ("    static_assert(::DgSmemCheck<SMEM_PULL_PENDING_OFFSET + SMEM_PULL_
 
 
 def _toolchain():
-    from custom_calls.deep_gemm import toolchain
+    from custom_calls.native import toolchain
 
     try:
         return toolchain.find_nvcc(), toolchain.deep_gemm_include_dir()

@@ -1,6 +1,7 @@
-"""The fused MoE kernel's launch plan (custom_calls/deep_gemm/fused_moe.py) on the CPU: every tensor
-map and pointer lands inside the buffer region the kernel's layout gives it, the attributes encode
-the new argument kinds, and the handler source builds. (The input stage that fills the buffer is a
+"""The fused MoE kernel's launch plan (custom_calls/deep_gemm/fused_moe.py) and its composition with
+the Triton kernels (custom_calls/fused_moe_sm90.py) on the CPU: every tensor map and pointer lands
+inside the buffer region the kernel's layout gives it, the attributes encode the new argument
+kinds, and the handler source builds. (The input stage that fills the buffer is a
 Triton kernel: tests/test_triton_interpret.py.)"""
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from custom_calls import fused_moe_sm90 as S
 from custom_calls.deep_gemm import fused_moe as F
 from custom_calls.deep_gemm import heuristics as H
-from custom_calls.deep_gemm import launch_plan as LP
+from custom_calls.native import launch_plan as LP
 
 SHAPES = [  # (tokens, hidden, intermediate, experts, top_k)
     (128, 7168, 2048, 32, 8),
@@ -107,9 +109,9 @@ def test_traced_plan_writes_the_trace_operand():
     assert H.sm90_fused_moe_options_reason(dataclasses.replace(cfg, trace=1)) == "trace: expected a bool, got 1"
     # the untraced entry point refuses a traced config before it compiles or launches anything
     with pytest.raises(ValueError, match=r"cfg\.trace: expected False \(fused_moe_traced runs the traced build\)"):
-        F.fused_moe_with_config(traced, *(None,) * 7, routed_scaling_factor=1.0)
+        S.fused_moe_with_config(traced, *(None,) * 7, routed_scaling_factor=1.0)
     with pytest.raises(ValueError, match="cfg.trace: expected True for a traced launch, got False"):
-        F.fused_moe_traced(cfg, *(None,) * 7, routed_scaling_factor=1.0)
+        S.fused_moe_traced(cfg, *(None,) * 7, routed_scaling_factor=1.0)
 
 
 @pytest.mark.parametrize("trace", [False, True])
@@ -129,7 +131,7 @@ def test_kernel_launch_operands_match_the_plan(monkeypatch, trace):
 
     monkeypatch.setattr(F, "launch", fake_launch)
     buf = jax.ShapeDtypeStruct((cfg.buffer.total_bytes,), jnp.uint8)
-    y, got_trace = F._run_kernel(cfg, "/c", buf, 100, *(None,) * 4)
+    y, got_trace = F.run_kernel(cfg, "/c", buf, 100, *(None,) * 4)
     n_in = len(seen["inputs"])
     assert n_in == (6 if trace else 5) and seen["plan"].args[0].value == n_in  # y pointer
     assert seen["outputs"][0].shape == (100, 1024) and seen["outputs"][1].shape == buf.shape
@@ -182,12 +184,12 @@ def test_clusters_that_do_not_fit_are_left_out_by_the_layer_and_refused_when_ask
     assert F.clusters_reason(dataclasses.replace(cfg, cluster_size=1), "/c") is None
     if not fits:  # asked for explicitly: refused before anything is launched
         with pytest.raises(ValueError, match=r"fused MoE config 64x256 s3 c2: cluster_size: the GPU holds"):
-            F.fused_moe_with_config(cfg, jnp.zeros((128, 1024), jnp.bfloat16), *(None,) * 6,
+            S.fused_moe_with_config(cfg, jnp.zeros((128, 1024), jnp.bfloat16), *(None,) * 6,
                                     routed_scaling_factor=1.0)
     used = []
-    monkeypatch.setattr(F, "fused_moe_with_config", lambda c, *a, **kw: used.append(c))
+    monkeypatch.setattr(S, "fused_moe_with_config", lambda c, *a, **kw: used.append(c))
     x = jax.ShapeDtypeStruct((128, 1024), jnp.bfloat16)
-    F.fused_moe_impl(x, jnp.zeros((128, 8), jnp.int32), None, jnp.zeros((32, 1024, 1024), jnp.float8_e4m3fn),
+    S.fused_moe_impl(x, jnp.zeros((128, 8), jnp.int32), None, jnp.zeros((32, 1024, 1024), jnp.float8_e4m3fn),
                      None, None, None, routed_scaling_factor=1.0, activation_clamp=None, w13_interleave=8)
     assert used == [cfg if fits else dataclasses.replace(cfg, cluster_size=1)]
 
@@ -220,7 +222,7 @@ def test_routed_branch_is_one_call_of_three_plans(tokens, tmp_path, monkeypatch)
 
     def plans_for(c):
         def build(x, gate, bias, offset, w13, w13s, w2, w2s):
-            plans, inputs, outputs = F.routed_plans(c, "/fused.cubin", 90, x, gate, bias, offset, w13, w13s, w2,
+            plans, inputs, outputs = S.routed_plans(c, "/fused.cubin", 90, x, gate, bias, offset, w13, w13s, w2,
                                                     w2s, **routing)
             build.result = plans, [(a.shape, a.dtype) for a in inputs], outputs
             return jnp.zeros(())

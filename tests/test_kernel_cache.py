@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from custom_calls.deep_gemm import compiler, launch, toolchain
+from custom_calls.deep_gemm import compiler
+from custom_calls.native import launch, toolchain
 from test_deep_gemm_host import needs_nvcc
 
 TINY = 'extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }\n'

@@ -242,7 +242,7 @@ int main() {
 
 
 def _toolchain():
-    from custom_calls.deep_gemm import toolchain
+    from custom_calls.native import toolchain
 
     try:
         return toolchain.find_nvcc(), toolchain.deep_gemm_include_dir()

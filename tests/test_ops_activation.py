@@ -157,7 +157,8 @@ def test_gpu_backends_are_lazy_and_refused_off_gpu():
     # a fresh interpreter: other suites in this process may have imported GPU packages already
     code = ("import sys, custom_calls, moe_jax; "
             "bad = [m for m in ('jax_triton', 'triton', 'cuda', 'cuda.bindings', 'deep_gemm', "
-            "'custom_calls.deep_gemm', 'custom_calls.triton') if m in sys.modules]; "
+            "'custom_calls.deep_gemm', 'custom_calls.triton', 'custom_calls.native', "
+            "'custom_calls.fused_moe_sm90') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
     if jax.default_backend() == "gpu":

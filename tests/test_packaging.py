@@ -41,7 +41,7 @@ import moe_jax
 
 REPO = Path(__file__).resolve().parents[1]
 # Non-Python files the packages read at run time (path inside the installed packages).
-PACKAGE_DATA = ("custom_calls/deep_gemm/csrc/launch_handler.cc",)
+PACKAGE_DATA = ("custom_calls/native/csrc/launch_handler.cc",)
 COPY_IGNORE = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
                                      ".hypothesis", ".ipynb_checkpoints", "*.so", "*.npz")
 TIMEOUT_S = 300
@@ -73,7 +73,7 @@ CHECK = textwrap.dedent("""
     import importlib.metadata, json, sys
     import numpy as np, jax.numpy as jnp
     import moe_jax
-    from custom_calls.deep_gemm import launch
+    from custom_calls.native import launch
     sys.path.insert(0, {tests!r})
     from test_packaging import _tiny_layer
     config, params, x = _tiny_layer()

@@ -1,6 +1,7 @@
-"""The structure of the tree: imports point one way (layouts <- custom_calls <- moe_jax), no module
-imports another that imports it back (at module level or inside a function), and the sources cite
-only what the repository holds."""
+"""The structure of the tree: imports point one way (layouts <- custom_calls <- moe_jax), and inside
+custom_calls by the levels of its units (CUSTOM_CALLS_LEVELS); no module imports another that
+imports it back (at module level or inside a function), and the sources cite only what the
+repository holds."""
 
 from __future__ import annotations
 
@@ -77,11 +78,53 @@ def test_no_two_modules_import_each_other():
     assert not pairs, f"modules importing each other: {pairs}"
 
 
+# Inside custom_calls, each module belongs to a unit: its subpackage (native, deep_gemm, triton),
+# the composition module, or "core" (every other plain module: the registry, the op declarations and
+# their references, the contracts). A unit imports only units of a lower level: the native launcher
+# imports no other custom_calls module; core may not import a kernel family (the families load
+# lazily, through the registry); the two kernel families share a level, so neither imports the
+# other; the fused ops' SM90 composition (Triton kernels around the DeepGEMM fused kernel) is above
+# both.
+CUSTOM_CALLS_LEVELS = {"native": 0, "core": 1, "deep_gemm": 2, "triton": 2, "fused_moe_sm90": 3}
+FAMILIES = ("custom_calls.deep_gemm", "custom_calls.triton")
+
+
+def _unit(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in CUSTOM_CALLS_LEVELS else "core"
+
+
+def _in(mod: str, pkg: str) -> bool:
+    return mod == pkg or mod.startswith(pkg + ".")
+
+
+def test_every_custom_calls_subpackage_has_a_level():
+    subpackages = {p.parent.name for p in (ROOT / "custom_calls").glob("*/__init__.py")}
+    assert subpackages <= set(CUSTOM_CALLS_LEVELS), subpackages - set(CUSTOM_CALLS_LEVELS)
+    assert all(f"custom_calls.{u}" in MODULES for u in CUSTOM_CALLS_LEVELS if u != "core")
+
+
+def test_the_kernel_families_do_not_import_each_other():
+    bad = [(a, b) for a, deps in GRAPH.items() for b in deps
+           if any(_in(a, f) and _in(b, g) for f in FAMILIES for g in FAMILIES if f != g)]
+    assert not bad, f"imports between the DeepGEMM and Triton families: {bad}"
+
+
+def test_custom_calls_units_import_only_lower_levels():
+    bad = [(a, b) for a, deps in GRAPH.items() if _in(a, "custom_calls") for b in deps
+           if _in(b, "custom_calls") and _unit(a) != _unit(b)
+           and CUSTOM_CALLS_LEVELS[_unit(b)] >= CUSTOM_CALLS_LEVELS[_unit(a)]]
+    assert not bad, f"imports against the levels {CUSTOM_CALLS_LEVELS} of custom_calls: {bad}"
+
+
 def test_the_graph_is_real():
     # the checks above would pass vacuously if the parser found nothing
     assert "layouts.gemm_format" in GRAPH["layouts.recipes"]
     assert "custom_calls.backends" in GRAPH["custom_calls.grouped_gemm"]
     assert "moe_jax.params" in GRAPH["moe_jax.layer"]
+    assert "custom_calls.native.launch" in GRAPH["custom_calls.deep_gemm.ops"]
+    assert "custom_calls.native.launch_plan" in GRAPH["custom_calls.triton.native"]
+    assert "custom_calls.triton.router_kernel" in GRAPH["custom_calls.fused_moe_sm90"]  # inside a function
 
 
 @pytest.mark.parametrize("pattern", [r"SPEC\s*§", r"\bseed\s*§"])

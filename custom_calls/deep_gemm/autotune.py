@@ -54,7 +54,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
-from . import codegen, compiler, launch_plan, toolchain
+from custom_calls.native import toolchain
+
+from . import codegen, compiler, plans
 from .heuristics import (SM90_CLUSTERS, Sm90GemmConfig, align, ceil_div, sm90_build_config, sm90_candidates,
                          sm90_config_reason, sm90_gemm_config, sm90_model_cost, sm90_swizzle_cd_choices,
                          sm90_tile_configs)
@@ -491,10 +493,10 @@ class _Case:
         """The lowered XLA program launching ``cfg`` on this case's operands (compile() it to run)."""
         import jax
 
-        from .launch import launch
+        from custom_calls.native.launch import launch
 
         p = self.problem
-        builder = launch_plan.sm90_fp8_plan if cfg.kernel == "fp8_1d2d" else launch_plan.sm90_bf16_plan
+        builder = plans.sm90_fp8_plan if cfg.kernel == "fp8_1d2d" else plans.sm90_bf16_plan
         plan = builder(cfg, str(cubin), m=p.m, n=p.n, k=p.k, num_groups=p.num_groups)
         out = self.out
         fn = jax.jit(lambda *ops: launch(plan, list(ops), [out])[0])
@@ -601,7 +603,7 @@ def tune(problems: Sequence[Sm90Problem], *, num_sms: int | None = None,
     """Search the best config of every problem on the first GPU and write the cache (see the module
     docstring). Problems with a cached entry are skipped unless ``policy.retune``; their report
     carries the cached entry and no times. Returns one report per problem, in order."""
-    from .toolchain import detected_device
+    from custom_calls.native.toolchain import detected_device
 
     if policy.mode != "search":
         raise ValueError(f"tune: policy.mode must be 'search', got {policy.mode!r}")
@@ -720,7 +722,7 @@ def compare_cached(problems: Sequence[Sm90Problem], *, num_sms: int | None = Non
                    device_kind: str | None = None) -> list[dict]:
     """For the problems whose cache entry holds a tuned config, time it beside the heuristic now
     (kernel µs per masked_m pattern, one trace); one dict per such problem, [] when none is cached."""
-    from .toolchain import detected_device
+    from custom_calls.native.toolchain import detected_device
 
     num_sms = num_sms or detected_device()[2]
     device_kind = device_kind or detected_device_kind()

@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import toolchain
+from custom_calls.native import toolchain
 
 NVCC_FLAGS: tuple[str, ...] = (
     "-O3", "--compiler-options=-O3", "--ptxas-options=--register-usage-level=10",

@@ -2,12 +2,13 @@
 1D1D on SM100), dense FP8 / BF16 ``gemm_nt`` and the TF32 prenorm GEMM.
 
 At trace time an op checks its operands, picks a tile (heuristics.py), compiles the instantiation
-once (compiler.py, disk-cached) and emits one XLA custom call (launch.py). Each op has a
-``supports_*`` twin returning ``(ok, reason)``; an op that cannot run raises ValueError with that
-reason. The registry gets the grouped GEMMs' shape rules (``static_supports_*``), this machine's
-``environment`` check, and the unchecked implementations (``contig_impl``, ``masked_impl``) that
-trust what ``resolve`` accepted; ``m_grouped_gemm_*`` here are the checked forms for direct callers.
-Operand formats: ``layouts.gemm_format(recipe, arch)``.
+once (compiler.py, disk-cached) and emits one XLA custom call of the native launcher (its plan:
+plans.py; `custom_calls.native.launch`). Each op has a ``supports_*`` twin returning
+``(ok, reason)``; an op that cannot run raises ValueError with that reason. The registry gets the
+grouped GEMMs' shape rules (``static_supports_*``), this machine's ``environment`` check, and the
+unchecked implementations (``contig_impl``, ``masked_impl``) that trust what ``resolve`` accepted;
+``m_grouped_gemm_*`` here are the checked forms for direct callers. Operand formats:
+``layouts.gemm_format(recipe, arch)``.
 
 Output contracts:
 * contig: the kernels take a block's expert from its first row's id. ``m_indices`` reaches them
@@ -36,14 +37,15 @@ import jax.numpy as jnp
 
 from custom_calls.contracts import canonical_m_indices, canonical_masked_m
 from custom_calls.grouped_gemm import check_contig, check_masked
+from custom_calls.native import toolchain
+from custom_calls.native.launch import launch
+from custom_calls.native.toolchain import detected_device
 from layouts import GemmFormat, SUPPORTED_ARCHS, gemm_format
 from layouts.checks import check_dtype, check_rank, check_shape, check_static_int
 
-from . import autotune, compiler, launch_plan, toolchain
-from .toolchain import detected_device
+from . import autotune, compiler, plans
 from .heuristics import CONTIG_ALIGNMENT, sm90_gemm_config, sm90_prenorm_config, sm100_mgrouped_config
 from .codegen import sm90_gemm_source, sm90_prenorm_source, sm100_gemm_source
-from .launch import launch
 
 BACKEND = "deep_gemm"
 SM100_NOTE = "arch 100 kernels are compiled for sm_100a but have not been run on SM100 hardware by this project"
@@ -244,13 +246,13 @@ def grouped_kernel(kind: str, rows: int, n: int, k: int, num_groups: int, recipe
         problem = autotune.grouped_problem(kind, rows, n, k, num_groups, kernel, expected_m)
         cfg = autotune.sm90_config(problem, num_sms, tuning)
         src = sm90_gemm_source(cfg, n, k)
-        builder = launch_plan.sm90_bf16_plan if kernel == "bf16" else launch_plan.sm90_fp8_plan
+        builder = plans.sm90_bf16_plan if kernel == "bf16" else plans.sm90_fp8_plan
         plan_fn = functools.partial(_plan, builder, cfg, m=rows, n=n, k=k, num_groups=num_groups)
         name = f"sm90_{kernel}_{kind}_n{n}_k{k}_g{num_groups}_{cfg.block_m}x{cfg.block_n}"
         return name, src, plan_fn
     cfg = sm100_mgrouped_config(recipe, kind, n, k, num_groups, num_sms)
     src = sm100_gemm_source(cfg, n, k)
-    plan_fn = functools.partial(_plan, launch_plan.sm100_plan, cfg, m=rows, n=n, k=k)
+    plan_fn = functools.partial(_plan, plans.sm100_plan, cfg, m=rows, n=n, k=k)
     return f"sm100_{recipe}_{kind}_n{n}_k{k}_g{num_groups}", src, plan_fn
 
 
@@ -260,7 +262,7 @@ def dense_kernel(m: int, n: int, k: int, recipe: str, out_dtype: Any, num_sms: i
     cd = "bf16" if jnp.dtype(out_dtype) == jnp.bfloat16 else "f32"
     cfg = sm90_gemm_config(kernel, "normal", m, n, k, 1, num_sms, cd_dtype=cd)
     src = sm90_gemm_source(cfg, n, k)
-    builder = launch_plan.sm90_bf16_plan if kernel == "bf16" else launch_plan.sm90_fp8_plan
+    builder = plans.sm90_bf16_plan if kernel == "bf16" else plans.sm90_fp8_plan
     plan_fn = functools.partial(_plan, builder, cfg, m=m, n=n, k=k, num_groups=1)
     return f"sm90_{kernel}_dense_{cd}_n{n}_k{k}_{cfg.block_m}x{cfg.block_n}", src, plan_fn
 
@@ -268,7 +270,7 @@ def dense_kernel(m: int, n: int, k: int, recipe: str, out_dtype: Any, num_sms: i
 def prenorm_kernel(m: int, n: int, k: int, num_splits: int):
     """(name, source, plan_fn) for the TF32 prenorm GEMM (x: (m, k), fn: (n, k))."""
     cfg = sm90_prenorm_config(n, k, num_splits)
-    plan_fn = functools.partial(_plan, launch_plan.sm90_prenorm_plan, cfg, m=m)
+    plan_fn = functools.partial(_plan, plans.sm90_prenorm_plan, cfg, m=m)
     return f"sm90_tf32_prenorm_n{n}_k{k}_s{num_splits}", sm90_prenorm_source(cfg), plan_fn
 
 

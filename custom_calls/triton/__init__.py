@@ -1,7 +1,7 @@
 """The "triton" backend: the non-GEMM stages of the MoE layer as Triton kernels launched as XLA
 custom calls through jax_triton, behind the reference ops' names and signatures. (`native` compiles
-a kernel to a cubin for the native launcher of `custom_calls.deep_gemm` instead, where it runs in
-one custom call beside other kernels, launched programmatically: the fused routed branch.)
+a kernel to a cubin for the native launcher, `custom_calls.native`, instead, where it runs in one
+custom call beside other kernels, launched programmatically: the fused routed branch.)
 
   op (registry name)           kernel module                          moves
   permute_contig / _masked     custom_calls.triton.permute_kernel     x read once, top_k rows written

@@ -23,7 +23,7 @@ scores and (grouped) top-k (`routing_kernel.route_rows`, the routing epilogue's 
 write the routes of the experts held here; so the fused layer's routed branch is three kernels
 (router GEMM, this kernel, the fused kernel) where the router GEMM, its split-K reduction, the
 routing epilogue and this kernel were four. On SM90 the three run in one custom call
-(`custom_calls.deep_gemm.fused_moe.routed_plans`), this kernel launched programmatically (WAIT):
+(`custom_calls.fused_moe_sm90.routed_plans`), this kernel launched programmatically (WAIT):
 its quantizing programs run beside the router. Model: `custom_calls.fused_moe.fused_input_routed_reference`.
 """
 
@@ -144,7 +144,7 @@ def fused_input_kernel(
     kernel's `pdl` option) start now; it still waits for this grid's completion before it reads
     (griddepcontrol.wait), so only its prologue and launch overlap this kernel.
     WAIT: this kernel was launched programmatically after the router kernel, in the same native
-    launch sequence (`custom_calls.deep_gemm.fused_moe`): the programs that route wait for the
+    launch sequence (`custom_calls.fused_moe_sm90`): the programs that route wait for the
     router grid's completion (griddepcontrol.wait) before they read the partials; the quantizing and
     zeroing programs read only x and write only this call's buffer, so they run beside the router."""
     if TRIGGER:

@@ -1,4 +1,4 @@
-"""Triton kernels as launch plans of the native launcher (`custom_calls.deep_gemm.launch`).
+"""Triton kernels as launch plans of the native launcher (`custom_calls.native.launch`).
 
 jax_triton runs one Triton kernel per custom call and never launches programmatically, so a short
 chain of kernels pays a launch gap before each. Here a kernel is compiled to a cubin for the
@@ -9,7 +9,7 @@ launch where it waits (griddepcontrol.wait) before it reads what the kernel befo
 Every kernel of this package takes its sizes as `tl.constexpr`, so a compiled kernel's parameters
 are its array pointers in order, then Triton's global and profile scratch pointers, which must be
 unused (null). Cubins (with their PTX beside them) are cached on disk beside the DeepGEMM kernels
-(`custom_calls.deep_gemm.toolchain.cached_artifact`), keyed by the kernel's source hash, the
+(`custom_calls.native.toolchain.cached_artifact`), keyed by the kernel's source hash, the
 signature, the constexprs, the options, the arch and the Triton version.
 """
 
@@ -24,8 +24,8 @@ from typing import Any, Sequence
 
 import jax.numpy as jnp
 
-from custom_calls.deep_gemm import launch_plan as LP
-from custom_calls.deep_gemm import toolchain
+from custom_calls.native import launch_plan as LP
+from custom_calls.native import toolchain
 from custom_calls.triton.launch import KernelCall
 
 # jax dtype -> Triton pointer type (the ones this package's kernels take)

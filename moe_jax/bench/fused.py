@@ -98,6 +98,7 @@ def sweep(tokens: int, setup, *, full: bool, iters: int, log, grids: tuple[int, 
     import jax.numpy as jnp
     import numpy as np
 
+    from custom_calls import fused_moe_sm90 as S
     from custom_calls.deep_gemm import autotune
     from custom_calls.deep_gemm import fused_moe as F
     from custom_calls.deep_gemm.codegen import sm90_fused_moe_source
@@ -127,7 +128,7 @@ def sweep(tokens: int, setup, *, full: bool, iters: int, log, grids: tuple[int, 
         if isinstance(err, Exception):
             rejected[lab] = f"compile: {str(err)[-300:]}"
             continue
-        fn = jax.jit(functools.partial(F.fused_moe_with_config, c, routed_scaling_factor=cfg.routed_scaling_factor))
+        fn = jax.jit(functools.partial(S.fused_moe_with_config, c, routed_scaling_factor=cfg.routed_scaling_factor))
         try:
             outs[lab] = [jax.block_until_ready(fn(*a)) for a in args]
         except Exception as e:  # a launch the driver refuses (e.g. clusters that do not fit)
@@ -278,6 +279,7 @@ def trace_run(tokens: int, setup, *, log) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from custom_calls import fused_moe_sm90 as S
     from custom_calls.deep_gemm import autotune
     from custom_calls.deep_gemm import fused_moe as F
 
@@ -286,8 +288,8 @@ def trace_run(tokens: int, setup, *, log) -> dict:
     base = _rule_config(cfg, tokens)
     traced = dc.replace(base, trace=True)
     log(f"# {tokens} tokens: traced {F.config_label(traced)}")
-    plain = jax.jit(functools.partial(F.fused_moe_with_config, base, routed_scaling_factor=cfg.routed_scaling_factor))
-    fn = jax.jit(functools.partial(F.fused_moe_traced, traced, routed_scaling_factor=cfg.routed_scaling_factor))
+    plain = jax.jit(functools.partial(S.fused_moe_with_config, base, routed_scaling_factor=cfg.routed_scaling_factor))
+    fn = jax.jit(functools.partial(S.fused_moe_traced, traced, routed_scaling_factor=cfg.routed_scaling_factor))
     for _ in range(4):  # the last call's trace: compiled and clocked up by then
         y, words = fn(*args)
     same = bool(jnp.all(y == plain(*args)))
@@ -336,7 +338,7 @@ def run(args) -> int:
         print(f"--tokens, --grids: expected comma-separated ints, got {args.tokens!r}, {args.grids!r}",
               file=sys.stderr)
         return 2
-    from custom_calls.deep_gemm.toolchain import detected_device
+    from custom_calls.native.toolchain import detected_device
 
     sms = detected_device()[2]
     bad = [g for g in grids if g < 2 or g % 2 or (sms and g > sms)]

@@ -216,7 +216,7 @@ def run(args) -> int:
     import jax
 
     import custom_calls.deep_gemm as dg
-    from custom_calls.deep_gemm.toolchain import ToolchainError
+    from custom_calls.native.toolchain import ToolchainError
 
     dev = jax.devices()[0]
     rows_out: list[dict] = []

@@ -149,7 +149,7 @@ def decode_layer(tokens: int = 128, reps: int = 4, iters: int = 200, *, small: b
     import numpy as np
 
     from custom_calls.deep_gemm.autotune import TUNING_ENV, trace_kernel_durations
-    from custom_calls.deep_gemm.launch_plan import COMMAND_BUFFER_ENV
+    from custom_calls.native.launch_plan import COMMAND_BUFFER_ENV
     from moe_jax.bench.layer import _config
     from moe_jax.dispatch import default_masked_m_pad, expected_m
     from moe_jax.layer import moe_forward
