@@ -130,6 +130,23 @@ def register(op: str, backend: str, impl: Callable, supports: SupportsFn | None 
         _IMPLS[op][backend] = Implementation(op, backend, supports or _always, wrapped)
 
 
+def split_arrays(fn: Callable, args: tuple, kwargs: dict, is_array: Callable[[object], bool]):
+    """The leaves of (args, kwargs) that `is_array` takes, as (their indices among the flattened
+    leaves, the leaves, run): run(*arrays) calls fn with those leaves replaced and every other leaf
+    (static values) as given. For wrappers whose transform must see only the array arguments."""
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    where = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
+
+    def run(*arrays):
+        full = list(leaves)
+        for i, a in zip(where, arrays):
+            full[i] = a
+        a, kw = jax.tree_util.tree_unflatten(tree, full)
+        return fn(*a, **kw)
+
+    return where, [leaves[i] for i in where], run
+
+
 class NoGradientError(NotImplementedError):
     """A derivative (jax.grad, vjp, jvp) reached an accelerated implementation, which has none."""
 
@@ -144,17 +161,9 @@ def without_derivative(op: str, backend: str, impl: Callable) -> Callable:
 
     @functools.wraps(impl)
     def call(*args, **kwargs):
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+        where, arrays, run = split_arrays(impl, args, kwargs, lambda leaf: isinstance(leaf, jax.Array))
         if not where:
             return impl(*args, **kwargs)
-
-        def run(*arrays):
-            full = list(leaves)
-            for i, a in zip(where, arrays):
-                full[i] = a
-            a, kw = jax.tree_util.tree_unflatten(tree, full)
-            return impl(*a, **kw)
 
         def jvp(primals, tangents):
             moved = [k for k, t in enumerate(tangents)
@@ -167,7 +176,7 @@ def without_derivative(op: str, backend: str, impl: Callable) -> Callable:
 
         fn = jax.custom_jvp(run)
         fn.defjvp(jvp, symbolic_zeros=True)
-        return fn(*(leaves[i] for i in where))
+        return fn(*arrays)
 
     call.without_derivative = (op, backend)
     return call

@@ -40,6 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
+from custom_calls.backends import split_arrays
+
 MAX_REPORTED = 8  # indices named in a message; the count says how many there are in all
 
 
@@ -264,17 +266,9 @@ def checked(fn: Callable, *, throw: bool = True) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any):
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = [i for i, v in enumerate(leaves) if isinstance(v, jax.Array) or hasattr(v, "__array__")]
-
-        def run(*arrays):
-            full = list(leaves)
-            for i, v in zip(dynamic, arrays):
-                full[i] = v
-            a, kw = jax.tree_util.tree_unflatten(tree, full)
-            return fn(*a, **kw)
-
-        err, out = checkify.checkify(run, errors=checkify.user_checks)(*(leaves[i] for i in dynamic))
+        _, arrays, run = split_arrays(fn, args, kwargs,
+                                      lambda v: isinstance(v, jax.Array) or hasattr(v, "__array__"))
+        err, out = checkify.checkify(run, errors=checkify.user_checks)(*arrays)
         if throw:
             err.throw()
             return out
