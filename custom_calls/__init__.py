@@ -21,10 +21,12 @@ from custom_calls.grouped_gemm import (dequantize_lhs, dequantize_rhs, m_grouped
                                        m_grouped_gemm_masked)
 from custom_calls.permute import permute_contig, permute_masked, scatter_rows
 from custom_calls.route_topk import route_topk
+from custom_calls.settings import ENVIRONMENT, KernelSettings
 from custom_calls.unpermute import unpermute
 
 __all__ = [
-    "AUTO", "REFERENCE", "ActivationSpec", "Implementation", "NoGradientError", "OpSpec", "activation_quant_contig",
+    "AUTO", "ENVIRONMENT", "REFERENCE", "ActivationSpec", "Implementation", "KernelSettings", "NoGradientError",
+    "OpSpec", "activation_quant_contig",
     "activation_quant_masked", "auto_order", "backend_stages", "backends", "canonical_m_indices",
     "canonical_masked_m", "canonical_src2dst", "canonical_topk_ids", "checked", "declare_op",
     "dequantize_lhs", "dequantize_rhs", "dispatch_map_contig", "dispatch_map_masked", "fused_moe",

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from custom_calls.backends import declare_op, resolve
+from custom_calls.settings import KernelSettings, resolve_settings
 from layouts import GemmFormat, gemm_format, store_as
 from layouts.checks import check_rank
 
@@ -19,7 +20,8 @@ OP = "gemm_nt"
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _reference(lhs, rhs, *, lhs_scale, rhs_scale, recipe, arch):
+def _reference(lhs, rhs, *, lhs_scale, rhs_scale, recipe, arch, settings=None):
+    del settings  # how kernels are chosen and launched; the reference has none
     fmt = gemm_format(recipe, arch)
     a = fmt.dequantize_lhs(lhs, lhs_scale)  # (M, K)
     b = fmt.dequantize_rhs(rhs[None], None if rhs_scale is None else rhs_scale[None])[0]  # (N, K)
@@ -28,8 +30,8 @@ def _reference(lhs, rhs, *, lhs_scale, rhs_scale, recipe, arch):
 
 
 # jitted: one fused computation per static configuration, also when called eagerly
-declare_op(OP, stage="gemm", static_args=("m", "n", "k", "recipe", "arch", "lhs_dtype", "rhs_dtype"),
-           reference=jax.jit(_reference, static_argnames=("recipe", "arch")))
+declare_op(OP, stage="gemm", static_args=("m", "n", "k", "recipe", "arch", "lhs_dtype", "rhs_dtype", "settings"),
+           reference=jax.jit(_reference, static_argnames=("recipe", "arch", "settings")))
 
 
 def check_gemm_nt(lhs, rhs, lhs_scale, rhs_scale, fmt: GemmFormat) -> tuple[int, int, int]:
@@ -42,17 +44,20 @@ def check_gemm_nt(lhs, rhs, lhs_scale, rhs_scale, fmt: GemmFormat) -> tuple[int,
 
 def gemm_nt(lhs: jax.Array, rhs: jax.Array, *, lhs_scale: jax.Array | None = None,
             rhs_scale: jax.Array | None = None, recipe: str, arch: int,
-            backend: str | None = None) -> jax.Array:
+            backend: str | None = None, settings: KernelSettings | None = None) -> jax.Array:
     """Dense GEMM D = lhs . rhs^T.
 
     lhs: (M, K) bf16 | e4m3 (+ its scale image `lhs_scale`, `GemmFormat.lhs_scale_shape(M, K)`);
     rhs: (N, K) bf16 | e4m3 (+ `rhs_scale`, `GemmFormat.rhs_scale_shape(1, N, K)` without the
     leading 1: (ceil(N/128), ceil(K/128)) f32 blocks for fp8_block on arch 90) -> (M, N) bf16.
+    settings: `custom_calls.KernelSettings` for an accelerated backend (None: the environment's).
     """
     fmt = gemm_format(recipe, arch)
     if fmt.rhs_k_pack != 1:
         raise ValueError(f"recipe: gemm_nt takes unpacked weights (bf16 or e4m3 values), got {fmt.describe()}")
     m, n, k = check_gemm_nt(lhs, rhs, lhs_scale, rhs_scale, fmt)
+    settings = resolve_settings(settings)
     impl = resolve(OP, backend, m=m, n=n, k=k, recipe=recipe, arch=arch, lhs_dtype=lhs.dtype,
-                   rhs_dtype=rhs.dtype)
-    return impl.impl(lhs, rhs, lhs_scale=lhs_scale, rhs_scale=rhs_scale, recipe=recipe, arch=arch)
+                   rhs_dtype=rhs.dtype, settings=settings)
+    return impl.impl(lhs, rhs, lhs_scale=lhs_scale, rhs_scale=rhs_scale, recipe=recipe, arch=arch,
+                     settings=settings)

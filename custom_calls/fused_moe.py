@@ -46,6 +46,7 @@ from custom_calls.backends import declare_op, resolve
 from custom_calls.dispatch_map import contig_capacity, dispatch_map_contig_xla
 from custom_calls.limits import check_index_extents, routes_and_rows
 from custom_calls.route_topk import route_topk, sum_partials
+from custom_calls.settings import KernelSettings, resolve_settings
 from layouts import (
     FP8_E4M3_MAX,
     FusedMoEBuffer,
@@ -147,7 +148,8 @@ def _expert_blocks(rows: jax.Array, block_expert: jax.Array, w: jax.Array) -> ja
 
 
 def _reference(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, *, routed_scaling_factor,
-               activation_clamp, w13_interleave):
+               activation_clamp, w13_interleave, settings=None):
+    del settings  # how kernels are chosen and launched; the reference has none
     if w13_interleave:
         w13 = deinterleave_gate_up(w13, w13_interleave)
     m, h = x.shape
@@ -188,9 +190,9 @@ def _reference(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, *, route
 # jitted: one fused computation per static configuration, also when called eagerly
 declare_op(OP, stage="gemm",
            static_args=("m", "hidden", "intermediate", "num_experts", "top_k", "x_dtype", "weight_dtype",
-                        "routed_scaling_factor", "activation_clamp", "w13_interleave", "arch"),
+                        "routed_scaling_factor", "activation_clamp", "w13_interleave", "arch", "settings"),
            reference=jax.jit(_reference, static_argnames=("routed_scaling_factor", "activation_clamp",
-                                                          "w13_interleave")))
+                                                          "w13_interleave", "settings")))
 
 
 def _real(name: str, value, allow_none: bool = False, positive: bool = False) -> float | None:
@@ -206,7 +208,8 @@ def _real(name: str, value, allow_none: bool = False, positive: bool = False) ->
 def fused_moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: jax.Array,
               w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array, *, routed_scaling_factor: float = 1.0,
               activation_clamp: float | None = None, w13_interleave: int = 0, arch: int = 90,
-              backend: str | None = None, debug_checks: bool = False) -> jax.Array:
+              backend: str | None = None, debug_checks: bool = False,
+              settings: KernelSettings | None = None) -> jax.Array:
     """The routed expert branch in one op (numerics: module docstring).
 
     x: (M, H) bf16; topk_ids: (M, k) int32, expert ids in [0, E) or -1 (no route; ids outside
@@ -219,7 +222,8 @@ def fused_moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: j
     of g (`layouts.interleave_gate_up`; its scales stay [gate; up]): the SM90 kernel reads g = 8,
     prepared once with the weights. arch: the GPU family the weights are prepared for (the kernel
     backend runs on 90). debug_checks: checked mode (`custom_calls.contracts`): reports an id
-    outside [-1, E) or a repeated expert by (token, slot) instead of dropping it.
+    outside [-1, E) or a repeated expert by (token, slot) instead of dropping it. settings:
+    `custom_calls.KernelSettings` for an accelerated backend (None: the environment's when traced).
     """
     check_rank("x", x, 2, "(M, H)")
     check_dtype("x", x, (jnp.bfloat16,))
@@ -260,12 +264,13 @@ def fused_moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: j
         raise ValueError(f"arch: expected an int (90, 100), got {arch!r}")
     if debug_checks:
         contracts.check_topk_ids(topk_ids, e)
+    settings = resolve_settings(settings)
     impl = resolve(OP, backend, m=m, hidden=h, intermediate=i, num_experts=e, top_k=topk_ids.shape[1],
                    x_dtype=x.dtype, weight_dtype=w13.dtype, routed_scaling_factor=routed_scaling_factor,
-                   activation_clamp=activation_clamp, w13_interleave=w13_interleave, arch=arch)
+                   activation_clamp=activation_clamp, w13_interleave=w13_interleave, arch=arch, settings=settings)
     return impl.impl(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
                      routed_scaling_factor=routed_scaling_factor, activation_clamp=activation_clamp,
-                     w13_interleave=w13_interleave)
+                     w13_interleave=w13_interleave, settings=settings)
 
 
 # --- the routed branch with its routing: router GEMM, routing epilogue and the fused kernel ----
@@ -293,7 +298,9 @@ def fused_input_routed_reference(x: jax.Array, partials: jax.Array, bias: jax.Ar
 
 
 def _routed_reference(x, gate_weight, bias, expert_offset, w13, w13_scale, w2, w2_scale, *, top_k, scoring,
-                      n_group, topk_group, norm_topk_prob, routed_scaling_factor, activation_clamp, w13_interleave):
+                      n_group, topk_group, norm_topk_prob, routed_scaling_factor, activation_clamp, w13_interleave,
+                      settings=None):
+    del settings
     logits = jnp.einsum("mh,eh->me", x, gate_weight, preferred_element_type=jnp.float32)
     ids, weights = _route_reference(logits, bias, expert_offset, top_k=top_k, scoring=scoring, n_group=n_group,
                                     topk_group=topk_group, norm_topk_prob=norm_topk_prob)
@@ -302,11 +309,11 @@ def _routed_reference(x, gate_weight, bias, expert_offset, w13, w13_scale, w2, w
 
 
 _ROUTED_STATIC = ("top_k", "scoring", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
-                  "activation_clamp", "w13_interleave")
+                  "activation_clamp", "w13_interleave", "settings")
 declare_op(OP_ROUTED, stage="gemm",
            static_args=("m", "hidden", "intermediate", "num_experts", "num_route_experts", "top_k", "scoring",
                         "n_group", "topk_group", "x_dtype", "gate_dtype", "weight_dtype", "routed_scaling_factor",
-                        "activation_clamp", "w13_interleave", "arch"),
+                        "activation_clamp", "w13_interleave", "arch", "settings"),
            reference=jax.jit(_routed_reference, static_argnames=_ROUTED_STATIC))
 
 
@@ -314,7 +321,8 @@ def fused_moe_routed(x: jax.Array, gate_weight: jax.Array, e_score_correction_bi
                      w13: jax.Array, w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array, *, top_k: int,
                      scoring: str, n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                      expert_offset=0, routed_scaling_factor: float = 1.0, activation_clamp: float | None = None,
-                     w13_interleave: int = 0, arch: int = 90, backend: str | None = None) -> jax.Array:
+                     w13_interleave: int = 0, arch: int = 90, backend: str | None = None,
+                     settings: KernelSettings | None = None) -> jax.Array:
     """`fused_moe` with its routing: the router GEMM and the routing epilogue of `route_topk` in
     the same op, so that a backend can fuse them with the branch's own launches (on SM90: the router
     GEMM as split-K partials, the epilogue inside the fused kernel's input stage: three kernels in
@@ -326,7 +334,7 @@ def fused_moe_routed(x: jax.Array, gate_weight: jax.Array, e_score_correction_bi
     (E_route,) f32 or None; top_k, scoring, n_group, topk_group, norm_topk_prob: as `route_topk`;
     expert_offset: python int or traced int32 scalar, the global id of local expert 0 (the E
     experts of w13 are global ids [expert_offset, expert_offset + E); routes to other experts
-    contribute nothing); the rest as `fused_moe` -> y: (M, H) bf16.
+    contribute nothing); the rest (settings too) as `fused_moe` -> y: (M, H) bf16.
     """
     check_rank("x", x, 2, "(M, H)")
     check_dtype("x", x, (jnp.bfloat16,))
@@ -354,13 +362,14 @@ def fused_moe_routed(x: jax.Array, gate_weight: jax.Array, e_score_correction_bi
     routed_scaling_factor = _real("routed_scaling_factor", routed_scaling_factor)
     activation_clamp = _real("activation_clamp", activation_clamp, allow_none=True, positive=True)
     e, two_i, _ = w13.shape
+    settings = resolve_settings(settings)
     static = dict(top_k=top_k, scoring=scoring, n_group=n_group, topk_group=topk_group,
                   norm_topk_prob=bool(norm_topk_prob), routed_scaling_factor=routed_scaling_factor,
-                  activation_clamp=activation_clamp, w13_interleave=w13_interleave)
+                  activation_clamp=activation_clamp, w13_interleave=w13_interleave, settings=settings)
     impl = resolve(OP_ROUTED, backend, m=m, hidden=h, intermediate=two_i // 2, num_experts=e,
                    num_route_experts=e_route, top_k=top_k, scoring=scoring, n_group=n_group, topk_group=topk_group,
                    x_dtype=x.dtype, gate_dtype=gate_weight.dtype, weight_dtype=w13.dtype,
                    routed_scaling_factor=routed_scaling_factor, activation_clamp=activation_clamp,
-                   w13_interleave=w13_interleave, arch=arch)
+                   w13_interleave=w13_interleave, arch=arch, settings=settings)
     return impl.impl(x, gate_weight, e_score_correction_bias, jnp.asarray(expert_offset, jnp.int32), w13, w13_scale,
                      w2, w2_scale, **static)

@@ -31,6 +31,7 @@ from custom_calls.fused_moe import OP, OP_ROUTED
 from custom_calls.native.launch import launch
 from custom_calls.native.launch_plan import LaunchPlan
 from custom_calls.native.toolchain import detected_device
+from custom_calls.settings import KernelSettings, resolve_settings
 from custom_calls.triton.launch import missing_dependencies
 from layouts import FUSED_GATE_UP_GRAN
 
@@ -50,7 +51,7 @@ def _input_stage(cfg: Sm90FusedMoEConfig, x: jax.Array, topk_ids: jax.Array, top
 
 def fused_moe_impl(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: jax.Array,
                    w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array, *, routed_scaling_factor: float,
-                   activation_clamp: float | None, w13_interleave: int) -> jax.Array:
+                   activation_clamp: float | None, w13_interleave: int, settings: KernelSettings) -> jax.Array:
     """x (M, H) bf16, topk_ids (M, k) int32, topk_weights (M, k) f32, w13 (E, 2I, H) e4m3 with its
     gate/up rows interleaved in groups of 8, w2 (E, H, I) e4m3, 128x128 block scales f32
     -> (M, H) bf16. Operands already checked by the op, w13_interleave == 8 by `static_supports_fused`."""
@@ -59,14 +60,15 @@ def fused_moe_impl(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
     if m == 0:
         return jnp.zeros((0, h), jnp.bfloat16)
     cfg = fused_kernel.layer_config(m=m, hidden=h, intermediate=two_i // 2, num_experts=e,
-                                    top_k=topk_ids.shape[1], activation_clamp=activation_clamp)
+                                    top_k=topk_ids.shape[1], activation_clamp=activation_clamp,
+                                    num_sms=settings.num_sms)
     return fused_moe_with_config(cfg, x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
-                                 routed_scaling_factor=routed_scaling_factor)
+                                 routed_scaling_factor=routed_scaling_factor, command_buffer=settings.command_buffer)
 
 
 def fused_moe_with_config(cfg: Sm90FusedMoEConfig, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
                           w13: jax.Array, w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array, *,
-                          routed_scaling_factor: float) -> jax.Array:
+                          routed_scaling_factor: float, command_buffer: bool = False) -> jax.Array:
     """`fused_moe_impl` with the kernel configuration given (e.g. a `sm90_fused_moe_candidates`
     entry, as `python -m moe_jax.bench fused` runs them): operands as there, already checked, 1 to
     ``cfg.max_tokens`` tokens of ``cfg``'s shapes. A config whose clusters the GPU cannot hold is
@@ -74,7 +76,8 @@ def fused_moe_with_config(cfg: Sm90FusedMoEConfig, x: jax.Array, topk_ids: jax.A
     if cfg.trace:
         raise ValueError("cfg.trace: expected False (fused_moe_traced runs the traced build), got True")
     cubin, buf = _input_stage(cfg, x, topk_ids, topk_weights, routed_scaling_factor=routed_scaling_factor)
-    return fused_kernel.run_kernel(cfg, cubin, buf, x.shape[0], w13, w13_scale, w2, w2_scale)[0]
+    return fused_kernel.run_kernel(cfg, cubin, buf, x.shape[0], w13, w13_scale, w2, w2_scale,
+                                   command_buffer=command_buffer)[0]
 
 
 def fused_moe_traced(cfg: Sm90FusedMoEConfig, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
@@ -95,7 +98,7 @@ def fused_moe_routed_impl(x: jax.Array, gate_weight: jax.Array, bias: jax.Array 
                           w13: jax.Array, w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array, *, top_k: int,
                           scoring: str, n_group: int, topk_group: int, norm_topk_prob: bool,
                           routed_scaling_factor: float, activation_clamp: float | None,
-                          w13_interleave: int) -> jax.Array:
+                          w13_interleave: int, settings: KernelSettings) -> jax.Array:
     """Op `fused_moe_routed` as one custom call of three kernels (`routed_sequence`): the router
     GEMM as split-K partials (Triton), the input stage with the routing epilogue (Triton), the
     fused kernel. Operands checked by the op."""
@@ -104,21 +107,21 @@ def fused_moe_routed_impl(x: jax.Array, gate_weight: jax.Array, bias: jax.Array 
     if m == 0:
         return jnp.zeros((0, h), jnp.bfloat16)
     cfg = fused_kernel.layer_config(m=m, hidden=h, intermediate=two_i // 2, num_experts=e, top_k=top_k,
-                                    activation_clamp=activation_clamp)
+                                    activation_clamp=activation_clamp, num_sms=settings.num_sms)
     return routed_sequence(cfg, x, gate_weight, bias, expert_offset, w13, w13_scale, w2, w2_scale, top_k=top_k,
                            scoring=scoring, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
-                           routed_scaling_factor=routed_scaling_factor)
+                           routed_scaling_factor=routed_scaling_factor, command_buffer=settings.command_buffer)
 
 
 def routed_sequence(cfg: Sm90FusedMoEConfig, x: jax.Array, gate_weight: jax.Array, bias: jax.Array | None,
                     expert_offset: jax.Array, w13: jax.Array, w13_scale: jax.Array, w2: jax.Array,
-                    w2_scale: jax.Array, **routing) -> jax.Array:
+                    w2_scale: jax.Array, *, command_buffer: bool = False, **routing) -> jax.Array:
     """The routed branch for ``cfg`` (1 to cfg.max_tokens tokens) in one custom call of three
     kernels (`routed_plans`; ``routing``: its keyword arguments) -> y (M, H) bf16."""
     plans, inputs, outputs = routed_plans(cfg, fused_kernel.kernel_cubin(cfg), detected_device()[1], x,
                                           gate_weight, bias, expert_offset, w13, w13_scale, w2, w2_scale,
                                           **routing)
-    return launch(plans, inputs, outputs)[2]
+    return launch(plans, inputs, outputs, command_buffer=command_buffer)[2]
 
 
 def routed_plans(cfg: Sm90FusedMoEConfig, fused_cubin: str, arch: int, x: jax.Array, gate_weight: jax.Array,
@@ -157,9 +160,11 @@ def routed_plans(cfg: Sm90FusedMoEConfig, fused_cubin: str, arch: int, x: jax.Ar
 
 def static_supports_fused(*, m: int, hidden: int, intermediate: int, num_experts: int, top_k: int, x_dtype,
                           weight_dtype, routed_scaling_factor: float, activation_clamp: float | None, arch: int,
-                          w13_interleave: int, num_sms: int | None = None) -> tuple[bool, str]:
+                          w13_interleave: int, settings: KernelSettings | None = None,
+                          num_sms: int | None = None) -> tuple[bool, str]:
     """(ok, reason) of backend 'deep_gemm' for op `fused_moe`, from the static arguments (num_sms:
-    the device's, else the H200's 132 for a shape-only answer on a machine without one)."""
+    the settings', else the device's, else the H200's 132 for a shape-only answer on a machine
+    without one)."""
     if arch != 90:
         return False, f"arch: the fused MoE kernel runs on SM90 (arch 90), got {arch}"
     if w13_interleave != FUSED_GATE_UP_GRAN:
@@ -172,7 +177,7 @@ def static_supports_fused(*, m: int, hidden: int, intermediate: int, num_experts
         return False, (f"dependencies: the fused kernel's input stage is a Triton kernel; not importable here: "
                        f"{', '.join(missing)} (pip install 'moe-jax[gpu]')")
     if num_sms is None:
-        num_sms = detected_device()[2] or 132
+        num_sms = resolve_settings(settings).num_sms or detected_device()[2] or 132
     reason = fused_kernel.fused_reason(num_tokens=max(m, 1), hidden=hidden, intermediate=intermediate,
                                        num_experts=num_experts, top_k=top_k, num_sms=num_sms)
     return (False, reason) if reason else (True, "")

@@ -16,6 +16,7 @@ from layouts import GemmFormat, gemm_format, store_as
 from layouts.checks import check_dtype, check_rank, check_shape, check_static_int
 from custom_calls import contracts
 from custom_calls.backends import declare_op, resolve
+from custom_calls.settings import KernelSettings, resolve_settings
 
 OP_CONTIG = "m_grouped_gemm_contig"
 OP_MASKED = "m_grouped_gemm_masked"
@@ -34,7 +35,8 @@ def dequantize_rhs(rhs, rhs_scale, recipe: str, arch: int) -> jax.Array:
     return gemm_format(recipe, arch).dequantize_rhs(rhs, rhs_scale)
 
 
-def _contig_reference(lhs, rhs, m_indices, *, lhs_scale, rhs_scale, recipe, arch, alignment):
+def _contig_reference(lhs, rhs, m_indices, *, lhs_scale, rhs_scale, recipe, arch, alignment, settings=None):
+    del settings  # how kernels are chosen and launched; the reference has none
     fmt = gemm_format(recipe, arch)
     a = fmt.dequantize_lhs(lhs, lhs_scale)  # (M_cap, K)
     b = fmt.dequantize_rhs(rhs, rhs_scale)  # (G, N, K)
@@ -61,8 +63,8 @@ def _contig_reference(lhs, rhs, m_indices, *, lhs_scale, rhs_scale, recipe, arch
     return store_as(jnp.where((m_indices >= 0)[:, None], d, 0.0), jnp.bfloat16)
 
 
-def _masked_reference(lhs, rhs, masked_m, *, expected_m, lhs_scale, rhs_scale, recipe, arch):
-    del expected_m  # a tuning hint only
+def _masked_reference(lhs, rhs, masked_m, *, expected_m, lhs_scale, rhs_scale, recipe, arch, settings=None):
+    del expected_m, settings  # a tuning hint; how kernels are chosen and launched
     fmt = gemm_format(recipe, arch)
     a = fmt.dequantize_lhs(lhs, lhs_scale)  # (G, m_pad, K)
     b = fmt.dequantize_rhs(rhs, rhs_scale)
@@ -73,11 +75,13 @@ def _masked_reference(lhs, rhs, masked_m, *, expected_m, lhs_scale, rhs_scale, r
 
 # jitted: one fused computation per static configuration, also when called eagerly
 declare_op(OP_CONTIG, stage="gemm",
-           static_args=("m_cap", "n", "k", "num_groups", "recipe", "arch", "alignment", "lhs_dtype", "rhs_dtype"),
-           reference=jax.jit(_contig_reference, static_argnames=("recipe", "arch", "alignment")))
+           static_args=("m_cap", "n", "k", "num_groups", "recipe", "arch", "alignment", "lhs_dtype", "rhs_dtype",
+                        "settings"),
+           reference=jax.jit(_contig_reference, static_argnames=("recipe", "arch", "alignment", "settings")))
 declare_op(OP_MASKED, stage="gemm",
-           static_args=("num_groups", "m_pad", "n", "k", "expected_m", "recipe", "arch", "lhs_dtype", "rhs_dtype"),
-           reference=jax.jit(_masked_reference, static_argnames=("expected_m", "recipe", "arch")))
+           static_args=("num_groups", "m_pad", "n", "k", "expected_m", "recipe", "arch", "lhs_dtype", "rhs_dtype",
+                        "settings"),
+           reference=jax.jit(_masked_reference, static_argnames=("expected_m", "recipe", "arch", "settings")))
 
 
 def check_contig(lhs, rhs, m_indices, lhs_scale, rhs_scale, fmt: GemmFormat, alignment) -> tuple[int, int, int, int]:
@@ -119,7 +123,7 @@ def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, 
                           lhs_scale: jax.Array | None = None, rhs_scale: jax.Array | None = None,
                           recipe: str, arch: int, alignment: int = 128,
                           backend: str | None = None, debug_checks: bool = False,
-                          assume_canonical: bool = False) -> jax.Array:
+                          assume_canonical: bool = False, settings: KernelSettings | None = None) -> jax.Array:
     """Contiguous grouped GEMM: D[r] = lhs[r] . rhs[m_indices[r]]^T.
 
     lhs: (M_cap, K) bf16 | e4m3; rhs: (G, N, K) [(G, N, K//2) int8 for mxfp4]; scales as
@@ -136,7 +140,8 @@ def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, 
     as the dispatcher's m_indices are by construction, and the canonicalization pass is skipped.
     A broken promise is undefined behaviour (like jax's `unique_indices`): an accelerated kernel
     may read weight scales of an expert that does not exist. Pass it only for indices built by
-    `dispatch_map_contig`.
+    `dispatch_map_contig`. settings: how an accelerated backend picks and launches its kernel
+    (`custom_calls.KernelSettings`; None: the environment's defaults when traced).
     """
     fmt = gemm_format(recipe, arch)
     m_cap, k, g, n = check_contig(lhs, rhs, m_indices, lhs_scale, rhs_scale, fmt, alignment)
@@ -145,16 +150,17 @@ def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, 
         _check_weights(rhs, rhs_scale)
     if not assume_canonical:
         m_indices = contracts.canonical_m_indices(m_indices, g, alignment)
-    impl = resolve(OP_CONTIG, backend, m_cap=m_cap, n=n, k=k, num_groups=g, recipe=recipe,
-                   arch=arch, alignment=alignment, lhs_dtype=lhs.dtype, rhs_dtype=rhs.dtype)
+    settings = resolve_settings(settings)
+    impl = resolve(OP_CONTIG, backend, m_cap=m_cap, n=n, k=k, num_groups=g, recipe=recipe, arch=arch,
+                   alignment=alignment, lhs_dtype=lhs.dtype, rhs_dtype=rhs.dtype, settings=settings)
     return impl.impl(lhs, rhs, m_indices, lhs_scale=lhs_scale, rhs_scale=rhs_scale, recipe=recipe,
-                     arch=arch, alignment=alignment)
+                     arch=arch, alignment=alignment, settings=settings)
 
 
 def m_grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *, expected_m: int,
                           lhs_scale: jax.Array | None = None, rhs_scale: jax.Array | None = None,
-                          recipe: str, arch: int, backend: str | None = None,
-                          debug_checks: bool = False, assume_canonical: bool = False) -> jax.Array:
+                          recipe: str, arch: int, backend: str | None = None, debug_checks: bool = False,
+                          assume_canonical: bool = False, settings: KernelSettings | None = None) -> jax.Array:
     """Masked grouped GEMM: D[g, r] = lhs[g, r] . rhs[g]^T for r < masked_m[g].
 
     lhs: (G, m_pad, K) bf16 | e4m3, m_pad a multiple of 128; rhs: (G, N, K) [(G, N, K//2) int8 for
@@ -164,7 +170,7 @@ def m_grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *
     accelerated implementations (the reference writes zeros); consumers never read them.
     debug_checks: report masked_m outside [0, m_pad] and non-finite weights (`contracts.checked`).
     assume_canonical: masked_m is already in [0, m_pad] (the dispatcher's is), the clamp is skipped;
-    a broken promise is undefined behaviour, as for the contig op.
+    a broken promise is undefined behaviour, as for the contig op. settings: as for the contig op.
     """
     fmt = gemm_format(recipe, arch)
     g, m_pad, k, n = check_masked(lhs, rhs, masked_m, expected_m, lhs_scale, rhs_scale, fmt)
@@ -173,7 +179,8 @@ def m_grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *
         _check_weights(rhs, rhs_scale)
     if not assume_canonical:
         masked_m = contracts.canonical_masked_m(masked_m, m_pad)
+    settings = resolve_settings(settings)
     impl = resolve(OP_MASKED, backend, num_groups=g, m_pad=m_pad, n=n, k=k, expected_m=expected_m,
-                   recipe=recipe, arch=arch, lhs_dtype=lhs.dtype, rhs_dtype=rhs.dtype)
+                   recipe=recipe, arch=arch, lhs_dtype=lhs.dtype, rhs_dtype=rhs.dtype, settings=settings)
     return impl.impl(lhs, rhs, masked_m, expected_m=expected_m, lhs_scale=lhs_scale,
-                     rhs_scale=rhs_scale, recipe=recipe, arch=arch)
+                     rhs_scale=rhs_scale, recipe=recipe, arch=arch, settings=settings)

@@ -15,6 +15,9 @@ backend for the route and gemm stages, no hash routing and checked mode off, `mo
 inside that op too (`fused_moe_routed`: the router GEMM and the routing epilogue fused with the
 branch's launches), else it routes first and calls `fused_moe`.
 
+Planned once: each public function parses its backends, resolves the layout and checks the call's
+size once (`plan_routed` -> `RoutedPlan`), then runs the stages the plan names.
+
 Backends: `backend` is a name applied to every stage ("reference", "auto"), the name of an
 accelerated backend that implements some stages (a bare name runs the stages the registry says it
 implements — `custom_calls.backend_stages`: "deep_gemm" the GEMMs, "triton" the routing
@@ -22,7 +25,8 @@ epilogue, dispatch ranking, permute, activation and un-permute — and the other
 reference), or a dict {stage: name} over `STAGES` (missing stages -> "reference"; as a tuple of
 (stage, name) pairs it is hashable, for static jit arguments). None -> the
 `custom_calls.use_backend` default. Names are checked when parsed; implementations are resolved at
-trace time.
+trace time. `settings` (a `custom_calls.KernelSettings`, static; None: the environment's defaults
+when traced) goes to every op that launches native kernels: the GEMMs and the fused ops.
 
 Every public function here takes tokens with any leading dims, `x: (..., H)`, checks its inputs once
 and returns the same leading shape. Each also checks the size of the call at trace time, before
@@ -43,13 +47,15 @@ run the function under `custom_calls.checked`. Off (the default), no check is tr
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 
-from custom_calls import (AUTO, REFERENCE, backend_stages, contracts, fused_moe, fused_moe_routed, known_backends,
-                          permute_contig, permute_masked, unpermute)
+from custom_calls import (AUTO, REFERENCE, KernelSettings, backend_stages, contracts, fused_moe, fused_moe_routed,
+                          known_backends, permute_contig, permute_masked, unpermute)
+from custom_calls.settings import resolve_settings
 from custom_calls.dispatch_map import local_expert_ids
 from layouts import get_recipe
 from moe_jax.config import MoEConfig
@@ -114,9 +120,50 @@ def resolve_layout(layout: str, config: MoEConfig, *, num_tokens: int, num_local
                          memory_budget_bytes=config.masked_memory_budget_bytes)
 
 
+@dataclasses.dataclass(frozen=True)
+class RoutedPlan:
+    """How one call of the routed branch runs, decided once at trace time (`plan_routed`).
+
+    layout: "contig" | "masked" | "fused"; backends: {stage: name} over `STAGES`; settings: the
+    native kernels' `KernelSettings`; num_local_experts, intermediate_size: E_local and I_local of
+    the GEMM-form params; m_pad: rows per masked slab (masked only, else None)."""
+
+    layout: str
+    backends: Mapping[str, str | None]
+    settings: KernelSettings
+    num_local_experts: int
+    intermediate_size: int
+    m_pad: int | None
+
+
+def plan_routed(num_tokens: int, config: MoEConfig, gemm_params: MoEParams, sizes: tuple[int, int], *,
+                layout: str, backend, settings: KernelSettings | None, routes_per_token: int,
+                shared_intermediate_size: int) -> RoutedPlan:
+    """The plan of a call of num_tokens tokens with GEMM-form params (`check_params`' sizes): the
+    backends parsed, the layout resolved (`resolve_layout`) and checked against how w13 is stored,
+    the call's size checked (`check_call_size`, routes_per_token routes per token and a dense shared
+    MLP of shared_intermediate_size, 0 for none)."""
+    be = stage_backends(backend)
+    e_loc, i_loc = int(gemm_params.w13.shape[0]), sizes[1]
+    lay = resolve_layout(layout, config, num_tokens=num_tokens, num_local_experts=e_loc,
+                         local_intermediate_size=i_loc, arch=gemm_params.gemm_arch, act_backend=be["activation"])
+    check_call_size(num_tokens, config, layout=lay, routes_per_token=routes_per_token, num_local_experts=e_loc,
+                    intermediate_size=i_loc, shared_intermediate_size=shared_intermediate_size)
+    if (lay == "fused") != bool(gemm_params.w13_interleave):
+        raise ValueError(f"params.w13: layout {lay!r} needs w13 rows "
+                         f"{'interleaved (w13_interleave=8)' if lay == 'fused' else '[gate; up] (w13_interleave=0)'}, "
+                         f"got w13_interleave={gemm_params.w13_interleave}; prepare the params with "
+                         f"prepare_params(params, config) for a config of that layout")
+    m_pad = None
+    if lay == "masked":
+        m_pad = config.masked_m_pad if config.masked_m_pad is not None else default_masked_m_pad(num_tokens)
+    return RoutedPlan(lay, be, resolve_settings(settings), e_loc, i_loc, m_pad)
+
+
 def routed_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, params: MoEParams,
                    config: MoEConfig, *, expert_offset=0, layout: str = "auto",
-                   backend="reference", out_dtype=None, debug_checks: bool = False) -> jax.Array:
+                   backend="reference", out_dtype=None, debug_checks: bool = False,
+                   settings: KernelSettings | None = None) -> jax.Array:
     """Routed branch for the experts held in `params`.
 
     x: (..., H) float; topk_ids: (..., k) int32 GLOBAL expert ids (-1 = excluded row/route);
@@ -126,18 +173,18 @@ def routed_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, p
     E_local under shard_map); other ids contribute nothing. The intermediate size is read from
     params (I_local may be a tensor-parallel shard of config.intermediate_size; the result is then
     a partial sum). Checkpoint-form params are converted with `prepare_params` on every call:
-    prepare once and pass the result. debug_checks: checked mode (module docstring).
+    prepare once and pass the result. debug_checks: checked mode (module docstring); settings: as
+    in `moe_forward`.
     """
     x2, lead = flatten_tokens(x, config)
     ids, weights = flatten_routes(topk_ids, topk_weights, lead, config)
     params, sizes = _checked_params(params, config)
-    _check_size(x2.shape[0], config, params, sizes, layout, stage_backends(backend),
-                routes_per_token=ids.shape[1], shared_intermediate_size=0)
+    plan = plan_routed(x2.shape[0], config, params, sizes, layout=layout, backend=backend, settings=settings,
+                       routes_per_token=ids.shape[1], shared_intermediate_size=0)
     if debug_checks:
         contracts.check_finite_rows("x", x2, "tokens")
-    out = _routed(x2, ids, weights, params, config, sizes, expert_offset=expert_offset, layout=layout,
-                  backend=backend, out_dtype=x.dtype if out_dtype is None else jnp.dtype(out_dtype),
-                  debug_checks=debug_checks)
+    out = _routed(x2, ids, weights, params, config, plan, expert_offset=expert_offset,
+                  out_dtype=x.dtype if out_dtype is None else jnp.dtype(out_dtype), debug_checks=debug_checks)
     return out.reshape(*lead, -1)
 
 
@@ -151,41 +198,20 @@ def _checked_params(params: MoEParams, config: MoEConfig) -> tuple[MoEParams, tu
     return params, sizes
 
 
-def _check_size(m: int, config: MoEConfig, gemm_params: MoEParams, sizes: tuple[int, int], layout: str,
-                be: dict, *, routes_per_token: int, shared_intermediate_size: int) -> None:
-    """`check_call_size` for m tokens of a call of the routed branch with GEMM-form params, in the
-    layout it resolves to (`resolve_layout`, as `_routed` resolves it)."""
-    e_loc = int(gemm_params.w13.shape[0])
-    lay = resolve_layout(layout, config, num_tokens=m, num_local_experts=e_loc,
-                         local_intermediate_size=sizes[1], arch=gemm_params.gemm_arch,
-                         act_backend=be["activation"])
-    check_call_size(m, config, layout=lay, routes_per_token=routes_per_token, num_local_experts=e_loc,
-                    intermediate_size=sizes[1], shared_intermediate_size=shared_intermediate_size)
-
-
-def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, layout, backend,
-            out_dtype, routed_scaling_factor=None, debug_checks: bool = False, addend=None) -> jax.Array:
-    """`routed_experts` on checked inputs: x (M, H), ids/weights (M, k), GEMM-form params (all
-    w13 groups dispatched, fused shared experts included); routed_scaling_factor None ->
-    config's; addend (M, H) or None: added to the routed sum in fp32 before the cast (the
+def _routed(x, topk_ids, topk_weights, params, config, plan: RoutedPlan, *, expert_offset, out_dtype,
+            routed_scaling_factor=None, debug_checks: bool = False, addend=None) -> jax.Array:
+    """`routed_experts` on checked inputs, as `plan` says: x (M, H), ids/weights (M, k), GEMM-form
+    params (all w13 groups dispatched, fused shared experts included); routed_scaling_factor None
+    -> config's; addend (M, H) or None: added to the routed sum in fp32 before the cast (the
     un-permute's addend)."""
-    _, i_loc = sizes
-    e_loc = int(params.w13.shape[0])
+    e_loc, be, settings = plan.num_local_experts, plan.backends, plan.settings
     rsf = config.routed_scaling_factor if routed_scaling_factor is None else routed_scaling_factor
-    m = x.shape[0]
-    be = stage_backends(backend)
     recipe, arch, act = params.gemm_recipe, params.gemm_arch, config.activation
-    layout = resolve_layout(layout, config, num_tokens=m, num_local_experts=e_loc,
-                            local_intermediate_size=i_loc, arch=arch, act_backend=be["activation"])
-    if (layout == "fused") != bool(params.w13_interleave):
-        raise ValueError(f"params.w13: layout {layout!r} needs w13 rows "
-                         f"{'interleaved (w13_interleave=8)' if layout == 'fused' else '[gate; up] (w13_interleave=0)'}, "
-                         f"got w13_interleave={params.w13_interleave}; prepare the params with "
-                         f"prepare_params(params, config) for a config of that layout")
+    layout = plan.layout
     if layout == "fused":
         return _routed_fused(x, topk_ids, topk_weights, params, config, expert_offset=expert_offset,
-                             backend=be["gemm"], out_dtype=out_dtype, routed_scaling_factor=rsf,
-                             debug_checks=debug_checks, addend=addend)
+                             backend=be["gemm"], settings=settings, out_dtype=out_dtype,
+                             routed_scaling_factor=rsf, debug_checks=debug_checks, addend=addend)
     if layout == "contig":
         disp = dispatch_contig(topk_ids, num_local_experts=e_loc, alignment=config.alignment,
                                expert_offset=expert_offset, backend=be["dispatch"])
@@ -193,9 +219,9 @@ def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, 
                                         arch=arch, backend=be["permute"], debug_checks=debug_checks,
                                         assume_canonical=True)
         d = expert_core_contig(lhs, lhs_scale, disp, params, act, gemm_backend=be["gemm"],
-                               act_backend=be["activation"], debug_checks=debug_checks)
+                               act_backend=be["activation"], debug_checks=debug_checks, settings=settings)
     else:
-        m_pad = config.masked_m_pad if config.masked_m_pad is not None else default_masked_m_pad(m)
+        m_pad = plan.m_pad
         # a route held here but dropped for lack of slab rows (possible only when a caller repeats
         # an expert within a token's row: dispatch_masked refuses m_pad < M) poisons that token's
         # output: reported, never silent. The dispatch map marks it with the row one past d (mark_dropped), which the
@@ -210,8 +236,8 @@ def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, 
                                         recipe=recipe, arch=arch, backend=be["permute"],
                                         debug_checks=debug_checks, assume_canonical=True)
         d = expert_core_masked(lhs, lhs_scale, disp, params, act, gemm_backend=be["gemm"],
-                               act_backend=be["activation"],
-                               debug_checks=debug_checks).reshape(e_loc * m_pad, -1)
+                               act_backend=be["activation"], debug_checks=debug_checks,
+                               settings=settings).reshape(e_loc * m_pad, -1)
     lost = None  # (M,) tokens that lost a route, computed in checked mode only
     if layout == "masked" and debug_checks:
         lost = jnp.any((local_expert_ids(topk_ids, expert_offset, e_loc) < e_loc) & (disp.src2dst < 0), axis=1)
@@ -223,7 +249,7 @@ def _routed(x, topk_ids, topk_weights, params, config, sizes, *, expert_offset, 
     return out
 
 
-def _routed_fused(x, topk_ids, topk_weights, params, config, *, expert_offset, backend, out_dtype,
+def _routed_fused(x, topk_ids, topk_weights, params, config, *, expert_offset, backend, settings, out_dtype,
                   routed_scaling_factor, debug_checks, addend) -> jax.Array:
     """The routed branch as one `fused_moe` op (its numerics: custom_calls/fused_moe.py: the route
     weight scales the SwiGLU output before its quantization). A route to an expert not held here
@@ -240,12 +266,12 @@ def _routed_fused(x, topk_ids, topk_weights, params, config, *, expert_offset, b
     out = fused_moe(x.astype(jnp.bfloat16), ids, topk_weights.astype(jnp.float32), params.w13, params.w13_scale,
                     params.w2, params.w2_scale, routed_scaling_factor=routed_scaling_factor,
                     activation_clamp=act.swiglu_limit, w13_interleave=params.w13_interleave,
-                    arch=params.gemm_arch, backend=backend, debug_checks=debug_checks)
+                    arch=params.gemm_arch, backend=backend, debug_checks=debug_checks, settings=settings)
     return _fused_tail(out, addend, out_dtype)
 
 
 def shared_experts(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dtype=None,
-                   backend="reference") -> jax.Array:
+                   backend="reference", settings: KernelSettings | None = None) -> jax.Array:
     """Shared-expert MLP, same activation (clamps included) as the routed experts
     (moe_jax/shared.py): bf16 weights as a dense bf16 MLP (fp32 accumulation, bf16 rounding between
     the stages like the routed bf16 path); FP8 weights ("fp8_block") through the dense FP8 GEMM
@@ -253,7 +279,7 @@ def shared_experts(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dt
     x: (..., H) -> (..., H) out_dtype (None -> x.dtype); zeros when config.n_shared_experts == 0.
     Its intermediate size is read from params (may be a tensor-parallel shard). backend: as in
     `moe_forward` (FP8: stages "permute" (the input quantization), "gemm" and "activation"; the bf16
-    MLP always runs on XLA)."""
+    MLP always runs on XLA); settings: as in `moe_forward`."""
     x2, lead = flatten_tokens(x, config)
     if params.fused_shared:
         raise ValueError(f"params: the shared experts are fused into the routed experts "
@@ -264,23 +290,28 @@ def shared_experts(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dt
                     shared_intermediate_size=int(params.shared_w2.shape[1]) if config.n_shared_experts else 0)
     be = stage_backends(backend)
     out = shared_mlp(x2, params, config, out_dtype=x.dtype if out_dtype is None else jnp.dtype(out_dtype),
-                     gemm_backend=be["gemm"], act_backend=be["activation"], permute_backend=be["permute"])
+                     gemm_backend=be["gemm"], act_backend=be["activation"], permute_backend=be["permute"],
+                     settings=resolve_settings(settings))
     return out.reshape(*lead, -1)
 
 
 def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
                 token_ids: jax.Array | None = None, layout: str = "auto",
-                backend="reference", debug_checks: bool = False) -> jax.Array:
+                backend="reference", debug_checks: bool = False,
+                settings: KernelSettings | None = None) -> jax.Array:
     """The MoE layer: route -> routed_experts + shared_experts (tail rule: the routed output
     already carries routed_scaling_factor; the two are added in fp32 and cast once, inside the
     un-permute, whose `addend` the dense shared MLP's output is).
     x: (..., H) float (bf16 typical) -> (..., H) x.dtype; token_ids (...) int in [0, vocab_size)
     for hash-routed layers (concrete ids outside: ValueError naming position and value; traced
     ones: reported in checked mode, else that token's routes are dropped and its row is the
-    shared-expert output alone, `moe_jax.routing`). jit-able with `config` (and layout/backend) static:
-    `jax.jit(moe_forward, static_argnames=("config", "layout", "backend"))`.
+    shared-expert output alone, `moe_jax.routing`). jit-able with `config` (and layout/backend/settings)
+    static: `jax.jit(moe_forward, static_argnames=("config", "layout", "backend", "settings"))`.
     Pass `prepare_params(params, config)` to keep the load-time conversion out of the call.
-    debug_checks (static): checked mode, run under `custom_calls.checked` (module docstring)."""
+    debug_checks (static): checked mode, run under `custom_calls.checked` (module docstring).
+    settings (static): the native kernels' `custom_calls.KernelSettings` (GEMM tuning, command
+    buffers, SM count, SM100 opt-in); None reads the environment's defaults when traced, so a
+    function already compiled keeps them: pass one to change them."""
     x2, lead = flatten_tokens(x, config)
     if params.num_local_experts != config.num_experts:
         # a shard of the experts would silently run as experts 0..E_local-1
@@ -290,27 +321,27 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
     tok = check_token_ids(token_ids, lead, config, debug_checks=debug_checks)
     check_router(params, config)
     gemm_params, sizes = _checked_params(params, config)
-    be = stage_backends(backend)
     dense_shared = bool(config.n_shared_experts) and not gemm_params.fused_shared
-    _check_size(x2.shape[0], config, gemm_params, sizes, layout, be,
-                routes_per_token=config.top_k + gemm_params.fused_shared,
-                shared_intermediate_size=int(gemm_params.shared_w2.shape[1]) if dense_shared else 0)
+    plan = plan_routed(x2.shape[0], config, gemm_params, sizes, layout=layout, backend=backend, settings=settings,
+                       routes_per_token=config.top_k + gemm_params.fused_shared,
+                       shared_intermediate_size=int(gemm_params.shared_w2.shape[1]) if dense_shared else 0)
+    be = plan.backends
     if debug_checks:
         contracts.check_finite_rows("x", x2, "tokens")
     # the dense shared MLP's output is the routed branch's addend: routed + shared summed in fp32 and
     # cast once (inside the un-permute on the staged path), without a pass over an fp32 (M, H) array
     shared = None
-    if config.n_shared_experts and not gemm_params.fused_shared:
+    if dense_shared:
         shared = shared_mlp(x2, gemm_params, config, out_dtype=None, gemm_backend=be["gemm"],
-                            act_backend=be["activation"], permute_backend=be["permute"])
-    if _routes_inside_fused_op(x2, params, gemm_params, config, sizes, layout, be, debug_checks):
+                            act_backend=be["activation"], permute_backend=be["permute"], settings=plan.settings)
+    if _routes_inside_fused_op(x2, params, gemm_params, config, plan, debug_checks):
         out = fused_moe_routed(
             x2, params.gate_weight, _bias_f32(params.e_score_correction_bias), gemm_params.w13,
             gemm_params.w13_scale, gemm_params.w2, gemm_params.w2_scale, top_k=config.top_k,
             scoring=config.scoring, n_group=routing_groups(config), topk_group=config.topk_group,
             norm_topk_prob=config.norm_topk_prob, routed_scaling_factor=config.routed_scaling_factor,
             activation_clamp=config.activation.swiglu_limit, w13_interleave=gemm_params.w13_interleave,
-            arch=gemm_params.gemm_arch, backend=be["gemm"])
+            arch=gemm_params.gemm_arch, backend=be["gemm"], settings=plan.settings)
         return _fused_tail(out, shared, x.dtype).reshape(*lead, -1)
     topk_ids, topk_weights = route_tokens(x2, params, config, tok, be["route"])
     rsf = None
@@ -321,9 +352,8 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
     if config.hash_routing and gemm_params.w13_interleave:
         # a tid2eid row may name an expert twice; the fused op holds a token once per expert
         topk_ids, topk_weights = merge_repeated_routes(topk_ids, topk_weights)
-    out = _routed(x2, topk_ids, topk_weights, gemm_params, config, sizes, expert_offset=0, layout=layout,
-                  backend=be, out_dtype=x.dtype, routed_scaling_factor=rsf, debug_checks=debug_checks,
-                  addend=shared)
+    out = _routed(x2, topk_ids, topk_weights, gemm_params, config, plan, expert_offset=0, out_dtype=x.dtype,
+                  routed_scaling_factor=rsf, debug_checks=debug_checks, addend=shared)
     return out.reshape(*lead, -1)
 
 
@@ -341,19 +371,16 @@ def merge_repeated_routes(topk_ids: jax.Array, topk_weights: jax.Array) -> tuple
     return ids, weights
 
 
-def _routes_inside_fused_op(x2, params, gemm_params, config, sizes, layout, be, debug_checks) -> bool:
-    """Does `moe_forward` route inside the fused op (`fused_moe_routed`)? When the layout resolves to
+def _routes_inside_fused_op(x2, params, gemm_params, config, plan: RoutedPlan, debug_checks) -> bool:
+    """Does `moe_forward` route inside the fused op (`fused_moe_routed`)? When the plan's layout is
     "fused", the route and gemm stages have the same backend, the router is the bf16 x bf16 GEMM
     (bf16 tokens and gate), routing is not by hash, and checked mode is off (it checks the routes
     between the two stages)."""
-    if debug_checks or config.hash_routing or gemm_params.fused_shared or be["route"] != be["gemm"]:
+    be = plan.backends
+    if plan.layout != "fused" or debug_checks or config.hash_routing or gemm_params.fused_shared:
         return False
-    if x2.dtype != jnp.bfloat16 or params.gate_weight.dtype != jnp.bfloat16:
-        return False
-    layout = resolve_layout(layout, config, num_tokens=x2.shape[0], num_local_experts=int(gemm_params.w13.shape[0]),
-                            local_intermediate_size=sizes[1], arch=gemm_params.gemm_arch,
-                            act_backend=be["activation"])
-    return layout == "fused" and bool(gemm_params.w13_interleave)
+    return (be["route"] == be["gemm"] and x2.dtype == jnp.bfloat16
+            and params.gate_weight.dtype == jnp.bfloat16)
 
 
 def _bias_f32(bias: jax.Array | None) -> jax.Array | None:

@@ -38,6 +38,8 @@ except ModuleNotFoundError as e:  # flax is the optional `nn` extra
         raise
     raise ImportError("moe_jax.nn needs flax, which is not installed: pip install 'moe-jax[nn]'") from e
 
+from custom_calls import KernelSettings
+from custom_calls.settings import resolve_settings
 from moe_jax.config import MoEConfig
 from moe_jax.dispatch import LAYOUTS
 from moe_jax.layer import moe_forward, stage_backends
@@ -85,7 +87,8 @@ class MoE(nnx.Module):
     config: MoEConfig (static). rngs: initializes random weights (`init_params`) unless `params`
     (a MoEParams, checkpoint or GEMM form) is given. prepare: convert checkpoint-form weights to
     the GEMM form of `config.gemm_arch` once, here (the load-time paths); False keeps checkpoint form (the
-    layer then converts on every call). backend / layout: as in `moe_forward` (static).
+    layer then converts on every call). backend / layout / settings: as in `moe_forward` (static;
+    settings None: the environment's `KernelSettings`, read here, once).
     mesh + parallel (a `moe_jax.parallel.ParallelConfig`): run `sharded_moe_forward` over the mesh;
     mesh alone only places the variables. expert_axis / intermediate_axis: annotation axis names
     (module docstring); None disables that axis.
@@ -94,7 +97,7 @@ class MoE(nnx.Module):
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs | None = None,
                  params: MoEParams | None = None, backend="auto", layout: str = "auto",
                  prepare: bool = True, mesh: Mesh | None = None, parallel=None,
-                 expert_axis=_DERIVE, intermediate_axis=_DERIVE):
+                 expert_axis=_DERIVE, intermediate_axis=_DERIVE, settings: KernelSettings | None = None):
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config: expected MoEConfig, got {type(config).__name__}")
         stage_backends(backend)  # unknown backend or stage names are an error here, not at the first call
@@ -131,6 +134,7 @@ class MoE(nnx.Module):
             check_divisibility(params, config, mesh, parallel)
         self.config = config
         self.backend = backend
+        self.settings = resolve_settings(settings)  # fixed with the module, as its backend is
         self.layout = layout
         self.mesh = mesh
         self.parallel = parallel
@@ -246,13 +250,14 @@ class MoE(nnx.Module):
                                  f"holds {e_loc} (loaded with expert_range); run one EP rank's share "
                                  f"with moe_jax.routed_experts(..., expert_offset=start) on moe_params()")
             return moe_forward(x, self.moe_params(), self.config, token_ids=token_ids,
-                               layout=self.layout, backend=self.backend, debug_checks=debug_checks)
+                               layout=self.layout, backend=self.backend, debug_checks=debug_checks,
+                               settings=self.settings)
         from moe_jax.parallel import sharded_moe_forward
 
         params = self.moe_params(tp_view=not self.parallel.is_ep)
         return sharded_moe_forward(x, params, self.config, self.mesh, self.parallel,
                                    token_ids=token_ids, num_tokens=num_tokens, layout=self.layout,
-                                   backend=self.backend, return_stats=return_stats)
+                                   backend=self.backend, return_stats=return_stats, settings=self.settings)
 
 
 def partition_specs(module: MoE):

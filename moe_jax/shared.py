@@ -23,20 +23,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from custom_calls import activation_quant_contig, gated_activation, gemm_nt, permute_contig
+from custom_calls import KernelSettings, activation_quant_contig, gated_activation, gemm_nt, permute_contig
 from layouts import store_as
 from moe_jax.config import MoEConfig
 from moe_jax.params import SHARED_FP8, MoEParams, prepare_shared
 
 
 def shared_mlp(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dtype, gemm_backend=None,
-               act_backend=None, permute_backend=None) -> jax.Array:
+               act_backend=None, permute_backend=None, settings: KernelSettings | None = None) -> jax.Array:
     """The shared-expert MLP on checked inputs: x (M, H) float -> (M, H) out_dtype (None: as the
     MLP computes it, bf16 for FP8 weights, f32 for bf16 ones); zeros without a shared expert (or
     with the shared experts fused into the routed ones; out_dtype required then). FP8 shared weights in
     checkpoint form are brought to the GEMM form of config.gemm_arch here (prepare once instead:
     `prepare_params`). gemm_backend / act_backend / permute_backend: backend names of the dense
-    GEMMs, the activation + quantization between them and the input quantization (FP8 only)."""
+    GEMMs, the activation + quantization between them and the input quantization (FP8 only);
+    settings: the dense GEMMs' `custom_calls.KernelSettings` (None: the environment's)."""
     if not config.n_shared_experts or params.fused_shared:
         return jnp.zeros(x.shape, out_dtype)
     if params.shared_recipe != SHARED_FP8:
@@ -45,7 +46,8 @@ def shared_mlp(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dtype,
         arch = params.gemm_arch if params.is_prepared else config.gemm_arch
         p = params if params.is_prepared else params.replace(**prepare_shared(params, arch))
         out = fp8_mlp(x, p.shared_w13, p.shared_w13_scale, p.shared_w2, p.shared_w2_scale, config, arch=arch,
-                      gemm_backend=gemm_backend, act_backend=act_backend, permute_backend=permute_backend)
+                      gemm_backend=gemm_backend, act_backend=act_backend, permute_backend=permute_backend,
+                      settings=settings)
     return out if out_dtype is None else out.astype(out_dtype)
 
 
@@ -67,7 +69,7 @@ def _bf16_mlp(x, w13, w2, config: MoEConfig) -> jax.Array:
 
 def fp8_mlp(x: jax.Array, w13: jax.Array, w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array,
             config: MoEConfig, *, arch: int, gemm_backend=None, act_backend=None,
-            permute_backend=None) -> jax.Array:
+            permute_backend=None, settings: KernelSettings | None = None) -> jax.Array:
     """x (M, H) float; w13 (2I_s, H) e4m3, w2 (H, I_s) e4m3 with their GEMM-form scales for `arch`
     -> (M, H) bf16 (module docstring for the stages)."""
     m = x.shape[0]
@@ -75,8 +77,8 @@ def fp8_mlp(x: jax.Array, w13: jax.Array, w13_scale: jax.Array, w2: jax.Array, w
     q, q_scale = permute_contig(x, in_place, num_rows=m, recipe=SHARED_FP8, arch=arch, backend=permute_backend,
                                 assume_canonical=True)
     gateup = gemm_nt(q, w13, lhs_scale=q_scale, rhs_scale=w13_scale, recipe=SHARED_FP8, arch=arch,
-                     backend=gemm_backend)
+                     backend=gemm_backend, settings=settings)
     a, a_scale = activation_quant_contig(gateup, act=config.activation, recipe=SHARED_FP8, arch=arch,
                                          backend=act_backend)
     return gemm_nt(a, w2, lhs_scale=a_scale, rhs_scale=w2_scale, recipe=SHARED_FP8, arch=arch,
-                   backend=gemm_backend)
+                   backend=gemm_backend, settings=settings)

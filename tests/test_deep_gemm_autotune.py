@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from custom_calls.deep_gemm import autotune as A, codegen, heuristics as H, ops, plans as P
-from custom_calls.native import launch, launch_plan as LP, toolchain
+from custom_calls.native import launch, toolchain
+from custom_calls.settings import KernelSettings
 from test_deep_gemm_host import needs_nvcc
 
 CAP = 232448
@@ -181,13 +182,6 @@ def test_problem_and_policy_validation(monkeypatch):
         A.Sm90Problem("fp8_1d2d", "contig", 256, 512, 512, 4, 16)
     with pytest.raises(ValueError, match="mode"):
         A.TuningPolicy(mode="fast")
-    monkeypatch.setenv(A.TUNING_ENV, "cached")
-    assert A.TuningPolicy.from_env().mode == "cached"
-    monkeypatch.setenv(A.TUNING_ENV, "on")
-    with pytest.raises(ValueError, match="MOE_JAX_GEMM_TUNING"):
-        A.TuningPolicy.from_env()
-    monkeypatch.delenv(A.TUNING_ENV)
-    assert A.TuningPolicy.from_env().mode == "off"
     assert A.grouped_problem("masked", 256, 512, 512, 4, "fp8_1d2d", 1000).expected_m == 256
     assert A.grouped_problem("masked", 256, 512, 512, 4, "bf16", 0).expected_m == 1
 
@@ -291,12 +285,12 @@ def captured_launch(monkeypatch):
     """The ops up to the launch on any machine (132 SMs, an H200), _run recording the kernel."""
     calls = []
 
-    def fake_run(kern, arch, inputs, outputs):
+    def fake_run(kern, arch, inputs, outputs, settings):
         calls.append(kern)
         return [jnp.zeros(o.shape, o.dtype) for o in outputs]
 
-    monkeypatch.setattr(ops, "_environment_reason", lambda arch: None)
-    monkeypatch.setattr(ops, "_num_sms", lambda: 132)
+    monkeypatch.setattr(ops, "_environment_reason", lambda arch, settings: None)
+    monkeypatch.setattr(ops, "_num_sms", lambda settings: settings.num_sms or 132)
     monkeypatch.setattr(ops, "_run", fake_run)
     monkeypatch.setattr(A, "detected_device_kind", lambda: DEVICE)
     return calls
@@ -312,18 +306,18 @@ def test_ops_and_warmup_use_the_tuned_config_when_enabled(cache, captured_launch
     other = _other(p)
     A.store_entry(A.tuning_key(p, 132, DEVICE), _entry(p, other))
 
-    def op():
+    def op(mode):
         ops.m_grouped_gemm_masked(jnp.ones((g, m_pad, k), jnp.bfloat16), jnp.ones((g, n, k), jnp.bfloat16),
-                                  jnp.full((g,), 3, jnp.int32), expected_m=em, recipe="bf16", arch=90)
+                                  jnp.full((g,), 3, jnp.int32), expected_m=em, recipe="bf16", arch=90,
+                                  settings=KernelSettings(gemm_tuning=mode))
         return captured_launch.pop()
 
     shape = GemmShape("masked", m_pad, n, k, g, "bf16", expected_m=em)
     for mode, want in (("off", p.heuristic(132)), ("cached", other)):
-        monkeypatch.setenv(A.TUNING_ENV, mode)
-        name, src, plan_fn = op()
+        name, src, plan_fn = op(mode)
         assert src == codegen.sm90_gemm_source(want, n, k)
         assert plan_fn("/x.cubin").smem == want.smem_bytes
-        assert kernel_for(shape, 90, 132) == (name, src)  # warmup compiles what the op launches
+        assert kernel_for(shape, 90, 132, A.TuningPolicy(mode=mode)) == (name, src)  # warmup compiles it too
     assert kernel_for(shape, 90, 132, A.TuningPolicy(mode="off"))[1] == codegen.sm90_gemm_source(p.heuristic(132), n, k)
 
 
@@ -552,14 +546,6 @@ def test_command_buffer_option_selects_the_target(monkeypatch):
     def plan():
         return P.sm90_bf16_plan(cfg, "/x.cubin", m=p.m, n=p.n, k=p.k, num_groups=p.num_groups)
 
-    monkeypatch.delenv(LP.COMMAND_BUFFER_ENV, raising=False)
-    assert plan().command_buffer is False
-    monkeypatch.setenv(LP.COMMAND_BUFFER_ENV, "1")
-    assert plan().command_buffer is True
-    monkeypatch.setenv(LP.COMMAND_BUFFER_ENV, "yes")
-    with pytest.raises(ValueError, match="MOE_JAX_DEEP_GEMM_COMMAND_BUFFER"):
-        plan()
-    monkeypatch.delenv(LP.COMMAND_BUFFER_ENV)
     targets = []
 
     def fake_ffi_call(target, outs, **kw):
@@ -572,8 +558,9 @@ def test_command_buffer_option_selects_the_target(monkeypatch):
            jnp.zeros((p.num_groups,), jnp.int32)]
     outs = [jax.ShapeDtypeStruct((p.num_groups, p.m, p.n), jnp.bfloat16)]
     for flag in (False, True):
-        launch.launch(dataclasses.replace(plan(), command_buffer=flag), ins, outs)
-    assert targets == [launch.FFI_TARGET, launch.FFI_TARGET_CMD_BUFFER]
+        launch.launch(plan(), ins, outs, command_buffer=flag)
+    launch.launch(plan(), ins, outs)
+    assert targets == [launch.FFI_TARGET, launch.FFI_TARGET_CMD_BUFFER, launch.FFI_TARGET]
 
 
 _TRAITS = textwrap.dedent("""
@@ -659,8 +646,7 @@ def test_small_search_on_gpu_writes_a_config_the_ops_then_use(cache, monkeypatch
     assert entry == rep.entry
     if entry.tuned:
         assert min(entry.heuristic_us) > max(entry.config_us)
-    monkeypatch.setenv(A.TUNING_ENV, "cached")
-    assert A.sm90_config(p, rep.key.num_sms) == (entry.config if entry.tuned else p.heuristic(rep.key.num_sms))
+    assert A.sm90_config(p, rep.key.num_sms, A.TuningPolicy(mode="cached")) == (entry.config if entry.tuned else p.heuristic(rep.key.num_sms))
 
 
 def _custom_calls_in_command_buffers(thunk_sequence: str) -> int:
@@ -704,22 +690,23 @@ def test_command_buffer_launches_match_plain_ones_as_addresses_change(monkeypatc
     g, m_pad, n, k = 4, 128, 256, 512
     rng = np.random.default_rng(0)
 
-    def f(a, w, mm):
+    def f(a, w, mm, settings):
         outs = []
         for i in range(6):
-            outs.append(dg.m_grouped_gemm_masked(a * (i + 1), w, mm, expected_m=64, recipe="bf16", arch=90))
+            outs.append(dg.m_grouped_gemm_masked(a * (i + 1), w, mm, expected_m=64, recipe="bf16", arch=90,
+                                                 settings=settings))
         return outs
 
     compiled, captured = {}, {}
     for flag in ("0", "1"):
-        monkeypatch.setenv(LP.COMMAND_BUFFER_ENV, flag)
+        settings = KernelSettings(command_buffer=flag == "1")
         sample = (jnp.zeros((g, m_pad, k), jnp.bfloat16), jnp.zeros((g, n, k), jnp.bfloat16),
                   jnp.zeros((g,), jnp.int32))
         dump = tmp_path / f"dump{flag}"
         opts = {"xla_gpu_graph_min_graph_size": 1, "xla_dump_to": str(dump)}
-        # a fresh function object per setting: jax caches a function's trace, and the launcher target
-        # is chosen while tracing
-        compiled[flag] = jax.jit(lambda *args: f(*args), compiler_options=opts).lower(*sample).compile()
+        # the settings are a static argument: each is its own trace and program
+        compiled[flag] = jax.jit(f, static_argnames="settings", compiler_options=opts).lower(
+            *sample, settings=settings).compile()
         (thunks,) = dump.glob("*thunk_sequence_after_thunk_passes.txt")
         captured[flag] = _custom_calls_in_command_buffers(thunks.read_text())
     text = compiled["1"].as_text()

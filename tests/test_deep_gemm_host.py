@@ -6,7 +6,6 @@ once), and the FFI launcher build."""
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import json
 import os
 import re
@@ -22,6 +21,7 @@ import pytest
 
 from custom_calls.deep_gemm import codegen, heuristics as H, ops, plans as P
 from custom_calls.native import launch, launch_plan as LP, toolchain
+from custom_calls.settings import KernelSettings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -266,11 +266,6 @@ def test_launch_sequence_encoding_and_remap():
         LP.LaunchPlan("k", "/x", 1, 32, 1, 0, (), (), grid_yz=(0, 1)).check()
     with pytest.raises(ValueError, match="newline"):
         LP.sequence_attributes((LP.LaunchPlan("k", "/x\ny", 1, 32, 1, 0, (), ()),))
-    from custom_calls.native.launch import launch
-
-    one = LP.LaunchPlan("k", "/x", 1, 32, 1, 0, (), (), command_buffer=False)
-    with pytest.raises(ValueError, match="one command_buffer setting"):  # refused before anything is built
-        launch((one, dataclasses.replace(one, command_buffer=True)), [], [])
 
 
 def _nbytes(*shapes_dtypes):
@@ -353,12 +348,12 @@ def captured_launch(monkeypatch):
     replaced by a recorder returning NaN outputs."""
     calls = []
 
-    def fake_run(kern, arch, inputs, outputs):
+    def fake_run(kern, arch, inputs, outputs, settings):
         calls.append((kern, [np.asarray(x) for x in inputs]))
         return [jnp.full(o.shape, jnp.nan, o.dtype) for o in outputs]
 
-    monkeypatch.setattr(ops, "_environment_reason", lambda arch: None)
-    monkeypatch.setattr(ops, "_num_sms", lambda: 132)
+    monkeypatch.setattr(ops, "_environment_reason", lambda arch, settings: None)
+    monkeypatch.setattr(ops, "_num_sms", lambda settings: 132)
     monkeypatch.setattr(ops, "_run", fake_run)
     return calls
 
@@ -664,8 +659,11 @@ def test_sm100_needs_opt_in_on_sm100_devices(monkeypatch):
     monkeypatch.setattr(ops, "detected_device", lambda: ("gpu", 100, 148))
     ok, reason = ops.supports_m_grouped_gemm_contig(m_cap=256, n=256, k=512, num_groups=2, recipe="mxfp4",
                                                     arch=100)
-    assert not ok and "not been run on SM100 hardware" in reason and "MOE_JAX_DEEP_GEMM_SM100=1" in reason
-    monkeypatch.setenv("MOE_JAX_DEEP_GEMM_SM100", "1")
+    assert not ok and "not been run on SM100 hardware" in reason and "allow_unverified_sm100=True" in reason
+    assert "MOE_JAX_DEEP_GEMM_SM100=1" in reason
+    assert ops.supports_m_grouped_gemm_contig(m_cap=256, n=256, k=512, num_groups=2, recipe="mxfp4", arch=100,
+                                              settings=KernelSettings(allow_unverified_sm100=True)) == (True, "")
+    monkeypatch.setenv("MOE_JAX_DEEP_GEMM_SM100", "1")  # the default of the setting
     assert ops.supports_m_grouped_gemm_contig(m_cap=256, n=256, k=512, num_groups=2, recipe="mxfp4",
                                               arch=100) == (True, "")
     ok, reason = ops.supports_m_grouped_gemm_contig(m_cap=256, n=256, k=512, num_groups=2, recipe="fp8_block",

@@ -378,7 +378,7 @@ def test_registry_sees_the_static_arguments_and_the_routes_as_given(monkeypatch)
     spec = registry.op_spec("fused_moe")
     assert spec.stage == "gemm"
     assert spec.static_args == {"m", "hidden", "intermediate", "num_experts", "top_k", "x_dtype", "weight_dtype",
-                                "routed_scaling_factor", "activation_clamp", "w13_interleave", "arch"}
+                                "routed_scaling_factor", "activation_clamp", "w13_interleave", "arch", "settings"}
     # a throwaway backend, in copies of the registry's tables (restored after the test)
     monkeypatch.setattr(registry, "_IMPLS", {op: dict(impls) for op, impls in registry._IMPLS.items()})
     monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
@@ -400,11 +400,13 @@ def test_registry_sees_the_static_arguments_and_the_routes_as_given(monkeypatch)
     assert seen["static"] == {"m": 4, "hidden": 256, "intermediate": 128, "num_experts": 3, "top_k": 2,
                               "x_dtype": jnp.dtype(jnp.bfloat16), "weight_dtype": jnp.dtype(jnp.float8_e4m3fn),
                               "routed_scaling_factor": 1.0, "activation_clamp": None, "w13_interleave": 0,
-                              "arch": 90}
+                              "arch": 90, "settings": cc.KernelSettings.from_environment()}
     registry.register("fused_moe", "test_fused", impl)  # supports everything
-    cc.fused_moe(**kw, routed_scaling_factor=2, activation_clamp=7, backend="test_fused")
+    settings = cc.KernelSettings(command_buffer=True, num_sms=66)
+    cc.fused_moe(**kw, routed_scaling_factor=2, activation_clamp=7, backend="test_fused", settings=settings)
     np.testing.assert_array_equal(seen["ids"], [[0, 0], [5, 1], [-1, 2], [2, -3]])
-    assert seen["kwargs"] == {"routed_scaling_factor": 2.0, "activation_clamp": 7.0, "w13_interleave": 0}
+    assert seen["kwargs"] == {"routed_scaling_factor": 2.0, "activation_clamp": 7.0, "w13_interleave": 0,
+                              "settings": settings}
     assert isinstance(seen["kwargs"]["routed_scaling_factor"], float)
 
 

@@ -16,6 +16,7 @@ from custom_calls import fused_moe_sm90 as S
 from custom_calls.deep_gemm import fused_moe as F
 from custom_calls.deep_gemm import heuristics as H
 from custom_calls.native import launch_plan as LP
+from custom_calls.settings import KernelSettings
 
 SHAPES = [  # (tokens, hidden, intermediate, experts, top_k)
     (128, 7168, 2048, 32, 8),
@@ -125,7 +126,7 @@ def test_kernel_launch_operands_match_the_plan(monkeypatch, trace):
     cfg = dataclasses.replace(_cfg(128, 1024, 512, 32, 8), trace=trace)
     seen = {}
 
-    def fake_launch(plan, inputs, outputs, input_output_aliases):
+    def fake_launch(plan, inputs, outputs, input_output_aliases, command_buffer):
         seen.update(plan=plan, inputs=inputs, outputs=outputs, aliases=input_output_aliases)
         return [f"out{i}" for i in range(len(outputs))]
 
@@ -190,7 +191,8 @@ def test_clusters_that_do_not_fit_are_left_out_by_the_layer_and_refused_when_ask
     monkeypatch.setattr(S, "fused_moe_with_config", lambda c, *a, **kw: used.append(c))
     x = jax.ShapeDtypeStruct((128, 1024), jnp.bfloat16)
     S.fused_moe_impl(x, jnp.zeros((128, 8), jnp.int32), None, jnp.zeros((32, 1024, 1024), jnp.float8_e4m3fn),
-                     None, None, None, routed_scaling_factor=1.0, activation_clamp=None, w13_interleave=8)
+                     None, None, None, routed_scaling_factor=1.0, activation_clamp=None, w13_interleave=8,
+                     settings=KernelSettings())
     assert used == [cfg if fits else dataclasses.replace(cfg, cluster_size=1)]
 
 

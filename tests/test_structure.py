@@ -85,7 +85,8 @@ def test_no_two_modules_import_each_other():
 # lazily, through the registry); the two kernel families share a level, so neither imports the
 # other; the fused ops' SM90 composition (Triton kernels around the DeepGEMM fused kernel) is above
 # both.
-CUSTOM_CALLS_LEVELS = {"native": 0, "core": 1, "deep_gemm": 2, "triton": 2, "fused_moe_sm90": 3}
+# settings (read by everything) < native launcher < ops and registry < kernel families < their composition
+CUSTOM_CALLS_LEVELS = {"settings": 0, "native": 1, "core": 2, "deep_gemm": 3, "triton": 3, "fused_moe_sm90": 4}
 FAMILIES = ("custom_calls.deep_gemm", "custom_calls.triton")
 
 

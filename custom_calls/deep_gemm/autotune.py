@@ -10,8 +10,9 @@ Opt-in and static. A frozen ``TuningPolicy`` says what the ops and ``warmup`` us
   ``search_in_trace`` is set: compiling and timing a dozen kernels per shape takes minutes, and the
   ops run at trace time; without it they warn once per key and use the heuristic.
 
-The documented default policy comes from ``$MOE_JAX_GEMM_TUNING`` (off | cached | search), read by
-``TuningPolicy.from_env`` only.
+The ops use ``TuningPolicy(mode=KernelSettings.gemm_tuning)`` ("off" or "cached";
+``custom_calls.settings``); searching is ``warmup(..., tuning=TuningPolicy(mode="search"))`` or
+``python -m moe_jax.bench.tune``.
 
 Search (GPU): the candidates are legal configs (``heuristics.sm90_candidates``). Phase 1 times up
 to ``max_tiles`` tiles, each with the most stages that fit and the largest D swizzle: the heuristic's,
@@ -61,7 +62,6 @@ from .heuristics import (SM90_CLUSTERS, Sm90GemmConfig, align, ceil_div, sm90_bu
                          sm90_config_reason, sm90_gemm_config, sm90_model_cost, sm90_swizzle_cd_choices,
                          sm90_tile_configs)
 
-TUNING_ENV = "MOE_JAX_GEMM_TUNING"
 TUNING_MODES = ("off", "cached", "search")
 SCHEMA = 1
 _KERNEL_NAMES = {"fp8_1d2d": "sm90_fp8_gemm_1d2d", "bf16": "sm90_bf16_gemm"}
@@ -92,14 +92,6 @@ class TuningPolicy:
                 raise ValueError(f"TuningPolicy.{name} must be >= 1, got {getattr(self, name)}")
         if self.refine_tiles < 0:
             raise ValueError(f"TuningPolicy.refine_tiles must be >= 0, got {self.refine_tiles}")
-
-    @classmethod
-    def from_env(cls) -> "TuningPolicy":
-        """The documented default: ``$MOE_JAX_GEMM_TUNING`` (off | cached | search; unset = off)."""
-        mode = os.environ.get(TUNING_ENV, "off") or "off"
-        if mode not in TUNING_MODES:
-            raise ValueError(f"{TUNING_ENV} must be one of {TUNING_MODES}, got {mode!r}")
-        return cls(mode=mode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,12 +307,11 @@ def clear_memory_cache() -> None:
 # --- the hook used by the ops and warmup --------------------------------------------------------
 
 def sm90_config(problem: Sm90Problem, num_sms: int, policy: TuningPolicy | None = None) -> Sm90GemmConfig:
-    """The config the op uses for ``problem`` under ``policy`` (None: ``TuningPolicy.from_env()``).
+    """The config the op uses for ``problem`` under ``policy`` (None: the heuristic's).
 
     Called at trace time: searches only with ``policy.search_in_trace`` (see the module docstring).
     """
-    policy = TuningPolicy.from_env() if policy is None else policy
-    if policy.mode == "off":
+    if policy is None or policy.mode == "off":
         return problem.heuristic(num_sms)
     key = tuning_key(problem, num_sms, policy.device_kind or detected_device_kind())
     entry = None if policy.retune else load_entry(key)

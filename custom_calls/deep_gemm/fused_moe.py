@@ -167,10 +167,11 @@ def config_label(cfg: Sm90FusedMoEConfig) -> str:
 
 
 def layer_config(*, m: int, hidden: int, intermediate: int, num_experts: int, top_k: int,
-                 activation_clamp: float | None) -> Sm90FusedMoEConfig:
-    """The rule's config for a call of m tokens, without its clusters where the GPU cannot hold them."""
+                 activation_clamp: float | None, num_sms: int | None = None) -> Sm90FusedMoEConfig:
+    """The rule's config for a call of m tokens, without its clusters where the GPU cannot hold them
+    (num_sms: None -> the device's)."""
     cfg = fused_config(num_tokens=m, hidden=hidden, intermediate=intermediate, num_experts=num_experts, top_k=top_k,
-                       activation_clamp=activation_clamp)
+                       activation_clamp=activation_clamp, num_sms=num_sms)
     if cfg.cluster_size > 1:
         # the rule's clusters need num_sms / 2 resident CTA pairs; a GPU whose SM groups cannot pair
         # every SM runs the same kernel without clusters (same output, weights read per CTA)
@@ -191,9 +192,11 @@ def kernel_cubin(cfg: Sm90FusedMoEConfig) -> str:
 
 
 def run_kernel(cfg: Sm90FusedMoEConfig, cubin: str, buf: jax.Array, m: int, w13: jax.Array, w13_scale: jax.Array,
-               w2: jax.Array, w2_scale: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+               w2: jax.Array, w2_scale: jax.Array, *, command_buffer: bool = False
+               ) -> tuple[jax.Array, jax.Array | None]:
     """The fused kernel on a buffer the input stage filled for m tokens -> (y (m, H) bf16, the
-    event trace (`trace_words` uint32) with ``cfg.trace``, else None)."""
+    event trace (`trace_words` uint32) with ``cfg.trace``, else None). command_buffer: as
+    `custom_calls.native.launch` takes it."""
     inputs = [buf, w13, w13_scale, w2, w2_scale]
     outputs = [jax.ShapeDtypeStruct((m, cfg.hidden), jnp.bfloat16),
                jax.ShapeDtypeStruct((cfg.buffer.total_bytes,), jnp.uint8)]
@@ -203,5 +206,6 @@ def run_kernel(cfg: Sm90FusedMoEConfig, cubin: str, buf: jax.Array, m: int, w13:
         inputs.append(jnp.zeros((words,), jnp.uint32))
         outputs.append(jax.ShapeDtypeStruct((words,), jnp.uint32))
         aliases[5] = 2
-    out = launch(fused_plan(cfg, cubin, num_tokens=m), inputs, outputs, input_output_aliases=aliases)
+    out = launch(fused_plan(cfg, cubin, num_tokens=m), inputs, outputs, input_output_aliases=aliases,
+                 command_buffer=command_buffer)
     return out[0], out[2] if cfg.trace else None

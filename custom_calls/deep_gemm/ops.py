@@ -23,13 +23,12 @@ Output contracts:
   kernel touch another group's slab.
 * SM100 (arch 100): instantiations are generated and compiled for sm_100a and their launch geometry
   is unit-tested, but this project has not run them on SM100 hardware; on an SM100 device they run
-  only with MOE_JAX_DEEP_GEMM_SM100=1.
+  only with ``KernelSettings(allow_unverified_sm100=True)`` (default: $MOE_JAX_DEEP_GEMM_SM100=1).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import jax
@@ -40,6 +39,7 @@ from custom_calls.grouped_gemm import check_contig, check_masked
 from custom_calls.native import toolchain
 from custom_calls.native.launch import launch
 from custom_calls.native.toolchain import detected_device
+from custom_calls.settings import KernelSettings, resolve_settings
 from layouts import GemmFormat, SUPPORTED_ARCHS, gemm_format
 from layouts.checks import check_dtype, check_rank, check_shape, check_static_int
 
@@ -53,8 +53,8 @@ SM100_NOTE = "arch 100 kernels are compiled for sm_100a but have not been run on
 
 # --- environment --------------------------------------------------------------------------------
 
-def _environment_reason(arch: int) -> str | None:
-    """Why the DeepGEMM kernels cannot run here for ``arch``; None when they can."""
+def _environment_reason(arch: int, settings: KernelSettings) -> str | None:
+    """Why the DeepGEMM kernels cannot run here for ``arch`` under ``settings``; None when they can."""
     if arch not in SUPPORTED_ARCHS:
         return f"arch: expected one of {SUPPORTED_ARCHS}, got {arch!r}"
     try:
@@ -69,21 +69,23 @@ def _environment_reason(arch: int) -> str | None:
         extra = f"; {SM100_NOTE}" if arch == 100 else ""
         return (f"arch {arch} requested but the detected device has compute capability "
                 f"{detected // 10}.{detected % 10}{extra}")
-    if not sms:
-        return "the device does not report its SM count (set MOE_JAX_NUM_SMS)"
-    if arch // 10 == 10 and os.environ.get("MOE_JAX_DEEP_GEMM_SM100") != "1":
-        return f"{SM100_NOTE}; set MOE_JAX_DEEP_GEMM_SM100=1 to run them anyway"
+    if not (settings.num_sms or sms):
+        return "the device does not report its SM count (set KernelSettings.num_sms or $MOE_JAX_NUM_SMS)"
+    if arch // 10 == 10 and not settings.allow_unverified_sm100:
+        return (f"{SM100_NOTE}; KernelSettings(allow_unverified_sm100=True) (default: "
+                "$MOE_JAX_DEEP_GEMM_SM100=1) runs them anyway")
     return None
 
 
-def environment(platform: str, *, arch: int, **_static: Any) -> str:
+def environment(platform: str, *, arch: int, settings: KernelSettings | None = None, **_static: Any) -> str:
     """The registry's environment check of backend 'deep_gemm': "" when its kernels can run here
     for ``arch`` (compiler, kernel sources, a device of that family), else why not."""
-    return _environment_reason(arch) or ""
+    return _environment_reason(arch, resolve_settings(settings)) or ""
 
 
-def _num_sms() -> int:
-    return detected_device()[2]
+def _num_sms(settings: KernelSettings) -> int:
+    """The SM count the kernels are planned for: the setting's, else the device's."""
+    return settings.num_sms or detected_device()[2]
 
 
 def _check_backend(backend: str | None) -> None:
@@ -144,35 +146,38 @@ def _answer(reason: str | None) -> tuple[bool, str]:
 
 
 def static_supports_contig(*, m_cap: int, n: int, k: int, num_groups: int, recipe: str, arch: int,
-                           alignment: int = CONTIG_ALIGNMENT, lhs_dtype: Any = None, rhs_dtype: Any = None
-                           ) -> tuple[bool, str]:
+                           alignment: int = CONTIG_ALIGNMENT, lhs_dtype: Any = None, rhs_dtype: Any = None,
+                           settings: KernelSettings | None = None) -> tuple[bool, str]:
     """The contig GEMM's shape rules alone (the registry asks `environment` separately)."""
+    del settings  # no shape rule depends on it
     return _answer(_grouped_reason("contig", m_cap, n, k, num_groups, recipe, arch, alignment, lhs_dtype, rhs_dtype))
 
 
 def static_supports_masked(*, num_groups: int, m_pad: int, n: int, k: int, expected_m: int, recipe: str,
-                           arch: int, lhs_dtype: Any = None, rhs_dtype: Any = None) -> tuple[bool, str]:
+                           arch: int, lhs_dtype: Any = None, rhs_dtype: Any = None,
+                           settings: KernelSettings | None = None) -> tuple[bool, str]:
     """The masked GEMM's shape rules alone (the registry asks `environment` separately)."""
+    del settings, expected_m  # no shape rule depends on them
     return _answer(_grouped_reason("masked", m_pad, n, k, num_groups, recipe, arch, lhs_dtype=lhs_dtype,
                                    rhs_dtype=rhs_dtype))
 
 
 def supports_m_grouped_gemm_contig(*, m_cap: int, n: int, k: int, num_groups: int, recipe: str, arch: int,
                                    alignment: int = CONTIG_ALIGNMENT, lhs_dtype: Any = None,
-                                   rhs_dtype: Any = None) -> tuple[bool, str]:
+                                   rhs_dtype: Any = None, settings: KernelSettings | None = None) -> tuple[bool, str]:
     """(ok, reason) for ``m_grouped_gemm_contig`` with these static arguments on this machine."""
     ok, reason = static_supports_contig(m_cap=m_cap, n=n, k=k, num_groups=num_groups, recipe=recipe, arch=arch,
                                         alignment=alignment, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype)
-    return (ok, reason) if not ok else _answer(_environment_reason(arch))
+    return (ok, reason) if not ok else _answer(_environment_reason(arch, resolve_settings(settings)))
 
 
 def supports_m_grouped_gemm_masked(*, m_pad: int, n: int, k: int, num_groups: int, recipe: str, arch: int,
                                    expected_m: int = 1, lhs_dtype: Any = None,
-                                   rhs_dtype: Any = None) -> tuple[bool, str]:
+                                   rhs_dtype: Any = None, settings: KernelSettings | None = None) -> tuple[bool, str]:
     """(ok, reason) for ``m_grouped_gemm_masked`` with these static arguments on this machine."""
     ok, reason = static_supports_masked(num_groups=num_groups, m_pad=m_pad, n=n, k=k, expected_m=expected_m,
                                         recipe=recipe, arch=arch, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype)
-    return (ok, reason) if not ok else _answer(_environment_reason(arch))
+    return (ok, reason) if not ok else _answer(_environment_reason(arch, resolve_settings(settings)))
 
 
 def _dense_reason(n: int, k: int, recipe: str, arch: int, out_dtype: Any = jnp.bfloat16,
@@ -202,20 +207,21 @@ def _dense_reason(n: int, k: int, recipe: str, arch: int, out_dtype: Any = jnp.b
 
 
 def static_supports_gemm_nt(*, m: int, n: int, k: int, recipe: str, arch: int, lhs_dtype: Any = None,
-                            rhs_dtype: Any = None) -> tuple[bool, str]:
+                            rhs_dtype: Any = None, settings: KernelSettings | None = None) -> tuple[bool, str]:
     """The dense GEMM's shape rules alone, for the registry's op ``gemm_nt`` (bf16 output)."""
-    del m  # any row count
+    del m, settings  # any row count; no shape rule depends on the settings
     return _answer(_dense_reason(n, k, recipe, arch, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype))
 
 
 def supports_gemm_nt(*, n: int, k: int, recipe: str, arch: int = 90, out_dtype: Any = jnp.bfloat16,
-                     **_unused: Any) -> tuple[bool, str]:
+                     settings: KernelSettings | None = None, **_unused: Any) -> tuple[bool, str]:
     """(ok, reason) for the dense ``gemm_nt_fp8`` (recipe 'fp8_block') / ``gemm_nt_bf16`` ('bf16')."""
-    return _answer(_dense_reason(n, k, recipe, arch, out_dtype) or _environment_reason(arch))
+    return _answer(_dense_reason(n, k, recipe, arch, out_dtype)
+                   or _environment_reason(arch, resolve_settings(settings)))
 
 
 def supports_tf32_prenorm_gemm(*, n: int, k: int, num_splits: int = 1, arch: int = 90,
-                               **_unused: Any) -> tuple[bool, str]:
+                               settings: KernelSettings | None = None, **_unused: Any) -> tuple[bool, str]:
     """(ok, reason) for ``tf32_prenorm_gemm`` with these static arguments on this machine."""
     reason = None
     if arch != 90:
@@ -225,7 +231,7 @@ def supports_tf32_prenorm_gemm(*, n: int, k: int, num_splits: int = 1, arch: int
             sm90_prenorm_config(n, k, num_splits)
         except ValueError as e:
             reason = str(e)
-    reason = reason or _environment_reason(arch)
+    reason = reason or _environment_reason(arch, resolve_settings(settings))
     return (reason is None, reason or "")
 
 
@@ -236,8 +242,8 @@ def grouped_kernel(kind: str, rows: int, n: int, k: int, num_groups: int, recipe
     """(name, source, plan_fn) for a grouped GEMM; plan_fn(cubin_path) -> LaunchPlan.
 
     expected_m (masked only; None = rows) is clamped to [1, rows] here, so the op and the warm-up
-    pick the same tile for the same hint. tuning: how SM90 picks its config (None: the documented
-    default, $MOE_JAX_GEMM_TUNING; see autotune.py).
+    pick the same tile for the same hint. tuning: how SM90 picks its config (None: DeepGEMM's
+    heuristic; the ops pass `KernelSettings.gemm_tuning`; see autotune.py).
     """
     if kind == "masked":
         expected_m = rows if expected_m is None else max(1, min(expected_m, rows))
@@ -278,10 +284,14 @@ def _plan(builder, cfg, cubin: str, **kw):
     return builder(cfg, cubin, **kw)
 
 
-def _run(kernel, arch: int, inputs, outputs):
+def _tuning(settings: KernelSettings) -> autotune.TuningPolicy:
+    return autotune.TuningPolicy(mode=settings.gemm_tuning)
+
+
+def _run(kernel, arch: int, inputs, outputs, settings: KernelSettings):
     name, src, plan_fn = kernel
     cubin = compiler.compile_cubin(name, src, arch)
-    return launch(plan_fn(str(cubin.path)), inputs, outputs)
+    return launch(plan_fn(str(cubin.path)), inputs, outputs, command_buffer=settings.command_buffer)
 
 
 # --- the grouped GEMMs ----------------------------------------------------------------------
@@ -293,72 +303,79 @@ def _operands(lhs, rhs, lhs_scale, rhs_scale, layout_arr):
 
 
 def contig_impl(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, *, lhs_scale: jax.Array | None,
-                rhs_scale: jax.Array | None, recipe: str, arch: int, alignment: int) -> jax.Array:
+                rhs_scale: jax.Array | None, recipe: str, arch: int, alignment: int,
+                settings: KernelSettings) -> jax.Array:
     """The registered contig GEMM: operands already checked and accepted by ``resolve``, m_indices
     canonicalized (``canonical_m_indices``)."""
     m_cap, k = lhs.shape
     g, n = rhs.shape[:2]
     if m_cap == 0:
         return jnp.zeros((0, n), jnp.bfloat16)
-    kern = grouped_kernel("contig", m_cap, n, k, g, recipe, arch, _num_sms())
+    kern = grouped_kernel("contig", m_cap, n, k, g, recipe, arch, _num_sms(settings), tuning=_tuning(settings))
     (out,) = _run(kern, arch, _operands(lhs, rhs, lhs_scale, rhs_scale, m_indices),
-                  [jax.ShapeDtypeStruct((m_cap, n), jnp.bfloat16)])
+                  [jax.ShapeDtypeStruct((m_cap, n), jnp.bfloat16)], settings)
     return out
 
 
 def masked_impl(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *, expected_m: int,
-                lhs_scale: jax.Array | None, rhs_scale: jax.Array | None, recipe: str, arch: int) -> jax.Array:
+                lhs_scale: jax.Array | None, rhs_scale: jax.Array | None, recipe: str, arch: int,
+                settings: KernelSettings) -> jax.Array:
     """The registered masked GEMM: operands already checked and accepted by ``resolve``, masked_m
     clamped to [0, m_pad] (``canonical_masked_m``)."""
     g, m_pad, k = lhs.shape
     n = rhs.shape[1]
     if m_pad == 0:
         return jnp.zeros((g, 0, n), jnp.bfloat16)
-    kern = grouped_kernel("masked", m_pad, n, k, g, recipe, arch, _num_sms(), expected_m=expected_m)
+    kern = grouped_kernel("masked", m_pad, n, k, g, recipe, arch, _num_sms(settings), expected_m=expected_m,
+                          tuning=_tuning(settings))
     (out,) = _run(kern, arch, _operands(lhs, rhs, lhs_scale, rhs_scale, masked_m),
-                  [jax.ShapeDtypeStruct((g, m_pad, n), jnp.bfloat16)])
+                  [jax.ShapeDtypeStruct((g, m_pad, n), jnp.bfloat16)], settings)
     return out
 
 
 def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, *,
                           lhs_scale: jax.Array | None = None, rhs_scale: jax.Array | None = None,
                           recipe: str, arch: int, alignment: int = CONTIG_ALIGNMENT,
-                          backend: str | None = None) -> jax.Array:
+                          backend: str | None = None, settings: KernelSettings | None = None) -> jax.Array:
     """Contiguous grouped GEMM D[r] = lhs[r] · rhs[m_indices[r]]ᵀ on DeepGEMM's kernels (checked form).
 
     lhs: (M_cap, K) e4m3 | bf16, M_cap % 128 == 0, every expert segment starting at a multiple of 128;
     rhs: (G, N, K) e4m3 | bf16 [(G, N, K//2) int8 e2m1 pairs for mxfp4]; m_indices: (M_cap,) int32,
     -1 = padding (canonicalized as ``custom_calls.m_grouped_gemm_contig`` does); scales as
-    ``layouts.gemm_format(recipe, arch)`` states -> (M_cap, N) bf16.
+    ``layouts.gemm_format(recipe, arch)`` states -> (M_cap, N) bf16. settings: `KernelSettings`
+    (None: the environment's defaults when traced).
     """
     _check_backend(backend)
+    settings = resolve_settings(settings)
     fmt = gemm_format(recipe, arch)
     m_cap, k, g, n = check_contig(lhs, rhs, m_indices, lhs_scale, rhs_scale, fmt, alignment)
     _raise_unless(supports_m_grouped_gemm_contig(m_cap=m_cap, n=n, k=k, num_groups=g, recipe=recipe,
                                                  arch=arch, alignment=alignment, lhs_dtype=lhs.dtype,
-                                                 rhs_dtype=rhs.dtype))
+                                                 rhs_dtype=rhs.dtype, settings=settings))
     return contig_impl(lhs, rhs, canonical_m_indices(m_indices, g, alignment), lhs_scale=lhs_scale,
-                       rhs_scale=rhs_scale, recipe=recipe, arch=arch, alignment=alignment)
+                       rhs_scale=rhs_scale, recipe=recipe, arch=arch, alignment=alignment, settings=settings)
 
 
 def m_grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *, expected_m: int,
                           lhs_scale: jax.Array | None = None, rhs_scale: jax.Array | None = None,
-                          recipe: str, arch: int, backend: str | None = None) -> jax.Array:
+                          recipe: str, arch: int, backend: str | None = None,
+                          settings: KernelSettings | None = None) -> jax.Array:
     """Masked grouped GEMM D[g, r] = lhs[g, r] · rhs[g]ᵀ for r < masked_m[g] on DeepGEMM's kernels
     (checked form).
 
     lhs: (G, m_pad, K) e4m3 | bf16, m_pad % 128 == 0; rhs: (G, N, K); masked_m: (G,) int32 (clamped to
     [0, m_pad]); expected_m: static hint for the tile choice -> (G, m_pad, N) bf16, rows >= masked_m[g]
-    unspecified.
+    unspecified. settings: as for the contig GEMM.
     """
     _check_backend(backend)
+    settings = resolve_settings(settings)
     fmt = gemm_format(recipe, arch)
     g, m_pad, k, n = check_masked(lhs, rhs, masked_m, expected_m, lhs_scale, rhs_scale, fmt)
     _raise_unless(supports_m_grouped_gemm_masked(m_pad=m_pad, n=n, k=k, num_groups=g, recipe=recipe,
                                                  arch=arch, expected_m=expected_m, lhs_dtype=lhs.dtype,
-                                                 rhs_dtype=rhs.dtype))
+                                                 rhs_dtype=rhs.dtype, settings=settings))
     return masked_impl(lhs, rhs, canonical_masked_m(masked_m, m_pad), expected_m=expected_m,
-                       lhs_scale=lhs_scale, rhs_scale=rhs_scale, recipe=recipe, arch=arch)
+                       lhs_scale=lhs_scale, rhs_scale=rhs_scale, recipe=recipe, arch=arch, settings=settings)
 
 
 def _nt_operands(a: jax.Array, b: jax.Array, a_dtype, b_dtype, names: tuple[str, str] = ("a", "b")
@@ -377,51 +394,54 @@ def _nt_operands(a: jax.Array, b: jax.Array, a_dtype, b_dtype, names: tuple[str,
 
 
 def gemm_nt_fp8(a: jax.Array, b: jax.Array, *, a_scale: jax.Array, b_scale: jax.Array,
-                arch: int = 90) -> jax.Array:
+                arch: int = 90, settings: KernelSettings | None = None) -> jax.Array:
     """Dense D = A·Bᵀ with block FP8 operands (the shared expert's GEMMs).
 
     a: (M, K) e4m3; a_scale: (ceil(K/128), align(M,4)) f32 MN-major TMA-aligned image of the 1x128
     scales; b: (N, K) e4m3; b_scale: (ceil(N/128), ceil(K/128)) f32 128x128 block scales -> (M, N) bf16.
     """
     m, n, k = _nt_operands(a, b, jnp.float8_e4m3fn, jnp.float8_e4m3fn)
+    settings = resolve_settings(settings)
     fmt = gemm_format("fp8_block", arch)
     check_shape("a_scale", a_scale, fmt.lhs_scale_shape(m, k))
     check_dtype("a_scale", a_scale, (fmt.scale_dtype,))
     check_shape("b_scale", b_scale, fmt.rhs_scale_shape(1, n, k)[1:])
     check_dtype("b_scale", b_scale, (fmt.scale_dtype,))
-    _raise_unless(supports_gemm_nt(n=n, k=k, recipe="fp8_block", arch=arch))
+    _raise_unless(supports_gemm_nt(n=n, k=k, recipe="fp8_block", arch=arch, settings=settings))
     if m == 0:
         return jnp.zeros((0, n), jnp.bfloat16)
-    kern = dense_kernel(m, n, k, "fp8_block", jnp.bfloat16, _num_sms())
-    (out,) = _run(kern, arch, [a, b, a_scale, b_scale], [jax.ShapeDtypeStruct((m, n), jnp.bfloat16)])
+    kern = dense_kernel(m, n, k, "fp8_block", jnp.bfloat16, _num_sms(settings))
+    (out,) = _run(kern, arch, [a, b, a_scale, b_scale], [jax.ShapeDtypeStruct((m, n), jnp.bfloat16)], settings)
     return out
 
 
 def dense_impl(lhs: jax.Array, rhs: jax.Array, *, lhs_scale: jax.Array | None, rhs_scale: jax.Array | None,
-               recipe: str, arch: int) -> jax.Array:
+               recipe: str, arch: int, settings: KernelSettings) -> jax.Array:
     """The registered dense GEMM (op ``gemm_nt``): operands already checked and accepted by ``resolve``."""
     m, n = lhs.shape[0], rhs.shape[0]
     if m == 0:
         return jnp.zeros((0, n), jnp.bfloat16)
-    kern = dense_kernel(m, n, rhs.shape[1], recipe, jnp.bfloat16, _num_sms())
+    kern = dense_kernel(m, n, rhs.shape[1], recipe, jnp.bfloat16, _num_sms(settings))
     operands = [lhs, rhs] if lhs_scale is None else [lhs, rhs, lhs_scale, rhs_scale]
-    (out,) = _run(kern, arch, operands, [jax.ShapeDtypeStruct((m, n), jnp.bfloat16)])
+    (out,) = _run(kern, arch, operands, [jax.ShapeDtypeStruct((m, n), jnp.bfloat16)], settings)
     return out
 
 
-def gemm_nt_bf16(a: jax.Array, b: jax.Array, *, out_dtype: Any = jnp.bfloat16, arch: int = 90) -> jax.Array:
+def gemm_nt_bf16(a: jax.Array, b: jax.Array, *, out_dtype: Any = jnp.bfloat16, arch: int = 90,
+                 settings: KernelSettings | None = None) -> jax.Array:
     """Dense D = A·Bᵀ in bf16. a: (M, K) bf16; b: (N, K) bf16 -> (M, N) out_dtype (bf16 or f32)."""
     m, n, k = _nt_operands(a, b, jnp.bfloat16, jnp.bfloat16)
-    _raise_unless(supports_gemm_nt(n=n, k=k, recipe="bf16", arch=arch, out_dtype=out_dtype))
+    settings = resolve_settings(settings)
+    _raise_unless(supports_gemm_nt(n=n, k=k, recipe="bf16", arch=arch, out_dtype=out_dtype, settings=settings))
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    kern = dense_kernel(m, n, k, "bf16", out_dtype, _num_sms())
-    (out,) = _run(kern, arch, [a, b], [jax.ShapeDtypeStruct((m, n), out_dtype)])
+    kern = dense_kernel(m, n, k, "bf16", out_dtype, _num_sms(settings))
+    (out,) = _run(kern, arch, [a, b], [jax.ShapeDtypeStruct((m, n), out_dtype)], settings)
     return out
 
 
-def tf32_prenorm_gemm(x: jax.Array, fn: jax.Array, *, num_splits: int = 1,
-                      arch: int = 90) -> tuple[jax.Array, jax.Array]:
+def tf32_prenorm_gemm(x: jax.Array, fn: jax.Array, *, num_splits: int = 1, arch: int = 90,
+                      settings: KernelSettings | None = None) -> tuple[jax.Array, jax.Array]:
     """x·fnᵀ in TF32 plus the per-row sum of squares of x (the hyper-connection pre-norm GEMM).
 
     x: (M, K) bf16; fn: (N, K) f32, N <= 32, N % 8 == 0, K % 64 == 0 -> ((M, N) f32, (M,) f32).
@@ -429,10 +449,11 @@ def tf32_prenorm_gemm(x: jax.Array, fn: jax.Array, *, num_splits: int = 1,
     """
     m, n, k = _nt_operands(x, fn, jnp.bfloat16, jnp.float32, names=("x", "fn"))
     check_static_int("num_splits", num_splits, 1)
-    _raise_unless(supports_tf32_prenorm_gemm(n=n, k=k, num_splits=num_splits, arch=arch))
+    settings = resolve_settings(settings)
+    _raise_unless(supports_tf32_prenorm_gemm(n=n, k=k, num_splits=num_splits, arch=arch, settings=settings))
     if m == 0:
         return jnp.zeros((0, n), jnp.float32), jnp.zeros((0,), jnp.float32)
     kern = prenorm_kernel(m, n, k, num_splits)
     d, sq = _run(kern, arch, [x, fn], [jax.ShapeDtypeStruct((num_splits, m, n), jnp.float32),
-                                       jax.ShapeDtypeStruct((num_splits, m), jnp.float32)])
+                                       jax.ShapeDtypeStruct((num_splits, m), jnp.float32)], settings)
     return d.sum(0), sq.sum(0)

@@ -4,7 +4,7 @@ Kernels land in the on-disk cache (compiler.py), so a later process — or anoth
 the same warm-up concurrently — compiles nothing. ``arch`` and ``num_sms`` default to the detected
 device; pass them to precompile on a machine without one (nvcc is enough).
 
-``tuning`` (default: $MOE_JAX_GEMM_TUNING, see autotune.py) picks the SM90 grouped GEMMs' configs:
+``tuning`` (default: ``KernelSettings.gemm_tuning``, see autotune.py) picks the SM90 grouped GEMMs' configs:
 with mode "cached" the tuned ones found on disk, with mode "search" it first tunes on the GPU the
 shapes that have none (minutes), so the first traced call finds the tuned config cached.
 """
@@ -16,8 +16,10 @@ import dataclasses
 import os
 from typing import Iterable, Literal
 
-from . import autotune, compiler
+from custom_calls.settings import KernelSettings, resolve_settings
 from layouts import gemm_format
+
+from . import autotune, compiler
 
 from .ops import DENSE_KERNELS, dense_kernel, detected_device, grouped_kernel, kernel_family, prenorm_kernel
 
@@ -65,13 +67,17 @@ def tuning_problem(shape: GemmShape) -> autotune.Sm90Problem | None:
 
 def warmup(shapes: Iterable[GemmShape], *, arch: int | None = None, num_sms: int | None = None,
            workers: int | None = None, progress: bool = True,
-           tuning: autotune.TuningPolicy | None = None) -> list[compiler.Cubin]:
+           tuning: autotune.TuningPolicy | None = None,
+           settings: KernelSettings | None = None) -> list[compiler.Cubin]:
     """Compile (or find in the cache) the kernel of every shape; returns one Cubin per distinct kernel.
 
     A ``Cubin.compiled`` flag says whether this call ran nvcc. Progress bar via tqdm when installed.
-    tuning: see the module docstring (None: ``TuningPolicy.from_env()``).
+    tuning: see the module docstring (None: ``TuningPolicy(mode=settings.gemm_tuning)``). settings:
+    as the ops take it (None: the environment's defaults); its num_sms is the default of ``num_sms``.
     """
     shapes = list(shapes)
+    settings = resolve_settings(settings)
+    num_sms = num_sms or settings.num_sms
     if arch is None or num_sms is None:
         _, det_arch, det_sms = detected_device()
         if arch is None:
@@ -82,7 +88,7 @@ def warmup(shapes: Iterable[GemmShape], *, arch: int | None = None, num_sms: int
             if det_sms is None:
                 raise ValueError("num_sms: no CUDA device detected; pass the target's SM count (H200: 132)")
             num_sms = det_sms
-    tuning = autotune.TuningPolicy.from_env() if tuning is None else tuning
+    tuning = autotune.TuningPolicy(mode=settings.gemm_tuning) if tuning is None else tuning
     if tuning.mode == "search" and arch == 90:
         problems = list(dict.fromkeys(p for p in map(tuning_problem, shapes) if p is not None))
         if problems:

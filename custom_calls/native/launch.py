@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
-import os
 import shutil
 import subprocess
 import threading
@@ -22,6 +21,8 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+
+from custom_calls.settings import ToolchainLocations
 
 from . import toolchain
 from .launch_plan import LaunchPlan, sequence_attributes
@@ -37,7 +38,7 @@ _cmd_buffer_error: str | None = None  # why FFI_TARGET_CMD_BUFFER could not be r
 
 def find_cxx() -> str:
     """$MOE_JAX_CXX, else /usr/bin/g++, else g++ on PATH."""
-    for c in (os.environ.get("MOE_JAX_CXX"), "/usr/bin/g++", shutil.which("g++")):
+    for c in (ToolchainLocations.from_environment().cxx, "/usr/bin/g++", shutil.which("g++")):
         if c and Path(c).is_file():
             return c
     raise toolchain.ToolchainError("no C++ compiler for the FFI launcher (set MOE_JAX_CXX or install g++)")
@@ -92,8 +93,8 @@ def register() -> None:
 
 
 def launch(plan: LaunchPlan | Sequence[LaunchPlan], inputs: Sequence[jax.Array],
-           outputs: Sequence[jax.ShapeDtypeStruct], input_output_aliases: dict[int, int] | None = None
-           ) -> list[jax.Array]:
+           outputs: Sequence[jax.ShapeDtypeStruct], input_output_aliases: dict[int, int] | None = None,
+           *, command_buffer: bool = False) -> list[jax.Array]:
     """Run ``plan`` as a custom call; operands are ``inputs`` then ``outputs`` (fresh XLA buffers,
     or an input's buffer where ``input_output_aliases`` {input index: output index} says so: the
     kernel then updates that input in place). A sequence of plans runs in order in the one call,
@@ -102,24 +103,21 @@ def launch(plan: LaunchPlan | Sequence[LaunchPlan], inputs: Sequence[jax.Array],
 
     Raises ValueError at trace time when a tensor map of a plan spans more than its operand.
 
-    Without ``plan.command_buffer`` the target has no command-buffer trait, so XLA calls the handler
-    on every execution (measured cost: ~3-5 µs per launch); with it XLA may record the launch into a
-    CUDA graph and re-record it when a buffer address changes (csrc/launch_handler.cc says why that
-    is safe). Either way the TMA descriptors hold the buffers' current addresses. The plans of a
-    sequence must agree on it (ValueError otherwise).
+    Without ``command_buffer`` (`KernelSettings.command_buffer`) the target has no command-buffer
+    trait, so XLA calls the handler on every execution (measured cost: ~3-5 µs per launch); with it
+    XLA may record the launch into a CUDA graph and re-record it when a buffer address changes
+    (csrc/launch_handler.cc says why that is safe). Either way the TMA descriptors hold the
+    buffers' current addresses.
     """
     plans = (plan,) if isinstance(plan, LaunchPlan) else tuple(plan)
-    if len({p.command_buffer for p in plans}) > 1:
-        raise ValueError(f"plans: expected one command_buffer setting for the call's kernels, got "
-                         f"{[(p.kernel, p.command_buffer) for p in plans]}")
     nbytes = tuple(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in (*inputs, *outputs))
     for p in plans:
         p.check_operands(nbytes)
     attributes = sequence_attributes(plans)
     register()
-    command_buffer = plans[0].command_buffer
     if command_buffer and _cmd_buffer_error:
-        raise RuntimeError(f"{_cmd_buffer_error} (unset MOE_JAX_DEEP_GEMM_COMMAND_BUFFER)")
+        raise RuntimeError(f"{_cmd_buffer_error} (pass KernelSettings(command_buffer=False); the default comes "
+                           "from $MOE_JAX_DEEP_GEMM_COMMAND_BUFFER)")
     call = jax.ffi.ffi_call(FFI_TARGET_CMD_BUFFER if command_buffer else FFI_TARGET, list(outputs),
                             has_side_effect=False, input_output_aliases=input_output_aliases)
     return list(call(*inputs, **attributes))

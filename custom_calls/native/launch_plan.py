@@ -10,7 +10,6 @@ their geometry is unit-tested without a GPU.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 
@@ -76,19 +75,6 @@ class TensorMap:
                 *pad(self.box, 5, 1), _SWIZZLE_ENUM[self.swizzle]]
 
 
-# Documented default of LaunchPlan.command_buffer: "1" lets XLA capture the native launcher's custom
-# calls in its command buffers (CUDA graphs), "0" or unset keeps them out (XLA calls the handler every time).
-COMMAND_BUFFER_ENV = "MOE_JAX_DEEP_GEMM_COMMAND_BUFFER"
-
-
-def command_buffer_default() -> bool:
-    """$MOE_JAX_DEEP_GEMM_COMMAND_BUFFER as a bool (unset: False); read when a plan is built (trace time)."""
-    value = os.environ.get(COMMAND_BUFFER_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{COMMAND_BUFFER_ENV} must be '0' or '1', got {value!r}")
-    return value == "1"
-
-
 @dataclasses.dataclass(frozen=True)
 class KernelArg:
     kind: int  # ARG_*
@@ -113,9 +99,6 @@ class LaunchPlan:
     # stream is still running; only for kernels compiled to wait (griddepcontrol.wait) before they
     # read anything a previous kernel wrote
     programmatic: bool = False
-    # May XLA record the launch into a command buffer (CUDA graph)? Safe by construction (see
-    # csrc/launch_handler.cc); off unless $MOE_JAX_DEEP_GEMM_COMMAND_BUFFER=1 until measured to help.
-    command_buffer: bool = dataclasses.field(default_factory=command_buffer_default)
     grid_yz: tuple[int, int] = (1, 1)  # the grid's y and z extents (Triton kernels' 3-D grids)
 
     def check(self) -> None:

@@ -30,6 +30,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from custom_calls.settings import ToolchainLocations
+
 # The kernels' template parameter lists differ between DeepGEMM releases; the code generator is
 # written against this one.
 SGL_DEEP_GEMM_VERSION = "0.2.5"
@@ -73,7 +75,8 @@ def deep_gemm_include_dir() -> Path:
 def find_nvcc() -> Path:
     """nvcc >= 12.9 from $MOE_JAX_NVCC (exclusively, when set), else the first new enough one in
     $CUDA_HOME/bin, $CUDA_PATH/bin, /usr/local/cuda/bin, PATH."""
-    explicit = os.environ.get("MOE_JAX_NVCC")
+    where = ToolchainLocations.from_environment()
+    explicit = where.nvcc
     if explicit:
         # An explicit choice is never silently replaced by another compiler.
         if not (Path(explicit).is_file() and os.access(explicit, os.X_OK)):
@@ -83,10 +86,7 @@ def find_nvcc() -> Path:
             raise ToolchainError(f"MOE_JAX_NVCC={explicit}: {problem}; point MOE_JAX_NVCC at the nvcc of "
                                  f"a CUDA toolkit >= {_release(MIN_NVCC_RELEASE)}")
         return Path(explicit)
-    candidates = []
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            candidates.append(Path(os.environ[var]) / "bin" / "nvcc")
+    candidates = [home / "bin" / "nvcc" for home in where.cuda_homes]
     candidates += [home / "bin" / "nvcc" for home in DEFAULT_CUDA_HOMES]
     which = shutil.which("nvcc")
     if which:
@@ -151,14 +151,13 @@ def cuda_include_dir(nvcc: Path) -> Path:
 
 def cache_root() -> Path:
     """$MOE_JAX_CACHE_DIR, else ~/.cache/moe_jax/deep_gemm."""
-    env = os.environ.get("MOE_JAX_CACHE_DIR")
-    root = Path(env) if env else Path.home() / ".cache" / "moe_jax" / "deep_gemm"
-    return root
+    env = ToolchainLocations.from_environment().cache_dir
+    return Path(env) if env else Path.home() / ".cache" / "moe_jax" / "deep_gemm"
 
 
 def cache_write_error(root: Path, detail: str) -> ToolchainError:
     """The error for a kernel cache that cannot take a new entry (read-only, full, not a folder)."""
-    where = (f"MOE_JAX_CACHE_DIR={root}" if os.environ.get("MOE_JAX_CACHE_DIR")
+    where = (f"MOE_JAX_CACHE_DIR={root}" if ToolchainLocations.from_environment().cache_dir
              else f"{root} (the default; MOE_JAX_CACHE_DIR is not set)")
     return ToolchainError(f"the kernel cache {where} cannot be written ({detail}): set MOE_JAX_CACHE_DIR "
                           f"to a writable directory with free space")
@@ -252,5 +251,5 @@ def detected_device() -> tuple[str, int | None, int | None]:
     if cc:
         major, minor = (int(x) for x in str(cc).split(".")[:2])
         arch = 10 * major + minor
-    sms = os.environ.get("MOE_JAX_NUM_SMS") or getattr(d, "core_count", None)
+    sms = getattr(d, "core_count", None)  # KernelSettings.num_sms overrides it where the kernels are planned
     return "gpu", arch, int(sms) if sms else None

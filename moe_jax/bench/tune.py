@@ -21,7 +21,6 @@ tuned-config files there.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import shutil
@@ -107,21 +106,6 @@ def tuning_table(reports) -> list[dict]:
     return rows
 
 
-@contextlib.contextmanager
-def _env(**values: str):
-    """Set environment variables for the block (the documented defaults the ops read at trace time)."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _stream_us(f, arg_sets: list[tuple], iters: int, rounds: int = 3) -> float:
     """µs per call of ``f`` dispatched back to back over rotating argument sets, one sync per round
     (the way a serving loop calls the layer); median of ``rounds``."""
@@ -148,8 +132,8 @@ def decode_layer(tokens: int = 128, reps: int = 4, iters: int = 200, *, small: b
     import jax.numpy as jnp
     import numpy as np
 
-    from custom_calls.deep_gemm.autotune import TUNING_ENV, trace_kernel_durations
-    from custom_calls.native.launch_plan import COMMAND_BUFFER_ENV
+    from custom_calls import KernelSettings
+    from custom_calls.deep_gemm.autotune import trace_kernel_durations
     from moe_jax.bench.layer import _config
     from moe_jax.dispatch import default_masked_m_pad, expected_m
     from moe_jax.layer import moe_forward
@@ -166,21 +150,20 @@ def decode_layer(tokens: int = 128, reps: int = 4, iters: int = 200, *, small: b
     # CUSTOM_CALL, CUDNN, and DYNAMIC_SLICE_FUSION in recent XLA; "+TYPE"/"-TYPE" edit that list)
     # include CUSTOM_CALL, so the command-buffer launcher alone lets XLA capture the DeepGEMM calls;
     # "" turns command buffers off. While the profiler runs XLA executes the plain thunks instead.
-    variants = [("heuristic, plain launches", "off", "0", None),
-                ("tuned, plain launches", "cached", "0", None),
-                ("tuned, command-buffer launches", "cached", "1", None),
-                ("tuned, command-buffer launches, XLA command buffers off", "cached", "1",
-                 {"xla_gpu_enable_command_buffer": ""})]
+    variants = [("heuristic, plain launches", KernelSettings(), None),
+                ("tuned, plain launches", KernelSettings(gemm_tuning="cached"), None),
+                ("tuned, command-buffer launches", KernelSettings(gemm_tuning="cached", command_buffer=True), None),
+                ("tuned, command-buffer launches, XLA command buffers off",
+                 KernelSettings(gemm_tuning="cached", command_buffer=True), {"xla_gpu_enable_command_buffer": ""})]
     res = {"tokens": tokens, "m_pad": default_masked_m_pad(tokens), "expected_m": expected_m(tokens, cfg.top_k, e),
            "variants": {}}
     outs = {}
     print(f"\ndecode layer, {tokens} tokens (masked, routing included), steady stream over {reps} inputs:",
           flush=True)
-    for name, tuning, cmd, opts in variants:
-        with _env(**{TUNING_ENV: tuning, COMMAND_BUFFER_ENV: cmd}):
-            f = jax.jit(lambda p, x: moe_forward(x, p, cfg, layout="masked", backend="auto"),
-                        compiler_options=opts)
-            compiled = f.lower(params, xs[0]).compile()  # traced here, under these settings
+    for name, settings, opts in variants:
+        f = jax.jit(lambda p, x, s=settings: moe_forward(x, p, cfg, layout="masked", backend="auto", settings=s),
+                    compiler_options=opts)
+        compiled = f.lower(params, xs[0]).compile()
         us = _stream_us(compiled, [(params, x) for x in xs], iters)
         outs[name] = np.asarray(compiled(params, xs[0]).astype(jnp.float32))
         # the masked GEMMs' kernel time: two per call (GEMM1 then GEMM2), over 20 calls

@@ -28,6 +28,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from moe_jax.config import MoEConfig
+from custom_calls import KernelSettings
+from custom_calls.settings import resolve_settings
 from moe_jax.layer import routed_experts, shared_experts, stage_backend
 from moe_jax.params import MoEParams
 from moe_jax.parallel._compat import check_auto_axes, mesh_platform, shard_map
@@ -62,7 +64,7 @@ def _local_rank_rows(n_valid, m: int, start=0) -> jax.Array:
 
 
 def _ep(x, topk_ids, topk_weights, params, config, pc: ParallelConfig, group: EPGroup, *,
-        impl: str, layout, backend):
+        impl: str, layout, backend, settings):
     """The EP exchange + this rank's experts: (M, H) -> ((M, H) f32, dropped () int32)."""
     p, cfg = _routed_only(params, config)
     rank = group.rank()
@@ -77,7 +79,7 @@ def _ep(x, topk_ids, topk_weights, params, config, pc: ParallelConfig, group: EP
 
     def expert_fn(xr, ids, w, layout=layout):
         return routed_experts(xr, ids, w, p, cfg, expert_offset=rank * group.num_local_experts,
-                              layout=layout, backend=backend, out_dtype=jnp.float32)
+                              layout=layout, backend=backend, settings=settings, out_dtype=jnp.float32)
 
     if pc.ep_mode == "normal":
         return ep_moe_normal(x, topk_ids, topk_weights, group, expert_fn, impl=impl, quant=quant,
@@ -91,19 +93,19 @@ def _ep(x, topk_ids, topk_weights, params, config, pc: ParallelConfig, group: EP
                               combine_dtype=combine_dtype)
 
 
-def _tp_moe(x, token_ids, valid, params, config, pc: ParallelConfig, *, layout, backend):
+def _tp_moe(x, token_ids, valid, params, config, pc: ParallelConfig, *, layout, backend, settings):
     """TP x TP-MoE: x (M, H) replicated over moe_axes; one psum of the routed partial sums, the
     replicated shared expert added after it."""
     params = from_tp_view(params)
     ids, w = route(x, params, config, token_ids=token_ids, backend=stage_backend(backend, "route"))
     ids = jnp.where(valid[:, None], ids, -1)
     p, cfg = _routed_only(params, config)
-    part = routed_experts(x, ids, w, p, cfg, layout=layout, backend=backend, out_dtype=jnp.float32)
+    part = routed_experts(x, ids, w, p, cfg, layout=layout, backend=backend, settings=settings, out_dtype=jnp.float32)
     routed = jax.lax.psum(part.astype(pc.reduce_dtype), axis_name(pc.moe_axes)).astype(jnp.float32)
-    return routed + shared_experts(x, params, config, out_dtype=jnp.float32, backend=backend)
+    return routed + shared_experts(x, params, config, out_dtype=jnp.float32, backend=backend, settings=settings)
 
 
-def _gathered_tp_moe(x, token_ids, valid, params, config, pc: ParallelConfig, *, layout, backend,
+def _gathered_tp_moe(x, token_ids, valid, params, config, pc: ParallelConfig, *, layout, backend, settings,
                      padded: bool):
     """DP-attention (or CP) x TP-MoE: all-gather the group's rows (replicate semantics), TP-MoE on
     all of them, one psum_scatter returns each rank its rows summed — the MoE never all-reduces."""
@@ -127,20 +129,20 @@ def _gathered_tp_moe(x, token_ids, valid, params, config, pc: ParallelConfig, *,
     if padded:
         ids = jnp.where(g["valid"] > 0, ids, -1)  # DP padding rows are never dispatched
     p, cfg = _routed_only(params, config)
-    part = routed_experts(xg, ids, w, p, cfg, layout=layout, backend=backend, out_dtype=jnp.float32)
+    part = routed_experts(xg, ids, w, p, cfg, layout=layout, backend=backend, settings=settings, out_dtype=jnp.float32)
     routed = jax.lax.psum_scatter(part.astype(pc.reduce_dtype), moe, scatter_dimension=0,
                                   tiled=True).astype(jnp.float32)
     if pc.shared_on_local_tokens:  # 1/n of the rows: the rank's own, before the gather
-        shared = shared_experts(x, params, config, out_dtype=jnp.float32, backend=backend)
+        shared = shared_experts(x, params, config, out_dtype=jnp.float32, backend=backend, settings=settings)
     else:
         shared = jax.lax.dynamic_slice_in_dim(
-            shared_experts(xg, params, config, out_dtype=jnp.float32, backend=backend),
+            shared_experts(xg, params, config, out_dtype=jnp.float32, backend=backend, settings=settings),
             axis_index(pc.moe_axes) * m, m, axis=0)
     return routed + shared
 
 
 def _ep_pattern(x, token_ids, n_valid, params, config, pc: ParallelConfig, sizes: dict, *, impl,
-                layout, backend):
+                layout, backend, settings):
     """attention-TP x EP (keep 1/attn_tp of the rows, EP, one all-gather back) and DP x EP (EP
     only). Returns ((M, H) f32 with padding rows 0, dropped () int32)."""
     m = x.shape[0]
@@ -158,8 +160,8 @@ def _ep_pattern(x, token_ids, n_valid, params, config, pc: ParallelConfig, sizes
     ids, w = route(x, params, config, token_ids=token_ids, backend=stage_backend(backend, "route"))
     ids = jnp.where(valid[:, None], ids, -1)  # padding rows are never sent
     routed, dropped = _ep(x, ids, w, params, config, pc, group, impl=impl, layout=layout,
-                          backend=backend)
-    shared = shared_experts(x, params, config, out_dtype=jnp.float32, backend=backend)
+                          backend=backend, settings=settings)
+    shared = shared_experts(x, params, config, out_dtype=jnp.float32, backend=backend, settings=settings)
     y = jnp.where(valid[:, None], routed + shared, 0)
     if pc.pattern == "tp_ep":
         y = jax.lax.all_gather(y.astype(x.dtype), axis_name(pc.attn_tp_axes), axis=0, tiled=True)[:m]
@@ -167,7 +169,8 @@ def _ep_pattern(x, token_ids, n_valid, params, config, pc: ParallelConfig, sizes
 
 
 def _body(x, token_ids, num_tokens, params, *, config: MoEConfig, pc: ParallelConfig,
-          mesh_axes: tuple[str, ...], sizes: dict, impl: str, layout, backend, return_stats: bool):
+          mesh_axes: tuple[str, ...], sizes: dict, impl: str, layout, backend, settings,
+          return_stats: bool):
     """Per device: x (M, H) -> (y (M, H) x.dtype, dropped (1,), num_tokens_out_of_range (1,))."""
     m = x.shape[0]
     tok_axes = pc.token_axes(mesh_axes)
@@ -180,7 +183,7 @@ def _body(x, token_ids, num_tokens, params, *, config: MoEConfig, pc: ParallelCo
         n_valid = jnp.clip(n_valid, 0, m)
     valid = _local_rank_rows(n_valid, m)
     dropped = jnp.zeros((), jnp.int32)
-    kw = dict(layout=layout, backend=backend)
+    kw = dict(layout=layout, backend=backend, settings=settings)
     if pc.pattern == "tp":
         y = _tp_moe(x, token_ids, valid, params, config, pc, **kw)
     elif pc.pattern in ("dp_tp", "cp"):
@@ -242,15 +245,15 @@ def _check_inputs(x, token_ids, num_tokens, config: MoEConfig, pc: ParallelConfi
 def sharded_moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, mesh: Mesh,
                         pc: ParallelConfig, *, token_ids: jax.Array | None = None,
                         num_tokens: jax.Array | None = None, layout: str = "auto",
-                        backend="reference", return_stats: bool = False):
+                        backend="reference", return_stats: bool = False, settings: KernelSettings | None = None):
     """The MoE layer (routed + shared experts) over `mesh` in pattern `pc.pattern`.
 
     x: (T, H) float, global; its rows are split over `pc.token_axes(mesh.axis_names)` into n_tok
     shards of M = T / n_tok rows (replicated over the other axes). token_ids: (T,) int, sharded
     like x (hash-routed layers). num_tokens: (n_tok,) int32, real rows of each shard (the rest is
     padding; output rows 0), replicated; None = every row real. params: global MoEParams (any
-    placement; `shard_params` places them so that no weight moves). layout/backend: as in
-    `moe_forward`. Call under `jax.jit` with config, mesh, pc, layout, backend static.
+    placement; `shard_params` places them so that no weight moves). layout/backend/settings: as in
+    `moe_forward`. Call under `jax.jit` with config, mesh, pc, layout, backend, settings static.
 
     Returns y (T, H) x.dtype sharded like x, and with return_stats also a dict of (n_devices,)
     int32 per device: "dropped" routes (LL mode over capacity; else 0; a capacity below the static
@@ -294,7 +297,8 @@ def sharded_moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, mesh
     specs.append(pspecs)
 
     body = partial(_body, config=config, pc=pc, mesh_axes=mesh_axes, sizes=sizes, impl=impl,
-                   layout=layout, backend=backend, return_stats=return_stats)
+                   layout=layout, backend=backend, settings=resolve_settings(settings),
+                   return_stats=return_stats)
 
     def f(*a):
         kw = dict(zip(names, a[:-1]))
