@@ -590,8 +590,10 @@ def _implementations():
     for case in CASES.values():
         for backend in cc.backends(case.op):
             if backend != cc.REFERENCE:
-                slow = backend == "triton" and not _has_gpu()
-                out.append(pytest.param(backend, case.id, marks=pytest.mark.slow) if slow else (backend, case.id))
+                interpreted = backend == "triton" and not _has_gpu()
+                # one worker runs the interpreted ones (--dist loadgroup): one subprocess serves them all
+                marks = (pytest.mark.slow, pytest.mark.xdist_group("triton_conformance")) if interpreted else ()
+                out.append(pytest.param(backend, case.id, marks=marks))
     return out
 
 

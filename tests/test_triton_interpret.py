@@ -70,6 +70,8 @@ def interpreter_results(request):
     return json.loads(lines[-1])
 
 
+# one worker runs them all (--dist loadgroup): the fixture is one interpreter subprocess per worker
+@pytest.mark.xdist_group("triton_interpreter")
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c
                                   for c in CASES])
 def test_kernel_under_interpreter(interpreter_results, case):
