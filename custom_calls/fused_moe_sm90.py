@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from custom_calls.backends import register
 from custom_calls.deep_gemm import BACKEND
 from custom_calls.deep_gemm import fused_moe as fused_kernel
-from custom_calls.deep_gemm.heuristics import Sm90FusedMoEConfig
+from custom_calls.deep_gemm.fused_moe_config import Sm90FusedMoEConfig
 from custom_calls.fused_moe import OP, OP_ROUTED
 from custom_calls.native.launch import launch
 from custom_calls.native.launch_plan import LaunchPlan
@@ -165,8 +165,8 @@ def static_supports_fused(*, m: int, hidden: int, intermediate: int, num_experts
     """(ok, reason) of backend 'deep_gemm' for op `fused_moe`, from the static arguments (num_sms:
     the settings', else the device's, else the H200's 132 for a shape-only answer on a machine
     without one)."""
-    if arch != 90:
-        return False, f"arch: the fused MoE kernel runs on SM90 (arch 90), got {arch}"
+    if arch != fused_kernel.ARCH:
+        return False, f"arch: the fused MoE kernel runs on SM90 (arch {fused_kernel.ARCH}), got {arch}"
     if w13_interleave != FUSED_GATE_UP_GRAN:
         return False, (f"w13_interleave: the fused kernel reads w13 with gate/up rows interleaved in groups of "
                        f"{FUSED_GATE_UP_GRAN} (layouts.interleave_gate_up), got {w13_interleave}")

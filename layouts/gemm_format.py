@@ -110,13 +110,6 @@ class GemmFormat:
         """Stored width of a rhs row holding K values."""
         return k // self.rhs_k_pack
 
-    @property
-    def dense_scale_recipes(self) -> tuple[Optional[tuple[int, int]], Optional[tuple[int, int]]]:
-        """DeepGEMM (gran_mn, gran_k) of the lhs and rhs scales; (None, None) for bf16."""
-        if not self.is_quantized:
-            return None, None
-        return (1, self.act_group), self.weight_block
-
     # -- checks ---------------------------------------------------------------------------------
     def check_operands(self, lhs, rhs, lhs_scale, rhs_scale, *, batch: tuple[int, ...] = (),
                        grouped: bool = True) -> tuple[int, int, int, int]:

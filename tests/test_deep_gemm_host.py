@@ -19,9 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from custom_calls.deep_gemm import codegen, heuristics as H, ops, plans as P
+from custom_calls.deep_gemm import (families, family as FAM, ops, sm90_bf16 as BF16, sm90_fp8_1d2d as FP8,
+                                    sm90_gemm as G, sm90_prenorm as PN, sm100_1d1d as B)
 from custom_calls.native import launch, launch_plan as LP, toolchain
 from custom_calls.settings import KernelSettings
+from layouts import ceil_div
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,63 +41,124 @@ def _has_toolchain() -> bool:
 needs_nvcc = pytest.mark.skipif(not _has_toolchain(), reason="needs nvcc >= 12.9, g++ and sgl-deep-gemm")
 
 
+def _p(recipe, kind, m, n, k, g, em=None, cd="bf16"):
+    """The problem of an SM90 GEMM in ``recipe`` (expected_m: masked only)."""
+    return families.gemm_problem(kind, m, n, k, g, recipe, 90, em, cd)
+
+
 # --- heuristics -----------------------------------------------------------------------------
 
 def test_sm90_fp8_contig_reproduces_known_tile():
-    c = H.sm90_gemm_config("fp8_1d2d", "contig", 32 * 1024, 4096, 7168, 32, 132)
+    c = G.sm90_gemm_config(_p("fp8_block", "contig", 32 * 1024, 4096, 7168, 32), 132)
     assert (c.block_m, c.block_n, c.block_k, c.num_stages, c.smem_bytes) == (128, 192, 128, 4, 215744)
     assert (c.cluster_m, c.cluster_n, c.num_threads, c.swizzle_cd) == (2, 1, 384, 128)
     assert not c.multicast_on_a and c.grid == 132
 
 
 def test_sm90_bf16_contig_and_fp8_masked_tiles():
-    b = H.sm90_gemm_config("bf16", "contig", 32 * 1024, 4096, 7168, 32, 132)
+    b = G.sm90_gemm_config(_p("bf16", "contig", 32 * 1024, 4096, 7168, 32), 132)
     assert (b.block_m, b.block_n, b.block_k, b.num_stages, b.smem_bytes) == (128, 256, 64, 3, 213248)
-    m = H.sm90_gemm_config("fp8_1d2d", "masked", 256, 4096, 7168, 32, 132, expected_m=32)
+    m = G.sm90_gemm_config(_p("fp8_block", "masked", 256, 4096, 7168, 32, em=32), 132)
     assert (m.block_m, m.block_n, m.num_stages, m.smem_bytes, m.num_threads) == (64, 128, 8, 215520, 256)
 
 
-@pytest.mark.parametrize("kernel", ["fp8_1d2d", "bf16"])
+@pytest.mark.parametrize("recipe", ["fp8_block", "bf16"])
 @pytest.mark.parametrize("kind", ["normal", "contig", "masked"])
-def test_sm90_configs_are_legal(kernel, kind):
+def test_sm90_configs_are_legal(recipe, kind):
     rng = np.random.default_rng(0)
     for _ in range(40):
         m = int(rng.integers(1, 40)) * 128
         n = int(rng.integers(1, 80)) * 64
         k = int(rng.integers(1, 60)) * 128
         g = int(rng.integers(1, 40))
-        c = H.sm90_gemm_config(kernel, kind, m, n, k, g, 132, expected_m=int(rng.integers(1, m + 1)))
-        assert c.smem_bytes <= H.SM90_SMEM_CAPACITY
+        em = int(rng.integers(1, m + 1))
+        c = G.sm90_gemm_config(_p(recipe, kind, m, n, k, g, em=em if kind == "masked" else None), 132)
+        assert c.smem_bytes <= FAM.SM90_SMEM_CAPACITY
         assert c.num_stages >= 3 and c.grid % c.cluster == 0
-        assert c.block_k * (1 if kernel == "fp8_1d2d" else 2) == 128
+        assert c.block_k * c.family.sm90.ab_bytes == 128 and c.family.block_k == c.block_k
         if kind == "contig":
-            assert c.block_m == H.CONTIG_ALIGNMENT
+            assert c.block_m == FAM.CONTIG_ALIGNMENT
         if kind == "masked":
-            assert H.ceil_div(n, c.block_n) % c.cluster == 0
+            assert ceil_div(n, c.block_n) % c.cluster == 0
         assert not (c.block_m > 128 and c.block_n > 128)
         assert c.num_math_threads == (128 if c.block_m <= 64 else 256)
 
 
 def test_heuristic_rejects_bad_arguments():
     with pytest.raises(ValueError, match="num_sms"):
-        H.sm90_gemm_config("bf16", "normal", 128, 128, 128, 1, 131)
-    with pytest.raises(ValueError, match="kernel"):
-        H.sm90_gemm_config("fp4", "normal", 128, 128, 128, 1, 132)
-    with pytest.raises(ValueError, match="bf16 only"):
-        H.sm90_gemm_config("fp8_1d2d", "normal", 128, 128, 128, 1, 132, cd_dtype="f32")
+        G.sm90_gemm_config(_p("bf16", "normal", 128, 128, 128, 1), 131)
+    with pytest.raises(ValueError, match="not tiled by the SM90 rules"):
+        G.sm90_gemm_config(families.gemm_problem("contig", 128, 128, 128, 1, "mxfp8", 100), 148)
+    with pytest.raises(ValueError, match=r"cd_dtype: family 'fp8_1d2d' writes \('bf16',\)"):
+        _p("fp8_block", "normal", 128, 128, 128, 1, cd="f32")
     with pytest.raises(ValueError, match="n <= 32"):
-        H.sm90_prenorm_config(40, 256)
+        PN.sm90_prenorm_config(40, 256)
     with pytest.raises(ValueError, match="multiple of 64"):
-        H.sm90_prenorm_config(24, 100)
+        PN.sm90_prenorm_config(24, 100)
 
 
 def test_prenorm_config():
-    c = H.sm90_prenorm_config(24, 7168)
-    assert (c.block_n, c.swizzle_cd, c.smem_bytes) == (32, 128, H.SM90_SMEM_CAPACITY)
+    c = PN.sm90_prenorm_config(24, 7168)
+    assert (c.block_n, c.swizzle_cd, c.smem_bytes) == (32, 128, FAM.SM90_SMEM_CAPACITY)
     assert c.swizzle_cd // 4 == c.block_n  # the kernel asserts this
     used = c.num_stages * (64 * 64 * 2 + c.block_n * 64 * 4) + 64 * c.swizzle_cd + 16 * c.num_stages
-    assert used <= H.SM90_SMEM_CAPACITY and c.num_stages <= 12
-    assert c.grid(129) == 3 and H.sm90_prenorm_config(16, 256, 2).grid(64) == 2
+    assert used <= FAM.SM90_SMEM_CAPACITY and c.num_stages <= 12
+    assert c.grid(129) == 3 and PN.sm90_prenorm_config(16, 256, 2).grid(64) == 2
+
+
+# --- the family table -----------------------------------------------------------------------
+
+def test_every_gemm_format_has_at_most_one_family():
+    from layouts import RECIPE_NAMES, SUPPORTED_ARCHS, gemm_format
+
+    served = {}
+    for recipe in RECIPE_NAMES:
+        for arch in SUPPORTED_ARCHS:
+            try:
+                fmt = gemm_format(recipe, arch)
+            except ValueError:  # converted at load time on this arch, or not run there
+                continue
+            assert len([f for f in families.FAMILIES if f.serves(fmt)]) <= 1, fmt
+            fam = families.family_for(fmt)
+            served[(recipe, arch)] = fam.name if fam else None
+    assert served == {("bf16", 90): "bf16", ("bf16", 100): None, ("fp8_block", 90): "fp8_1d2d",
+                      ("fp8_block", 100): "sm100_1d1d", ("mxfp8", 100): "sm100_1d1d", ("mxfp4", 100): "sm100_1d1d"}
+    assert len({f.name for f in families.FAMILIES}) == len(families.FAMILIES)
+    assert all(set(f.archs) <= set(SUPPORTED_ARCHS) for f in families.FAMILIES)
+    with pytest.raises(ValueError, match="has no DeepGEMM kernel wired here"):
+        families.gemm_problem("contig", 128, 128, 128, 1, "bf16", 100)
+    with pytest.raises(ValueError, match="family 'sm100_1d1d' has no dense kernel"):
+        families.gemm_problem("normal", 128, 128, 128, 1, "fp8_block", 100)
+
+
+def test_a_family_must_be_on_a_known_arch():
+    with pytest.raises(ValueError, match=r"arch: expected one of \(90, 100\), got 80"):
+        FAM.KernelFamily("x", "x", (80,), ("bf16",), 64, ("bf16",), False, None, None, None, None)
+
+
+def test_nvcc_targets_follow_the_archs():
+    from custom_calls.deep_gemm import compiler
+    from layouts import SUPPORTED_ARCHS
+
+    assert [compiler.nvcc_arch(a) for a in SUPPORTED_ARCHS] == ["sm_90a", "sm_100a"]
+    with pytest.raises(ValueError, match="arch"):
+        compiler.nvcc_arch(80)
+
+
+def test_no_library_code_branches_on_a_family_name():
+    """Which family serves a call is decided once, from the GEMM format (`families.family_for`);
+    nothing compares a family's name ("bf16" is left out: it also names a recipe and a dtype)."""
+    import ast
+
+    names = {f.name for f in families.FAMILIES} - {"bf16"}
+    hits = []
+    for pkg in ("layouts", "custom_calls", "moe_jax"):
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Compare) and any(
+                        isinstance(x, ast.Constant) and x.value in names for x in (node.left, *node.comparators)):
+                    hits.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not hits, hits
 
 
 # --- code generation ------------------------------------------------------------------------
@@ -106,27 +169,27 @@ def _template_args(src: str) -> list[str]:
 
 
 def test_codegen_parameter_lists_match_the_headers():
-    c = H.sm90_gemm_config("fp8_1d2d", "contig", 4096, 4096, 7168, 8, 132)
-    a = _template_args(codegen.sm90_gemm_source(c, 4096, 7168))
+    c = G.sm90_gemm_config(_p("fp8_block", "contig", 4096, 4096, 7168, 8), 132)
+    a = _template_args(c.family.source(c, 4096, 7168))
     assert len(a) == 20 and a[-1] == "128" and a[-2] == "cutlass::bfloat16_t"
     assert a[1:4] == ["0", "4096", "7168"] and "GemmType::MGroupedContiguous" in a
-    b = H.sm90_gemm_config("bf16", "normal", 100, 512, 256, 1, 132, cd_dtype="f32")
-    a = _template_args(codegen.sm90_gemm_source(b, 512, 256))
+    b = G.sm90_gemm_config(_p("bf16", "normal", 100, 512, 256, 1, cd="f32"), 132)
+    a = _template_args(b.family.source(b, 512, 256))
     assert len(a) == 21 and a[-1] == "float" and a[-2] == "false" and "GemmType::Normal" in a
-    p = _template_args(codegen.sm90_prenorm_source(H.sm90_prenorm_config(24, 512)))
+    p = _template_args(PN.sm90_prenorm_source(PN.sm90_prenorm_config(24, 512)))
     assert len(p) == 10 and p[:2] == ["24", "512"]
     for recipe, b_type in (("fp8_block", "cutlass::float_e4m3_t"), ("mxfp8", "cutlass::float_e4m3_t"),
                            ("mxfp4", "cutlass::detail::float_e2m1_unpacksmem_t")):
-        s = H.sm100_mgrouped_config(recipe, "masked", 4096, 7168, 8, 148)
-        a = _template_args(codegen.sm100_gemm_source(s, 4096, 7168))
+        s = B.sm100_mgrouped_config(recipe, "masked", 4096, 7168, 8, 148)
+        a = _template_args(B.source(s, 4096, 7168))
         assert len(a) == 31 and a[26] == "cutlass::float_e4m3_t" and a[27] == b_type and a[29] == "epilogue::operators::Identity"
         assert a[2:5] == [str(s.gran_k_a), str(s.gran_k_b), str(s.gran_k_a)]
         assert "GemmType::MGroupedMasked" in a
 
 
 def test_codegen_instantiates_exactly_one_kernel():
-    c = H.sm90_gemm_config("bf16", "masked", 256, 512, 512, 4, 132, expected_m=10)
-    src = codegen.sm90_gemm_source(c, 512, 512)
+    c = G.sm90_gemm_config(_p("bf16", "masked", 256, 512, 512, 4, em=10), 132)
+    src = c.family.source(c, 512, 512)
     assert src.count("#include") == 1 and src.count("reinterpret_cast<void*>(&") == 1
 
 
@@ -137,8 +200,8 @@ def _maps(plan):
 
 
 def test_sm90_fp8_plans():
-    c = H.sm90_gemm_config("fp8_1d2d", "masked", 256, 4096, 7168, 32, 132, expected_m=32)
-    p = P.sm90_fp8_plan(c, "/x.cubin", m=256, n=4096, k=7168, num_groups=32)
+    c = G.sm90_gemm_config(_p("fp8_block", "masked", 256, 4096, 7168, 32, em=32), 132)
+    p = FP8.plan(c, "/x.cubin", m=256, n=4096, k=7168)
     p.check()
     a, b, d, sfa = p.tmaps
     assert a.dims == (7168, 32 * 256) and a.box == (128, c.block_m) and a.swizzle == 128
@@ -147,22 +210,22 @@ def test_sm90_fp8_plans():
     assert sfa.dims == (256, 56 * 32) and sfa.strides == (256 * 4,) and sfa.box == (c.block_m, 1)
     assert [x.kind for x in p.args] == [LP.ARG_PTR, LP.ARG_PTR] + [LP.ARG_U32] * 3 + [LP.ARG_TMAP] * 4
     assert p.args[2].value == 256 and p.grid == 132 and p.smem == c.smem_bytes
-    cc = H.sm90_gemm_config("fp8_1d2d", "contig", 1000 // 128 * 128 + 128, 512, 256, 3, 132)
-    q = P.sm90_fp8_plan(cc, "/x", m=1024, n=512, k=256, num_groups=3)
+    cc = G.sm90_gemm_config(_p("fp8_block", "contig", 1000 // 128 * 128 + 128, 512, 256, 3), 132)
+    q = FP8.plan(cc, "/x", m=1024, n=512, k=256)
     assert q.tmaps[0].dims == (256, 1024) and q.tmaps[1].dims == (256, 3 * 512)
     assert q.tmaps[3].dims == (1024, 2)  # contiguous: no group factor on the scales
 
 
 def test_dense_plan_pads_scale_rows_to_four():
-    c = H.sm90_gemm_config("fp8_1d2d", "normal", 203, 448, 768, 1, 132)
-    p = P.sm90_fp8_plan(c, "/x", m=203, n=448, k=768, num_groups=1)
+    c = G.sm90_gemm_config(_p("fp8_block", "normal", 203, 448, 768, 1), 132)
+    p = FP8.plan(c, "/x", m=203, n=448, k=768)
     assert p.args[1].kind == LP.ARG_NULL and p.tmaps[3].dims == (204, 6) and p.tmaps[3].strides == (816,)
     assert p.tmaps[2].operand == 4
 
 
 def test_bf16_f32_output_plan_is_unswizzled():
-    c = H.sm90_gemm_config("bf16", "normal", 77, 320, 448, 1, 132, cd_dtype="f32")
-    p = P.sm90_bf16_plan(c, "/x", m=77, n=320, k=448, num_groups=1)
+    c = G.sm90_gemm_config(_p("bf16", "normal", 77, 320, 448, 1, cd="f32"), 132)
+    p = BF16.plan(c, "/x", m=77, n=320, k=448)
     d = p.tmaps[2]
     assert d.dtype == LP.TMA_FLOAT32 and d.swizzle == 0 and d.box == (c.block_n, c.block_m)
     assert d.strides == (320 * 4,)
@@ -172,11 +235,11 @@ def test_bf16_f32_output_plan_is_unswizzled():
 @pytest.mark.parametrize("kind", ["contig", "masked"])
 def test_sm100_launch_geometry(recipe, kind):
     g, n, k, rows, sms = 8, 4096, 7168, 512, 148
-    c = H.sm100_mgrouped_config(recipe, kind, n, k, g, sms)
-    p = P.sm100_plan(c, "/x", m=rows, n=n, k=k)
+    c = B.sm100_mgrouped_config(recipe, kind, n, k, g, sms)
+    p = B.plan(c, "/x", m=rows, n=n, k=k)
     p.check()
     assert (p.grid, p.block, p.cluster) == (148, 256, 2)
-    assert p.smem == c.smem_bytes <= H.SM100_SMEM_CAPACITY and c.num_stages == 8
+    assert p.smem == c.smem_bytes <= FAM.SM100_SMEM_CAPACITY and c.num_stages == 8
     a, b, sfa, sfb, cd = p.tmaps
     rows_a = g * rows if kind == "masked" else rows
     assert a.dtype == LP.TMA_UINT8 and a.dims == (k, rows_a) and a.box == (128, 64) and a.swizzle == 128
@@ -185,10 +248,10 @@ def test_sm100_launch_geometry(recipe, kind):
     else:
         assert b.dtype == LP.TMA_UINT8 and b.strides == (k,)
     assert b.dims == (k, g * n) and b.box == (128, 128)
-    gka, gkb, _ = H.sm100_operands(recipe)
+    gka, gkb, _ = B.sm100_operands(recipe)
     assert sfa.dtype == LP.TMA_INT32 and sfa.box == (128, 1) and sfa.strides == (rows * 4,)
-    assert sfa.dims == (rows, H.ceil_div(k, 4 * gka) * (g if kind == "masked" else 1))
-    assert sfb.dims == (n, H.ceil_div(k, 4 * gkb) * g) and sfb.box == (128, 1)
+    assert sfa.dims == (rows, ceil_div(k, 4 * gka) * (g if kind == "masked" else 1))
+    assert sfb.dims == (n, ceil_div(k, 4 * gkb) * g) and sfb.box == (128, 1)
     assert cd.operand == 5 and cd.dims == (n, rows_a) and cd.box == (64, 16) and cd.swizzle == 128
     ep = p.args[4]
     assert ep.kind == LP.ARG_BYTES and len(ep.data) == 48
@@ -196,7 +259,7 @@ def test_sm100_launch_geometry(recipe, kind):
 
 
 def test_sm100_odd_n_blocks_disable_cluster():
-    c = H.sm100_mgrouped_config("fp8_block", "contig", 128 * 3, 1024, 4, 148)
+    c = B.sm100_mgrouped_config("fp8_block", "contig", 128 * 3, 1024, 4, 148)
     assert c.cluster == 1 and c.load_block_m == 128
 
 
@@ -219,15 +282,15 @@ def test_plan_checks_reject_illegal_descriptors():
 
 
 def test_ffi_attribute_encoding():
-    c = H.sm100_mgrouped_config("mxfp4", "contig", 512, 1024, 2, 148)
-    attrs = LP.sequence_attributes((P.sm100_plan(c, "/x.cubin", m=256, n=512, k=1024),))
+    c = B.sm100_mgrouped_config("mxfp4", "contig", 512, 1024, 2, 148)
+    attrs = LP.sequence_attributes((B.plan(c, "/x.cubin", m=256, n=512, k=1024),))
     assert attrs["cubin"] == "/x.cubin"
     # grid x, block, cluster, smem, cooperative, programmatic, grid y, grid z
     assert attrs["launch"].tolist() == [148, 256, 2, c.smem_bytes, 0, 0, 1, 1]
     assert attrs["counts"].tolist() == [10, 5]  # arguments, tensor maps
     args = attrs["args"].reshape(-1, 3)
     assert args.shape[0] == 10 and args[4].tolist() == [LP.ARG_BYTES, 0, 48]
-    assert attrs["blob"].tobytes()[:48] == P.SM100_EPILOGUE_ARGS
+    assert attrs["blob"].tobytes()[:48] == B.SM100_EPILOGUE_ARGS
     tm = attrs["tmaps"].reshape(-1, LP.TMAP_WORDS)
     assert tm.shape[0] == 5
     row = tm[1]  # B: operand, offset, dtype, rank, dims[5], strides[4], box[5], swizzle enum
@@ -241,8 +304,8 @@ def test_launch_sequence_encoding_and_remap():
     """Several plans in one call: per-kernel launch words and counts in order, arguments and maps
     concatenated (a map argument indexes its own plan's maps), by-value arguments at their offset in
     one blob, and each plan's operands placed by `remap`."""
-    c = H.sm100_mgrouped_config("mxfp4", "contig", 512, 1024, 2, 148)
-    first = P.sm100_plan(c, "/a.cubin", m=256, n=512, k=1024)
+    c = B.sm100_mgrouped_config("mxfp4", "contig", 512, 1024, 2, 148)
+    first = B.plan(c, "/a.cubin", m=256, n=512, k=1024)
     second = LP.LaunchPlan("k2", "/b.cubin", 7, 64, 1, 0,
                            (LP.KernelArg(LP.ARG_PTR, 1, offset=32), LP.KernelArg(LP.ARG_BYTES, data=b"abc"),
                             LP.KernelArg(LP.ARG_TMAP, 0), LP.NULL),
@@ -278,35 +341,35 @@ def _plans_with_operand_bytes():
     f8, f32, i32, bf, i8 = jnp.float8_e4m3fn, np.float32, np.int32, jnp.bfloat16, np.int8
     g, n, k, m_pad, m_cap, m = 3, 320, 640, 256, 384, 203
     out = []
-    c = H.sm90_gemm_config("fp8_1d2d", "masked", m_pad, n, k, g, 132, expected_m=40)
-    out.append((P.sm90_fp8_plan(c, "/x", m=m_pad, n=n, k=k, num_groups=g),
+    c = G.sm90_gemm_config(_p("fp8_block", "masked", m_pad, n, k, g, em=40), 132)
+    out.append((FP8.plan(c, "/x", m=m_pad, n=n, k=k),
                 _nbytes(((g, m_pad, k), f8), ((g, n, k), f8), ((g, k // 128, m_pad), f32),
                         ((g, 3, k // 128), f32), ((g,), i32), ((g, m_pad, n), bf))))
-    c = H.sm90_gemm_config("fp8_1d2d", "contig", m_cap, n, k, g, 132)
-    out.append((P.sm90_fp8_plan(c, "/x", m=m_cap, n=n, k=k, num_groups=g),
+    c = G.sm90_gemm_config(_p("fp8_block", "contig", m_cap, n, k, g), 132)
+    out.append((FP8.plan(c, "/x", m=m_cap, n=n, k=k),
                 _nbytes(((m_cap, k), f8), ((g, n, k), f8), ((k // 128, m_cap), f32),
                         ((g, 3, k // 128), f32), ((m_cap,), i32), ((m_cap, n), bf))))
-    c = H.sm90_gemm_config("fp8_1d2d", "normal", m, n, k, 1, 132)
-    out.append((P.sm90_fp8_plan(c, "/x", m=m, n=n, k=k, num_groups=1),
+    c = G.sm90_gemm_config(_p("fp8_block", "normal", m, n, k, 1), 132)
+    out.append((FP8.plan(c, "/x", m=m, n=n, k=k),
                 _nbytes(((m, k), f8), ((n, k), f8), ((k // 128, 204), f32), ((3, k // 128), f32), ((m, n), bf))))
     for kind, rows, lhs, d in (("masked", m_pad, (g, m_pad, k), (g, m_pad, n)),
                                ("contig", m_cap, (m_cap, k), (m_cap, n))):
-        c = H.sm90_gemm_config("bf16", kind, rows, n, k, g, 132)
-        out.append((P.sm90_bf16_plan(c, "/x", m=rows, n=n, k=k, num_groups=g),
+        c = G.sm90_gemm_config(_p("bf16", kind, rows, n, k, g), 132)
+        out.append((BF16.plan(c, "/x", m=rows, n=n, k=k),
                     _nbytes((lhs, bf), ((g, n, k), bf), ((lhs[0],), i32), (d, bf))))
-    c = H.sm90_gemm_config("bf16", "normal", m, n, k, 1, 132, cd_dtype="f32")
-    out.append((P.sm90_bf16_plan(c, "/x", m=m, n=n, k=k, num_groups=1),
+    c = G.sm90_gemm_config(_p("bf16", "normal", m, n, k, 1, cd="f32"), 132)
+    out.append((BF16.plan(c, "/x", m=m, n=n, k=k),
                 _nbytes(((m, k), bf), ((n, k), bf), ((m, n), f32))))
     for splits in (1, 3):
-        c = H.sm90_prenorm_config(24, k, splits)
-        out.append((P.sm90_prenorm_plan(c, "/x", m=m),
+        c = PN.sm90_prenorm_config(24, k, splits)
+        out.append((PN.sm90_prenorm_plan(c, "/x", m=m),
                     _nbytes(((m, k), bf), ((24, k), f32), ((splits, m, 24), f32), ((splits, m), f32))))
     for recipe, gka, gkb in (("fp8_block", 128, 128), ("mxfp8", 32, 32), ("mxfp4", 128, 32)):
         rhs = ((g, n, k // 2), i8) if recipe == "mxfp4" else ((g, n, k), f8)
         for kind, rows, lhs, d, sa in (("masked", m_pad, (g, m_pad, k), (g, m_pad, n), (g,)),
                                        ("contig", m_cap, (m_cap, k), (m_cap, n), ())):
-            c = H.sm100_mgrouped_config(recipe, kind, n, k, g, 148)
-            out.append((P.sm100_plan(c, "/x", m=rows, n=n, k=k),
+            c = B.sm100_mgrouped_config(recipe, kind, n, k, g, 148)
+            out.append((B.plan(c, "/x", m=rows, n=n, k=k),
                         _nbytes((lhs, f8), rhs, ((*sa, -(-k // (4 * gka)), rows), i32),
                                 ((g, -(-k // (4 * gkb)), n), i32), ((lhs[0],), i32), (d, bf))))
     return out
@@ -335,8 +398,8 @@ def test_a_tensor_map_larger_than_its_operand_is_refused():
 def test_launch_refuses_a_plan_larger_than_its_buffers_at_trace_time():
     from custom_calls.native import launch
 
-    c = H.sm90_gemm_config("bf16", "masked", 256, 256, 512, 2, 132, expected_m=8)
-    plan = P.sm90_bf16_plan(c, "/x", m=256, n=256, k=512, num_groups=2)
+    c = G.sm90_gemm_config(_p("bf16", "masked", 256, 256, 512, 2, em=8), 132)
+    plan = BF16.plan(c, "/x", m=256, n=256, k=512)
     with pytest.raises(ValueError, match="tensor map 0 .* operand 0 holds"):  # lhs has 128 rows per group, not 256
         launch.launch(plan, [jnp.zeros((2, 128, 512), jnp.bfloat16), jnp.zeros((2, 256, 512), jnp.bfloat16),
                              jnp.zeros((2,), jnp.int32)], [jax.ShapeDtypeStruct((2, 256, 256), jnp.bfloat16)])
@@ -611,7 +674,8 @@ def test_compile_sm90_and_sm100_kernels_cache_across_processes(tmp_path):
 def test_cache_key_covers_source_arch_and_flags(monkeypatch):
     from custom_calls.deep_gemm import compiler
 
-    src = codegen.sm90_gemm_source(H.sm90_gemm_config("bf16", "normal", 128, 256, 256, 1, 132), 256, 256)
+    c = G.sm90_gemm_config(_p("bf16", "normal", 128, 256, 256, 1), 132)
+    src = c.family.source(c, 256, 256)
     k = compiler.cache_key(src, 90)
     assert k != compiler.cache_key(src + " ", 90) and k != compiler.cache_key(src, 100)
     monkeypatch.setattr(compiler, "NVCC_FLAGS", compiler.NVCC_FLAGS + ("--use_fast_math",))

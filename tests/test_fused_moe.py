@@ -490,9 +490,12 @@ def test_layer_routes_inside_the_fused_op_only_where_that_is_the_same_computatio
     assert calls == ["reference"]
     calls.clear()
     monkeypatch.setattr(layer_mod, "fused_moe_routed", lambda *a, **k: pytest.fail("routed inside the op"))
-    first = layer_mod._routed(x, *layer_mod.route_tokens(x, bf16_gate, cfg, None, "reference"), bf16_gate, cfg,
-                              (cfg.num_experts, cfg.intermediate_size), expert_offset=0, layout="fused",
-                              backend="reference", out_dtype=x.dtype,
+    sizes = (cfg.num_experts, cfg.intermediate_size)
+    plan = layer_mod.plan_routed(x.shape[0], cfg, bf16_gate, sizes, layout="fused", backend="reference", settings=None,
+                                 routes_per_token=cfg.top_k, shared_intermediate_size=cfg.intermediate_size)
+    assert plan.layout == "fused" and set(plan.backends.values()) == {"reference"}
+    first = layer_mod._routed(x, *layer_mod.route_tokens(x, bf16_gate, cfg, None, "reference"), bf16_gate, cfg, plan,
+                              expert_offset=0, out_dtype=x.dtype,
                               addend=layer_mod.shared_mlp(x, bf16_gate, cfg, out_dtype=None))
     np.testing.assert_array_equal(np.asarray(inside.astype(jnp.float32)), np.asarray(first.astype(jnp.float32)))
     moe_forward(x, params, cfg)  # fp32 gate: the fp32 router GEMM runs first

@@ -1,4 +1,4 @@
-"""The SM90 fused MoE kernel's configuration (custom_calls/deep_gemm/heuristics.py): the choice
+"""The SM90 fused MoE kernel's configuration (custom_calls/deep_gemm/fused_moe_config.py): the choice
 rule, the reasons for refusals, and, with nvcc and the sgl-deep-gemm headers, that the kernel's own
 shared-memory constant equals ``sm90_fused_moe_smem_bytes`` (a copy of the kernel header with one
 inserted static_assert), that the chosen configs compile, and that the kernel refuses what the
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import layouts as L
-from custom_calls.deep_gemm import heuristics as H
+from custom_calls.deep_gemm import fused_moe_config as H
 
 SMEM_CAPACITY = 232448
 # DeepSeek-V3-like layer on one H200: prefill (4096 tokens) and decode (128 tokens)

@@ -14,7 +14,7 @@ import pytest
 
 from custom_calls import fused_moe_sm90 as S
 from custom_calls.deep_gemm import fused_moe as F
-from custom_calls.deep_gemm import heuristics as H
+from custom_calls.deep_gemm import fused_moe_config as H
 from custom_calls.native import launch_plan as LP
 from custom_calls.settings import KernelSettings
 

@@ -1,4 +1,4 @@
-"""QuantRecipe / get_recipe and MoEQuantInfo invariants (SPEC §2)."""
+"""QuantRecipe / get_recipe invariants (SPEC §2)."""
 
 import jax
 import pytest
@@ -38,68 +38,3 @@ def test_get_recipe_and_arch_errors():
         L.get_recipe("mxfp8").check_arch(90)
     with pytest.raises(ValueError, match=r"arch: expected one of \(90, 100\), got 120"):
         L.get_recipe("bf16").check_arch(120)
-
-
-# (recipe, use_fp8, block_shape, is_fp4_experts, use_mxfp8, scale_ue8m0) as SPEC §2's table states
-_FOR_RECIPE = {
-    ("bf16", 90): ("bf16", False, None, False, False, False),
-    ("bf16", 100): ("bf16", False, None, False, False, False),
-    ("fp8_block", 90): ("fp8_block", True, (128, 128), False, False, False),
-    ("fp8_block", 100): ("fp8_block", True, (128, 128), False, False, True),
-    ("mxfp8", 100): ("mxfp8", True, (1, 32), False, True, True),
-    ("mxfp4", 100): ("mxfp4", True, (128, 128), True, False, True),
-    ("mxfp4", 90): ("fp8_block", True, (128, 128), False, False, False),  # load-time FP4 -> FP8
-}
-
-
-@pytest.mark.parametrize("name,arch", list(_FOR_RECIPE))
-def test_for_recipe_is_consistent(name, arch):
-    info = L.MoEQuantInfo.for_recipe(name, arch)
-    got = (info.recipe, info.use_fp8, info.block_shape, info.is_fp4_experts, info.use_mxfp8,
-           info.scale_ue8m0)
-    assert got == _FOR_RECIPE[(name, arch)]
-    hash(info)
-
-
-def test_scale_recipes():
-    mx = L.MoEQuantInfo.for_recipe("mxfp8", 100)
-    # GEMM1: K = H = 7168 -> ceil(7168 / 128) = 56 packed columns; GEMM2: K = I = 2048 -> 16
-    assert mx.scale_recipes(activation_block_size=None, hidden_size=7168, activation_scale_width=56) == ((1, 32), (1, 32))
-    assert mx.scale_recipes(activation_block_size=32, hidden_size=2048, activation_scale_width=16) == ((1, 32), (1, 32))
-    assert mx.scale_recipes(activation_block_size=128, hidden_size=7168, activation_scale_width=14) == ((1, 128), (1, 32))
-    fp4 = L.MoEQuantInfo.for_recipe("mxfp4", 100)
-    assert fp4.scale_recipes(activation_block_size=128, hidden_size=7168, activation_scale_width=14) == ((1, 128), (1, 32))
-    for name, arch in (("fp8_block", 100), ("bf16", 90), ("mxfp4", 90)):
-        assert L.MoEQuantInfo.for_recipe(name, arch).scale_recipes(
-            activation_block_size=128, hidden_size=7168, activation_scale_width=56) == (None, None)
-    with pytest.raises(ValueError, match=r"activation_scale_width: expected ceil\(2048 / \(32 \* 4\)\) = 16 .* got 56"):
-        mx.scale_recipes(activation_block_size=None, hidden_size=2048, activation_scale_width=56)
-
-
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(recipe="mxfp8", use_fp8=True, block_shape=(128, 128), use_mxfp8=True, scale_ue8m0=True),
-     r"block_shape: use_mxfp8 requires \(1, 32\), got \(128, 128\)"),
-    (dict(recipe="mxfp8", use_fp8=True, block_shape=(1, 32), use_mxfp8=True, scale_ue8m0=False),
-     r"scale_ue8m0: use_mxfp8 requires UE8M0 scales"),
-    (dict(recipe="mxfp4", use_fp8=True, block_shape=(128, 128), is_fp4_experts=True, scale_ue8m0=False),
-     r"scale_ue8m0: is_fp4_experts requires UE8M0 scales"),
-    (dict(recipe="mxfp4", use_fp8=True, block_shape=(1, 32), is_fp4_experts=True, use_mxfp8=True, scale_ue8m0=True),
-     r"is_fp4_experts/use_mxfp8: expected at most one of them True"),
-    (dict(recipe="bf16", use_fp8=True, block_shape=None),
-     r"use_fp8: expected False for recipe 'bf16', got True"),
-    (dict(recipe="fp8_block", use_fp8=True, block_shape=(1, 32)),
-     r"block_shape: expected \(128, 128\) for recipe 'fp8_block', got \(1, 32\)"),
-    (dict(recipe="fp8_block", use_fp8=True, block_shape=(128,)),
-     r"block_shape: expected None or a pair of positive ints, got \(128,\)"),
-    (dict(recipe="int4", use_fp8=True, block_shape=(128, 128)),
-     r"recipe: expected one of .* got 'int4'"),
-])
-def test_quant_info_invariants(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        L.MoEQuantInfo(**kwargs)
-
-
-def test_quant_info_list_block_shape_is_normalized():
-    info = L.MoEQuantInfo(recipe="fp8_block", use_fp8=True, block_shape=[128, 128])
-    assert info.block_shape == (128, 128)
-    hash(info)

@@ -168,7 +168,7 @@ def test_gpu_backends_are_lazy_and_refused_off_gpu():
                                  jnp.zeros((128,), jnp.int32), recipe="bf16", arch=90, backend="deep_gemm")
     # auto on CPU is the reference
     static = dict(m_cap=128, n=128, k=128, num_groups=1, recipe="bf16", arch=90, alignment=128,
-                  lhs_dtype=jnp.bfloat16, rhs_dtype=jnp.bfloat16)
+                  lhs_dtype=jnp.bfloat16, rhs_dtype=jnp.bfloat16, settings=cc.KernelSettings())
     assert cc.resolve("m_grouped_gemm_contig", "auto", **static).backend == "reference"
 
 

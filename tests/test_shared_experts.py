@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from custom_calls import ActivationSpec, gemm_nt, resolve, static_supports
+from custom_calls import ActivationSpec, KernelSettings, gemm_nt, resolve, static_supports
 from moe_jax import (MoEConfig, contig_capacity, dispatch_contig, dispatch_masked, init_params, moe_forward,
                      prepare_params, route, routed_experts, shared_experts)
 from moe_jax.layer import fuse_shared_routes
@@ -325,10 +325,10 @@ def test_gemm_nt_bad_inputs_are_named():
 
 def test_deep_gemm_dense_rules():
     """What the registry's DeepGEMM dense GEMM accepts, device aside."""
-    kw = dict(m=37, lhs_dtype=jnp.float8_e4m3fn, rhs_dtype=jnp.float8_e4m3fn)
+    kw = dict(m=37, lhs_dtype=jnp.float8_e4m3fn, rhs_dtype=jnp.float8_e4m3fn, settings=KernelSettings())
     assert static_supports("gemm_nt", "deep_gemm", n=4096, k=7168, recipe="fp8_block", arch=90, **kw) == (True, "")
     ok, why = static_supports("gemm_nt", "deep_gemm", n=4096, k=7168, recipe="fp8_block", arch=100, **kw)
-    assert not ok and "SM90" in why
+    assert not ok and "fp8_1d2d (fp8_block on arch 90)" in why and "got recipe 'fp8_block' on arch 100" in why
     ok, why = static_supports("gemm_nt", "deep_gemm", n=100, k=256, recipe="fp8_block", arch=90, **kw)
     assert not ok and "N must be a positive multiple of 64, got 100" in why
     # on this machine without a GPU, "auto" resolves to the reference

@@ -236,7 +236,7 @@ def test_unpermute(out_dtype):
 
 @pytest.mark.parametrize("recipe,arch", [("fp8_block", 90), ("fp8_block", 100), ("mxfp8", 100)])
 def test_quantize_activation(recipe, arch):
-    from custom_calls.triton import quantize_activation as tq
+    from custom_calls.triton.quant_kernel import quantize_activation as tq
 
     x = _x(jax.random.PRNGKey(6), (3, 131, 2176))
     q, img = jax.jit(lambda x: tq(x, recipe, arch))(x)

@@ -1,18 +1,25 @@
 """DeepGEMM's CUDA kernels (sgl-deep-gemm 0.2.5 templates) as XLA custom calls, with our own host:
-per-shape heuristics, code generation, nvcc JIT with an on-disk cache, and launch plans for the
+per-shape configs, code generation, nvcc JIT with an on-disk cache, and launch plans for the
 native launcher (`custom_calls.native`: a C++ FFI handler that encodes TMA descriptors for the
 current buffers and launches on XLA's stream).
 
-Run on SM90: grouped contig/masked FP8 1D2D and BF16, dense FP8/BF16 ``gemm_nt``, TF32 prenorm, and
-the fused MoE kernel (the routed branch in one kernel, fused_moe.py; composed with the Triton input
-stage into ops ``fused_moe`` and ``fused_moe_routed`` by `custom_calls.fused_moe_sm90`).
-SM100 (fp8_block, mxfp8, mxfp4 1D1D): generated and compiled for sm_100a, not run on SM100 hardware.
-Grouped SM90 configs can be autotuned on the device and cached (opt-in: ``TuningPolicy``,
-$MOE_JAX_GEMM_TUNING; autotune.py). Importing this package probes no device and imports no CUDA
-Python binding; it registers the grouped GEMMs and the dense GEMM (op ``gemm_nt``) as backend
-'deep_gemm' of the registry (shape rules, environment check, implementations). The registry loads
-the backend through `custom_calls.fused_moe_sm90`, which imports this package and adds the fused
-MoE ops.
+The GEMM templates are kernel families, one module and one row of `families.FAMILIES` each
+(family.py says what a family provides); the GEMM format of a call decides its family:
+  sm90_fp8_1d2d.py  grouped contig/masked and dense FP8 1D2D on SM90 (recipe fp8_block)
+  sm90_bf16.py      grouped contig/masked and dense BF16 on SM90 (recipe bf16)
+  sm100_1d1d.py     grouped FP8/FP4 1D1D on SM100 (fp8_block, mxfp8, mxfp4): generated and
+                    compiled for sm_100a, not run on SM100 hardware
+The two SM90 families share the tile rules and heuristic of sm90_gemm.py; their grouped configs can
+be tuned on the device and cached (opt-in: ``TuningPolicy``, $MOE_JAX_GEMM_TUNING; autotune.py
+reads the cache, the search is ``python -m moe_jax.bench.tune``). Beside the families: the TF32
+prenorm GEMM (sm90_prenorm.py) and the fused MoE kernel (the routed branch in one kernel,
+fused_moe_config.py, fused_moe.py; composed with the Triton input stage into ops ``fused_moe`` and
+``fused_moe_routed`` by `custom_calls.fused_moe_sm90`).
+
+Importing this package probes no device and imports no CUDA Python binding; it registers the
+grouped GEMMs and the dense GEMM (op ``gemm_nt``) as backend 'deep_gemm' of the registry (shape
+rules, environment check, implementations). The registry loads the backend through
+`custom_calls.fused_moe_sm90`, which imports this package and adds the fused MoE ops.
 """
 
 from custom_calls.backends import register as _register, set_environment as _set_environment
@@ -21,8 +28,11 @@ from custom_calls.grouped_gemm import OP_CONTIG as _OP_CONTIG, OP_MASKED as _OP_
 
 from .autotune import TuningPolicy
 from .compiler import Cubin, compile_cubin
-from .heuristics import (Sm90GemmConfig, Sm90PrenormConfig, Sm100GemmConfig, sm90_gemm_config,
-                         sm90_prenorm_config, sm100_mgrouped_config)
+from .families import FAMILIES, family_for, gemm_problem
+from .family import GemmProblem, KernelFamily
+from .sm90_gemm import Sm90GemmConfig, sm90_gemm_config
+from .sm90_prenorm import Sm90PrenormConfig, sm90_prenorm_config
+from .sm100_1d1d import Sm100GemmConfig, sm100_mgrouped_config
 from . import ops as _ops
 from .ops import (BACKEND, detected_device, gemm_nt_bf16, gemm_nt_fp8, m_grouped_gemm_contig,
                   m_grouped_gemm_masked, supports_gemm_nt, supports_m_grouped_gemm_contig,
@@ -36,9 +46,9 @@ _register(_OP_DENSE, BACKEND, _ops.dense_impl, _ops.static_supports_gemm_nt)
 _set_environment(BACKEND, lambda platform, **static: _ops.environment(platform, **static))
 
 __all__ = [
-    "BACKEND", "Cubin", "GemmShape", "Sm90GemmConfig", "Sm90PrenormConfig", "Sm100GemmConfig",
-    "compile_cubin", "detected_device", "gemm_nt_bf16", "gemm_nt_fp8", "m_grouped_gemm_contig",
-    "m_grouped_gemm_masked", "sm90_gemm_config", "sm90_prenorm_config", "sm100_mgrouped_config",
-    "supports_gemm_nt", "supports_m_grouped_gemm_contig", "supports_m_grouped_gemm_masked",
-    "supports_tf32_prenorm_gemm", "tf32_prenorm_gemm", "TuningPolicy", "warmup",
+    "BACKEND", "Cubin", "FAMILIES", "GemmProblem", "GemmShape", "KernelFamily", "Sm90GemmConfig",
+    "Sm90PrenormConfig", "Sm100GemmConfig", "compile_cubin", "detected_device", "family_for", "gemm_nt_bf16",
+    "gemm_nt_fp8", "gemm_problem", "m_grouped_gemm_contig", "m_grouped_gemm_masked", "sm90_gemm_config",
+    "sm90_prenorm_config", "sm100_mgrouped_config", "supports_gemm_nt", "supports_m_grouped_gemm_contig",
+    "supports_m_grouped_gemm_masked", "supports_tf32_prenorm_gemm", "tf32_prenorm_gemm", "TuningPolicy", "warmup",
 ]

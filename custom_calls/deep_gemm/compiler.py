@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from custom_calls.native import toolchain
+from layouts.archs import check_arch
 
 NVCC_FLAGS: tuple[str, ...] = (
     "-O3", "--compiler-options=-O3", "--ptxas-options=--register-usage-level=10",
@@ -25,7 +26,6 @@ NVCC_FLAGS: tuple[str, ...] = (
     "--diag-suppress=39,161,174,177,186,940",
     "--compiler-options=-Wno-deprecated-declarations,-Wno-abi",
 )
-SUPPORTED_ARCHS = {90: "sm_90a", 100: "sm_100a"}
 
 _INCLUDE_RE = re.compile(r'#include\s*[<"](deep_gemm/[^>"]+)[>"]')
 _memo: dict[str, "Cubin"] = {}
@@ -66,14 +66,19 @@ def _header_digest(include_dir: str, rel: str) -> str:
     return h.hexdigest()
 
 
+def nvcc_arch(arch: int) -> str:
+    """nvcc's target for ``arch`` (a key of `layouts.ARCHS`): the arch-specific features the
+    kernels use (wgmma, tcgen05) need the "a" variant, sm_90a / sm_100a."""
+    return f"sm_{check_arch(arch)}a"
+
+
 def cache_key(source: str, arch: int, nvcc: Path | None = None) -> str:
     """Hex key of everything that changes the cubin (the include folder's location does not)."""
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"arch must be one of {sorted(SUPPORTED_ARCHS)}, got {arch}")
+    target = nvcc_arch(arch)
     nvcc = nvcc or toolchain.find_nvcc()
     inc = toolchain.deep_gemm_include_dir()
     h = hashlib.sha256()
-    for part in (source, toolchain.nvcc_version(str(nvcc)), " ".join(NVCC_FLAGS), SUPPORTED_ARCHS[arch],
+    for part in (source, toolchain.nvcc_version(str(nvcc)), " ".join(NVCC_FLAGS), target,
                  (inc.parent / "VERSION").read_text() if (inc.parent / "VERSION").is_file() else "",
                  *(_header_digest(str(inc), m) for m in _INCLUDE_RE.findall(source))):
         h.update(len(part).to_bytes(8, "little"))
@@ -84,14 +89,14 @@ def cache_key(source: str, arch: int, nvcc: Path | None = None) -> str:
 def _compile(source: str, arch: int, nvcc: Path, out_dir: Path) -> None:
     (out_dir / "kernel.cu").write_text(source)
     cmd = [str(nvcc), str(out_dir / "kernel.cu"), "--cubin", "--output-file", str(out_dir / "kernel.cubin"),
-           f"--gpu-architecture={SUPPORTED_ARCHS[arch]}", *NVCC_FLAGS,
+           f"--gpu-architecture={nvcc_arch(arch)}", *NVCC_FLAGS,
            "--include-path", str(toolchain.deep_gemm_include_dir())]
     toolchain.run_compiler(cmd, "nvcc", out_dir)
 
 
 def compile_cubin(name: str, source: str, arch: int) -> Cubin:
-    """Return the cubin of ``source`` for ``arch`` (90 → sm_90a, 100 → sm_100a), compiling at most once
-    across threads and processes."""
+    """Return the cubin of ``source`` for ``arch`` (`nvcc_arch`: 90 → sm_90a, 100 → sm_100a),
+    compiling at most once across threads and processes."""
     nvcc = toolchain.find_nvcc()
     key = cache_key(source, arch, nvcc)
     with _memo_lock:

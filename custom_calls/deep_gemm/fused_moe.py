@@ -28,7 +28,9 @@ from custom_calls.native.toolchain import detected_device
 
 from . import compiler
 from .codegen import sm90_fused_moe_source
-from .heuristics import Sm90FusedMoEConfig, sm90_fused_moe_config, sm90_fused_moe_reason
+from .fused_moe_config import Sm90FusedMoEConfig, sm90_fused_moe_config, sm90_fused_moe_reason
+
+ARCH = 90  # an SM90 kernel by nature (no other template runs the whole routed branch)
 
 
 def token_capacity(num_tokens: int) -> int:
@@ -175,7 +177,7 @@ def layer_config(*, m: int, hidden: int, intermediate: int, num_experts: int, to
     if cfg.cluster_size > 1:
         # the rule's clusters need num_sms / 2 resident CTA pairs; a GPU whose SM groups cannot pair
         # every SM runs the same kernel without clusters (same output, weights read per CTA)
-        cubin = compiler.compile_cubin(kernel_name(cfg), sm90_fused_moe_source(cfg), 90)
+        cubin = compiler.compile_cubin(kernel_name(cfg), sm90_fused_moe_source(cfg), ARCH)
         if clusters_reason(cfg, str(cubin.path)):
             cfg = dataclasses.replace(cfg, cluster_size=1)
     return cfg
@@ -184,7 +186,7 @@ def layer_config(*, m: int, hidden: int, intermediate: int, num_experts: int, to
 def kernel_cubin(cfg: Sm90FusedMoEConfig) -> str:
     """The compiled kernel of ``cfg`` (its path), refused before anything is launched when the GPU
     cannot hold its clusters."""
-    cubin = compiler.compile_cubin(kernel_name(cfg), sm90_fused_moe_source(cfg), 90)
+    cubin = compiler.compile_cubin(kernel_name(cfg), sm90_fused_moe_source(cfg), ARCH)
     reason = clusters_reason(cfg, str(cubin.path))
     if reason:
         raise ValueError(f"fused MoE config {config_label(cfg)}: {reason}")

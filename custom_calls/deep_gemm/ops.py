@@ -1,9 +1,10 @@
 """DeepGEMM GEMMs as jit-able ops: grouped contiguous / masked (FP8 1D2D and BF16 on SM90; FP8/FP4
 1D1D on SM100), dense FP8 / BF16 ``gemm_nt`` and the TF32 prenorm GEMM.
 
-At trace time an op checks its operands, picks a tile (heuristics.py), compiles the instantiation
-once (compiler.py, disk-cached) and emits one XLA custom call of the native launcher (its plan:
-plans.py; `custom_calls.native.launch`). Each op has a ``supports_*`` twin returning
+At trace time an op checks its operands, decides the kernel family from the GEMM format
+(families.py), lets the family pick and generate the instantiation (its module: config, source,
+launch plan), compiles it once (compiler.py, disk-cached) and emits one XLA custom call of the
+native launcher (`custom_calls.native.launch`). Each op has a ``supports_*`` twin returning
 ``(ok, reason)``; an op that cannot run raises ValueError with that reason. The registry gets the
 grouped GEMMs' shape rules (``static_supports_*``), this machine's ``environment`` check, and the
 unchecked implementations (``contig_impl``, ``masked_impl``) that trust what ``resolve`` accepted;
@@ -28,7 +29,6 @@ Output contracts:
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -43,9 +43,10 @@ from custom_calls.settings import KernelSettings, resolve_settings
 from layouts import GemmFormat, SUPPORTED_ARCHS, gemm_format
 from layouts.checks import check_dtype, check_rank, check_shape, check_static_int
 
-from . import autotune, compiler, plans
-from .heuristics import CONTIG_ALIGNMENT, sm90_gemm_config, sm90_prenorm_config, sm100_mgrouped_config
-from .codegen import sm90_gemm_source, sm90_prenorm_source, sm100_gemm_source
+from . import autotune, compiler
+from .families import FAMILIES, family_for, gemm_problem, unserved_reason
+from .family import CONTIG_ALIGNMENT, Kernel, instantiate
+from .sm90_prenorm import ARCH as PRENORM_ARCH, prenorm_kernel, sm90_prenorm_config
 
 BACKEND = "deep_gemm"
 SM100_NOTE = "arch 100 kernels are compiled for sm_100a but have not been run on SM100 hardware by this project"
@@ -102,15 +103,18 @@ def _raise_unless(ok_reason: tuple[bool, str]) -> None:
 
 # --- static shape rules (shared by supports_* and the ops) -----------------------------------
 
-DENSE_KERNELS = ("fp8_1d2d", "bf16")
+def _cd_dtype(out_dtype: Any) -> str:
+    """The family option naming ``out_dtype`` (anything not bf16 is checked as f32)."""
+    return "bf16" if jnp.dtype(out_dtype) == jnp.bfloat16 else "f32"
 
 
-def kernel_family(fmt: GemmFormat) -> str | None:
-    """The DeepGEMM template serving a GEMM format: the SM90 FP8 1D2D or BF16 kernel, the SM100 1D1D
-    FP8/FP4 kernel, or None (no kernel wired for it: BF16 on SM100 uses another template)."""
-    if fmt.arch == 90:
-        return "fp8_1d2d" if fmt.is_quantized else "bf16"
-    return "sm100_1d1d" if fmt.is_quantized else None
+def _bf16_dtypes_reason(fmt: GemmFormat, lhs_dtype: Any, rhs_dtype: Any) -> str | None:
+    if fmt.is_quantized:
+        return None
+    for name, dt in (("lhs", lhs_dtype), ("rhs", rhs_dtype)):  # the BF16 kernel reads bfloat16 operands only
+        if dt is not None and jnp.dtype(dt) != jnp.bfloat16:
+            return f"{name}: the BF16 kernel needs dtype bfloat16, got {jnp.dtype(dt).name}"
+    return None
 
 
 def _grouped_reason(kind: str, rows: int, n: int, k: int, num_groups: int, recipe: str, arch: int,
@@ -119,12 +123,12 @@ def _grouped_reason(kind: str, rows: int, n: int, k: int, num_groups: int, recip
         fmt = gemm_format(recipe, arch)
     except ValueError as e:
         return str(e)
-    if kernel_family(fmt) is None:
-        return f"{fmt.describe()} has no DeepGEMM kernel wired here (SM100 BF16 uses another template)"
-    if not fmt.is_quantized:  # the BF16 kernel reads bfloat16 operands only
-        for name, dt in (("lhs", lhs_dtype), ("rhs", rhs_dtype)):
-            if dt is not None and jnp.dtype(dt) != jnp.bfloat16:
-                return f"{name}: the BF16 kernel needs dtype bfloat16, got {jnp.dtype(dt).name}"
+    family = family_for(fmt)
+    if family is None:
+        return unserved_reason(fmt)
+    reason = _bf16_dtypes_reason(fmt, lhs_dtype, rhs_dtype)
+    if reason:
+        return reason
     if kind == "contig" and alignment != CONTIG_ALIGNMENT:
         return f"alignment must be {CONTIG_ALIGNMENT} (the kernels' BLOCK_M), got {alignment}"
     if kind == "contig" and rows % CONTIG_ALIGNMENT:
@@ -135,9 +139,8 @@ def _grouped_reason(kind: str, rows: int, n: int, k: int, num_groups: int, recip
         return f"num_groups must be >= 1, got {num_groups}"
     if n <= 0 or n % 64:
         return f"N must be a positive multiple of 64, got {n}"
-    kb = 128 if fmt.is_quantized else 64  # the kernels' BLOCK_K
-    if k <= 0 or k % kb:
-        return f"K must be a positive multiple of {kb} for recipe {recipe!r}, got {k}"
+    if k <= 0 or k % family.block_k:
+        return f"K must be a positive multiple of {family.block_k} for recipe {recipe!r}, got {k}"
     return None
 
 
@@ -186,21 +189,23 @@ def _dense_reason(n: int, k: int, recipe: str, arch: int, out_dtype: Any = jnp.b
         fmt = gemm_format(recipe, arch)
     except ValueError as e:
         return str(e)
-    kb = 128 if fmt.is_quantized else 64  # the kernels' BLOCK_K
-    if kernel_family(fmt) not in DENSE_KERNELS:
-        return f"dense GEMMs are wired for the SM90 FP8 1D2D and BF16 kernels only, got {fmt.describe()}"
+    family = family_for(fmt)
+    if family is None or not family.dense:
+        dense = ", ".join(f"{f.name} ({'/'.join(f.recipes)} on arch {'/'.join(map(str, f.archs))})"
+                          for f in FAMILIES if f.dense)
+        return f"dense GEMMs are wired for the kernel families {dense} only, got {fmt.describe()}"
     if fmt.is_quantized and fmt.weight_block != (128, 128):
         return f"the dense FP8 kernel reads 128x128 weight blocks, got {fmt.describe()}"
-    if not fmt.is_quantized:  # the BF16 kernel reads bfloat16 operands only
-        for name, dt in (("lhs", lhs_dtype), ("rhs", rhs_dtype)):
-            if dt is not None and jnp.dtype(dt) != jnp.bfloat16:
-                return f"{name}: the BF16 kernel needs dtype bfloat16, got {jnp.dtype(dt).name}"
+    reason = _bf16_dtypes_reason(fmt, lhs_dtype, rhs_dtype)
+    if reason:
+        return reason
     if n <= 0 or n % 64:
         return f"N must be a positive multiple of 64, got {n}"
-    if k <= 0 or k % kb:
-        return f"K must be a positive multiple of {kb}, got {k}"
-    if fmt.is_quantized and jnp.dtype(out_dtype) != jnp.bfloat16:
-        return f"the FP8 kernel writes bf16 only, got out_dtype={jnp.dtype(out_dtype).name}"
+    if k <= 0 or k % family.block_k:
+        return f"K must be a positive multiple of {family.block_k}, got {k}"
+    if _cd_dtype(out_dtype) not in family.cd_dtypes:
+        return (f"the {family.name} kernel writes {' or '.join(family.cd_dtypes)} only, got "
+                f"out_dtype={jnp.dtype(out_dtype).name}")
     if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         return f"out_dtype must be bf16 or f32, got {jnp.dtype(out_dtype).name}"
     return None
@@ -213,7 +218,7 @@ def static_supports_gemm_nt(*, m: int, n: int, k: int, recipe: str, arch: int, l
     return _answer(_dense_reason(n, k, recipe, arch, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype))
 
 
-def supports_gemm_nt(*, n: int, k: int, recipe: str, arch: int = 90, out_dtype: Any = jnp.bfloat16,
+def supports_gemm_nt(*, n: int, k: int, recipe: str, arch: int, out_dtype: Any = jnp.bfloat16,
                      settings: KernelSettings | None = None, **_unused: Any) -> tuple[bool, str]:
     """(ok, reason) for the dense ``gemm_nt_fp8`` (recipe 'fp8_block') / ``gemm_nt_bf16`` ('bf16')."""
     return _answer(_dense_reason(n, k, recipe, arch, out_dtype)
@@ -222,10 +227,11 @@ def supports_gemm_nt(*, n: int, k: int, recipe: str, arch: int = 90, out_dtype: 
 
 def supports_tf32_prenorm_gemm(*, n: int, k: int, num_splits: int = 1, arch: int = 90,
                                settings: KernelSettings | None = None, **_unused: Any) -> tuple[bool, str]:
-    """(ok, reason) for ``tf32_prenorm_gemm`` with these static arguments on this machine."""
+    """(ok, reason) for ``tf32_prenorm_gemm`` with these static arguments on this machine (an SM90
+    kernel by nature: arch defaults to 90, anything else is refused)."""
     reason = None
-    if arch != 90:
-        reason = f"the prenorm GEMM is wired for arch 90 only, got {arch}"
+    if arch != PRENORM_ARCH:
+        reason = f"the prenorm GEMM is wired for arch {PRENORM_ARCH} only, got {arch}"
     else:
         try:
             sm90_prenorm_config(n, k, num_splits)
@@ -238,50 +244,20 @@ def supports_tf32_prenorm_gemm(*, n: int, k: int, num_splits: int = 1, arch: int
 # --- kernel selection (also used by warmup) -----------------------------------------------------
 
 def grouped_kernel(kind: str, rows: int, n: int, k: int, num_groups: int, recipe: str, arch: int,
-                   num_sms: int, expected_m: int | None = None, tuning: autotune.TuningPolicy | None = None):
+                   num_sms: int, expected_m: int | None = None, tuning: autotune.TuningPolicy | None = None) -> Kernel:
     """(name, source, plan_fn) for a grouped GEMM; plan_fn(cubin_path) -> LaunchPlan.
 
-    expected_m (masked only; None = rows) is clamped to [1, rows] here, so the op and the warm-up
-    pick the same tile for the same hint. tuning: how SM90 picks its config (None: DeepGEMM's
-    heuristic; the ops pass `KernelSettings.gemm_tuning`; see autotune.py).
+    expected_m (masked only; None = rows) is clamped to [1, rows] (`families.gemm_problem`), so the
+    op and the warm-up pick the same tile for the same hint. tuning: how SM90 picks its config
+    (None: DeepGEMM's heuristic; the ops pass `KernelSettings.gemm_tuning`; see autotune.py).
     """
-    if kind == "masked":
-        expected_m = rows if expected_m is None else max(1, min(expected_m, rows))
-    kernel = kernel_family(gemm_format(recipe, arch))
-    if kernel in DENSE_KERNELS:
-        problem = autotune.grouped_problem(kind, rows, n, k, num_groups, kernel, expected_m)
-        cfg = autotune.sm90_config(problem, num_sms, tuning)
-        src = sm90_gemm_source(cfg, n, k)
-        builder = plans.sm90_bf16_plan if kernel == "bf16" else plans.sm90_fp8_plan
-        plan_fn = functools.partial(_plan, builder, cfg, m=rows, n=n, k=k, num_groups=num_groups)
-        name = f"sm90_{kernel}_{kind}_n{n}_k{k}_g{num_groups}_{cfg.block_m}x{cfg.block_n}"
-        return name, src, plan_fn
-    cfg = sm100_mgrouped_config(recipe, kind, n, k, num_groups, num_sms)
-    src = sm100_gemm_source(cfg, n, k)
-    plan_fn = functools.partial(_plan, plans.sm100_plan, cfg, m=rows, n=n, k=k)
-    return f"sm100_{recipe}_{kind}_n{n}_k{k}_g{num_groups}", src, plan_fn
+    return instantiate(gemm_problem(kind, rows, n, k, num_groups, recipe, arch, expected_m), num_sms, tuning)
 
 
-def dense_kernel(m: int, n: int, k: int, recipe: str, out_dtype: Any, num_sms: int):
-    """(name, source, plan_fn) for a dense SM90 GEMM (a: (m, k), b: (n, k) -> (m, n) out_dtype)."""
-    kernel = kernel_family(gemm_format(recipe, 90))
-    cd = "bf16" if jnp.dtype(out_dtype) == jnp.bfloat16 else "f32"
-    cfg = sm90_gemm_config(kernel, "normal", m, n, k, 1, num_sms, cd_dtype=cd)
-    src = sm90_gemm_source(cfg, n, k)
-    builder = plans.sm90_bf16_plan if kernel == "bf16" else plans.sm90_fp8_plan
-    plan_fn = functools.partial(_plan, builder, cfg, m=m, n=n, k=k, num_groups=1)
-    return f"sm90_{kernel}_dense_{cd}_n{n}_k{k}_{cfg.block_m}x{cfg.block_n}", src, plan_fn
-
-
-def prenorm_kernel(m: int, n: int, k: int, num_splits: int):
-    """(name, source, plan_fn) for the TF32 prenorm GEMM (x: (m, k), fn: (n, k))."""
-    cfg = sm90_prenorm_config(n, k, num_splits)
-    plan_fn = functools.partial(_plan, plans.sm90_prenorm_plan, cfg, m=m)
-    return f"sm90_tf32_prenorm_n{n}_k{k}_s{num_splits}", sm90_prenorm_source(cfg), plan_fn
-
-
-def _plan(builder, cfg, cubin: str, **kw):
-    return builder(cfg, cubin, **kw)
+def dense_kernel(m: int, n: int, k: int, recipe: str, arch: int, out_dtype: Any, num_sms: int) -> Kernel:
+    """(name, source, plan_fn) for a dense GEMM (a: (m, k), b: (n, k) -> (m, n) out_dtype); always
+    the heuristic's config (tuned configs cover the grouped GEMMs)."""
+    return instantiate(gemm_problem("normal", m, n, k, 1, recipe, arch, cd_dtype=_cd_dtype(out_dtype)), num_sms)
 
 
 def _tuning(settings: KernelSettings) -> autotune.TuningPolicy:
@@ -395,7 +371,8 @@ def _nt_operands(a: jax.Array, b: jax.Array, a_dtype, b_dtype, names: tuple[str,
 
 def gemm_nt_fp8(a: jax.Array, b: jax.Array, *, a_scale: jax.Array, b_scale: jax.Array,
                 arch: int = 90, settings: KernelSettings | None = None) -> jax.Array:
-    """Dense D = A·Bᵀ with block FP8 operands (the shared expert's GEMMs).
+    """Dense D = A·Bᵀ with block FP8 operands (the shared expert's GEMMs). SM90 by nature (no other
+    family has a dense kernel): arch defaults to 90, anything else is refused.
 
     a: (M, K) e4m3; a_scale: (ceil(K/128), align(M,4)) f32 MN-major TMA-aligned image of the 1x128
     scales; b: (N, K) e4m3; b_scale: (ceil(N/128), ceil(K/128)) f32 128x128 block scales -> (M, N) bf16.
@@ -410,7 +387,7 @@ def gemm_nt_fp8(a: jax.Array, b: jax.Array, *, a_scale: jax.Array, b_scale: jax.
     _raise_unless(supports_gemm_nt(n=n, k=k, recipe="fp8_block", arch=arch, settings=settings))
     if m == 0:
         return jnp.zeros((0, n), jnp.bfloat16)
-    kern = dense_kernel(m, n, k, "fp8_block", jnp.bfloat16, _num_sms(settings))
+    kern = dense_kernel(m, n, k, "fp8_block", arch, jnp.bfloat16, _num_sms(settings))
     (out,) = _run(kern, arch, [a, b, a_scale, b_scale], [jax.ShapeDtypeStruct((m, n), jnp.bfloat16)], settings)
     return out
 
@@ -421,7 +398,7 @@ def dense_impl(lhs: jax.Array, rhs: jax.Array, *, lhs_scale: jax.Array | None, r
     m, n = lhs.shape[0], rhs.shape[0]
     if m == 0:
         return jnp.zeros((0, n), jnp.bfloat16)
-    kern = dense_kernel(m, n, rhs.shape[1], recipe, jnp.bfloat16, _num_sms(settings))
+    kern = dense_kernel(m, n, rhs.shape[1], recipe, arch, jnp.bfloat16, _num_sms(settings))
     operands = [lhs, rhs] if lhs_scale is None else [lhs, rhs, lhs_scale, rhs_scale]
     (out,) = _run(kern, arch, operands, [jax.ShapeDtypeStruct((m, n), jnp.bfloat16)], settings)
     return out
@@ -429,13 +406,14 @@ def dense_impl(lhs: jax.Array, rhs: jax.Array, *, lhs_scale: jax.Array | None, r
 
 def gemm_nt_bf16(a: jax.Array, b: jax.Array, *, out_dtype: Any = jnp.bfloat16, arch: int = 90,
                  settings: KernelSettings | None = None) -> jax.Array:
-    """Dense D = A·Bᵀ in bf16. a: (M, K) bf16; b: (N, K) bf16 -> (M, N) out_dtype (bf16 or f32)."""
+    """Dense D = A·Bᵀ in bf16. a: (M, K) bf16; b: (N, K) bf16 -> (M, N) out_dtype (bf16 or f32).
+    SM90 by nature (no other family has a dense kernel): arch defaults to 90, anything else is refused."""
     m, n, k = _nt_operands(a, b, jnp.bfloat16, jnp.bfloat16)
     settings = resolve_settings(settings)
     _raise_unless(supports_gemm_nt(n=n, k=k, recipe="bf16", arch=arch, out_dtype=out_dtype, settings=settings))
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    kern = dense_kernel(m, n, k, "bf16", out_dtype, _num_sms(settings))
+    kern = dense_kernel(m, n, k, "bf16", arch, out_dtype, _num_sms(settings))
     (out,) = _run(kern, arch, [a, b], [jax.ShapeDtypeStruct((m, n), out_dtype)], settings)
     return out
 
@@ -445,7 +423,8 @@ def tf32_prenorm_gemm(x: jax.Array, fn: jax.Array, *, num_splits: int = 1, arch:
     """x·fnᵀ in TF32 plus the per-row sum of squares of x (the hyper-connection pre-norm GEMM).
 
     x: (M, K) bf16; fn: (N, K) f32, N <= 32, N % 8 == 0, K % 64 == 0 -> ((M, N) f32, (M,) f32).
-    num_splits > 1 splits K across CTAs (for small M); the partial results are summed here.
+    num_splits > 1 splits K across CTAs (for small M); the partial results are summed here. An SM90
+    kernel by nature: arch defaults to 90, anything else is refused.
     """
     m, n, k = _nt_operands(x, fn, jnp.bfloat16, jnp.float32, names=("x", "fn"))
     check_static_int("num_splits", num_splits, 1)

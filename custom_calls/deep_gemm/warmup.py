@@ -5,8 +5,8 @@ the same warm-up concurrently — compiles nothing. ``arch`` and ``num_sms`` def
 device; pass them to precompile on a machine without one (nvcc is enough).
 
 ``tuning`` (default: ``KernelSettings.gemm_tuning``, see autotune.py) picks the SM90 grouped GEMMs' configs:
-with mode "cached" the tuned ones found on disk, with mode "search" it first tunes on the GPU the
-shapes that have none (minutes), so the first traced call finds the tuned config cached.
+with mode "cached" the tuned ones found on disk. Tuning the shapes that have none first is the
+benchmarks' (``moe_jax.bench.autotune_search.warmup_tuned``).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import os
 from typing import Iterable, Literal
 
 from custom_calls.settings import KernelSettings, resolve_settings
-from layouts import gemm_format
+from layouts import SUPPORTED_ARCHS
 
 from . import autotune, compiler
-
-from .ops import DENSE_KERNELS, dense_kernel, detected_device, grouped_kernel, kernel_family, prenorm_kernel
+from .ops import dense_kernel, detected_device, grouped_kernel
+from .sm90_prenorm import ARCH as PRENORM_ARCH, prenorm_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,28 +41,39 @@ class GemmShape:
 
 def kernel_for(shape: GemmShape, arch: int, num_sms: int,
                tuning: autotune.TuningPolicy | None = None) -> tuple[str, str]:
-    """(name, source) of the instantiation the op would use for ``shape`` under ``tuning``."""
+    """(name, source) of the instantiation the op would use for ``shape`` on ``arch`` under ``tuning``
+    (prenorm shapes: the SM90 kernel whatever ``arch`` says; ValueError if it is not 90)."""
     if shape.kind in ("contig", "masked"):
         name, src, _ = grouped_kernel(shape.kind, shape.rows, shape.n, shape.k, shape.num_groups,
                                       shape.recipe, arch, num_sms, expected_m=shape.expected_m, tuning=tuning)
     elif shape.kind == "dense":
         import jax.numpy as jnp
-        name, src, _ = dense_kernel(shape.rows, shape.n, shape.k, shape.recipe,
+        name, src, _ = dense_kernel(shape.rows, shape.n, shape.k, shape.recipe, arch,
                                     jnp.float32 if shape.out_dtype == "f32" else jnp.bfloat16, num_sms)
     elif shape.kind == "prenorm":
+        if arch != PRENORM_ARCH:
+            raise ValueError(f"arch: the prenorm GEMM is an arch {PRENORM_ARCH} kernel, got {arch}")
         name, src, _ = prenorm_kernel(shape.rows, shape.n, shape.k, shape.num_splits)
     else:
         raise ValueError(f"shape.kind must be contig, masked, dense or prenorm, got {shape.kind!r}")
     return name, src
 
 
-def tuning_problem(shape: GemmShape) -> autotune.Sm90Problem | None:
-    """The SM90 tuning problem of a grouped shape (None for shapes the tuner does not cover)."""
-    kernel = kernel_family(gemm_format(shape.recipe, 90)) if shape.kind in ("contig", "masked") else None
-    if kernel not in DENSE_KERNELS:
-        return None
-    return autotune.grouped_problem(shape.kind, shape.rows, shape.n, shape.k, shape.num_groups, kernel,
-                                    shape.expected_m)
+def _target(arch: int | None, num_sms: int | None) -> tuple[int, int]:
+    """(arch, num_sms) to compile for: the arguments, the detected device's where None."""
+    if arch is not None and num_sms is not None:
+        return arch, num_sms
+    _, det_arch, det_sms = detected_device()
+    if arch is None:
+        if det_arch is None:
+            raise ValueError(f"arch: no CUDA device detected; pass one of {SUPPORTED_ARCHS} explicitly")
+        # the family of the device (an SM 9.x device runs the arch 90 kernels)
+        arch = next((a for a in SUPPORTED_ARCHS if a // 10 == det_arch // 10), det_arch)
+    if num_sms is None:
+        if det_sms is None:
+            raise ValueError("num_sms: no CUDA device detected; pass the target's SM count (H200: 132)")
+        num_sms = det_sms
+    return arch, num_sms
 
 
 def warmup(shapes: Iterable[GemmShape], *, arch: int | None = None, num_sms: int | None = None,
@@ -77,23 +88,8 @@ def warmup(shapes: Iterable[GemmShape], *, arch: int | None = None, num_sms: int
     """
     shapes = list(shapes)
     settings = resolve_settings(settings)
-    num_sms = num_sms or settings.num_sms
-    if arch is None or num_sms is None:
-        _, det_arch, det_sms = detected_device()
-        if arch is None:
-            if det_arch is None:
-                raise ValueError("arch: no CUDA device detected; pass arch=90 or arch=100 explicitly")
-            arch = 90 if det_arch // 10 == 9 else 100 if det_arch // 10 == 10 else det_arch
-        if num_sms is None:
-            if det_sms is None:
-                raise ValueError("num_sms: no CUDA device detected; pass the target's SM count (H200: 132)")
-            num_sms = det_sms
+    arch, num_sms = _target(arch, num_sms or settings.num_sms)
     tuning = autotune.TuningPolicy(mode=settings.gemm_tuning) if tuning is None else tuning
-    if tuning.mode == "search" and arch == 90:
-        problems = list(dict.fromkeys(p for p in map(tuning_problem, shapes) if p is not None))
-        if problems:
-            autotune.tune(problems, num_sms=num_sms, policy=tuning)
-        tuning = dataclasses.replace(tuning, mode="cached", retune=False)  # now read what was found
     jobs: dict[str, tuple[str, str]] = {}
     for s in shapes:
         name, src = kernel_for(s, arch, num_sms, tuning)

@@ -93,14 +93,6 @@ def unpermute(d: jax.Array, src2dst: jax.Array, topk_weights: jax.Array, addend:
                                       out_dtype=out_dtype)
 
 
-def quantize_activation(x: jax.Array, recipe: str, arch: int) -> tuple[jax.Array, jax.Array | None]:
-    """Triton form of `custom_calls.act_quant.quantize_activation` (same signature and results):
-    x (..., rows, K) -> (q e4m3 (..., rows, K), scale image (..., G', align(rows, 4)))."""
-    from custom_calls.triton import quant_kernel
-
-    return quant_kernel.quantize_activation(x, recipe, arch)
-
-
 def rank_within_expert(e_flat: jax.Array, *, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """As `custom_calls.expert_rank.rank_within_expert`: e_flat (R,) int32 in [0, E] ->
     (counts (E,) int32, rank (R,) int32), rank = routes of the same value before it."""
@@ -172,7 +164,6 @@ __all__ = [
     "environment",
     "permute_contig",
     "permute_masked",
-    "quantize_activation",
     "rank_within_expert",
     "route_topk",
     "route_topk_reason",

@@ -1,9 +1,10 @@
 """``python -m moe_jax.bench.tune``: tune DeepGEMM's grouped SM90 GEMMs on this GPU, then measure the
 decode layer with the tuned configs and with the DeepGEMM calls inside XLA's command buffers.
 
-1. Autotuning (custom_calls/deep_gemm/autotune.py) of the shapes of ``python -m moe_jax.bench gemm``
+1. Autotuning (the search: moe_jax/bench/autotune_search.py) of the shapes of ``python -m moe_jax.bench gemm``
    (FP8 contig and masked, BF16 contig) and of the decode layer's masked GEMMs at 32, 128 and 512
-   tokens. Writes the tuned-config cache (``$MOE_JAX_CACHE_DIR``), prints per shape the heuristic's
+   tokens. Writes the tuned-config cache that custom_calls/deep_gemm/autotune.py reads
+   (``$MOE_JAX_CACHE_DIR``), prints per shape the heuristic's
    config and kernel time, the best other config and its gain (a loss is negative), and the decision.
 2. Decode layer (128 tokens, masked, routing included), a steady stream of calls on rotating inputs:
    µs per call with (a) the heuristic and plain launches, (b) the tuned configs, (c) the tuned configs
@@ -30,8 +31,9 @@ import time
 
 
 def layer_problems(tokens: tuple[int, ...] = (32, 128, 512)) -> list:
-    """The decode layer's masked GEMMs (GEMM1: N = 2I, K = H; GEMM2: N = H, K = I) at these token counts."""
-    from custom_calls.deep_gemm import autotune
+    """The decode layer's masked GEMMs (GEMM1: N = 2I, K = H; GEMM2: N = H, K = I) at these token
+    counts, in the layer's GEMM format."""
+    from custom_calls.deep_gemm.families import gemm_problem
     from moe_jax.bench.layer import _config
     from moe_jax.dispatch import default_masked_m_pad, expected_m
 
@@ -40,24 +42,25 @@ def layer_problems(tokens: tuple[int, ...] = (32, 128, 512)) -> list:
     out = []
     for m in tokens:
         m_pad, em = default_masked_m_pad(m), expected_m(m, cfg.top_k, e)
-        out += [autotune.grouped_problem("masked", m_pad, 2 * i, h, e, "fp8_1d2d", em),
-                autotune.grouped_problem("masked", m_pad, h, i, e, "fp8_1d2d", em)]
+        out += [gemm_problem("masked", m_pad, 2 * i, h, e, cfg.gemm_recipe, cfg.gemm_arch, em),
+                gemm_problem("masked", m_pad, h, i, e, cfg.gemm_recipe, cfg.gemm_arch, em)]
     return out
 
 
 def problems(quick: bool) -> list:
     from moe_jax.bench import gemm
+    from moe_jax.bench.autotune_search import bench_problems
 
     plan = [("contig", s) for s in gemm.CONTIG] + [("masked", s) for s in gemm.MASKED]
     if quick:
         plan = [("contig", gemm.CONTIG[0]), ("masked", gemm.MASKED[0])]
-    found = gemm.tuning_problems(plan) + ([] if quick else layer_problems())
+    found = bench_problems(plan, bf16_contig=(gemm.CONTIG[0],)) + ([] if quick else layer_problems())
     return list(dict.fromkeys(found))
 
 
 def _rate(p, us: float, pattern: list[int]) -> str:
     """TFLOPS (contig) or TB/s (masked: weights + real activation and output rows) at ``us``."""
-    esize = 1 if p.kernel == "fp8_1d2d" else 2
+    esize = p.family.sm90.ab_bytes
     rows = sum(pattern)
     if p.gemm_kind == "contig":
         return f"{2.0 * rows * p.n * p.k / us / 1e6:.0f} TFLOPS"
@@ -66,23 +69,23 @@ def _rate(p, us: float, pattern: list[int]) -> str:
 
 def tuning_table(reports) -> list[dict]:
     """Print one row per shape; returns the rows."""
-    from custom_calls.deep_gemm.autotune import config_label
+    from moe_jax.bench.autotune_search import config_label, problem_label
 
     print("| shape | heuristic | heuristic us | best other | best other us | gain % | decision | heuristic rate "
           "| best rate | timed / rejected |\n|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for rep in reports:
         p, e = rep.problem, rep.entry
-        hl = config_label(e.heuristic)
+        label, hl = problem_label(p), config_label(e.heuristic)
         first = next(iter(rep.patterns), None)
         others = {lab: t for lab, t in rep.times_us.items() if lab != hl}
-        row = {"problem": p.label, "heuristic": hl, "tuned": e.tuned, "config": config_label(e.config),
+        row = {"problem": label, "heuristic": hl, "tuned": e.tuned, "config": config_label(e.config),
                "heuristic_us": e.heuristic_us, "config_us": e.config_us, "times_us": rep.times_us,
                "rejected": rep.rejected, "patterns": rep.patterns, "cache_file": str(rep.path),
                "confirm_us": rep.confirm_us}
         rows.append(row)
         if not rep.times_us:  # cached earlier, not searched in this run
-            print(f"| {p.label} | {hl} | {e.heuristic_us[0]:.1f} | {config_label(e.config)} | {e.config_us[0]:.1f} "
+            print(f"| {label} | {hl} | {e.heuristic_us[0]:.1f} | {config_label(e.config)} | {e.config_us[0]:.1f} "
                   f"| {100 * (e.heuristic_us[0] / e.config_us[0] - 1):+.1f} | cached earlier | | | |", flush=True)
             continue
         h_us = sum(rep.times_us[hl].values())
@@ -100,7 +103,7 @@ def tuning_table(reports) -> list[dict]:
         rate_h = _rate(p, rep.times_us[hl][first], rep.patterns[first]) if first else ""
         rate_b = (_rate(p, rep.times_us[best][first], rep.patterns[first])
                   if first and best in rep.times_us else "")
-        print(f"| {p.label} | {hl} | {h_us:.1f} | {best} | {b_us:.1f} | {gain:+.1f} | {decision} | {rate_h} | {rate_b} "
+        print(f"| {label} | {hl} | {h_us:.1f} | {best} | {b_us:.1f} | {gain:+.1f} | {decision} | {rate_h} | {rate_b} "
               f"| {len(rep.times_us)} / {len(rep.rejected)} |", flush=True)
         row.update(best_other=best, best_other_us=b_us, gain_pct=gain)
     return rows
@@ -133,7 +136,7 @@ def decode_layer(tokens: int = 128, reps: int = 4, iters: int = 200, *, small: b
     import numpy as np
 
     from custom_calls import KernelSettings
-    from custom_calls.deep_gemm.autotune import trace_kernel_durations
+    from moe_jax.bench.autotune_search import trace_kernel_durations
     from moe_jax.bench.layer import _config
     from moe_jax.dispatch import default_masked_m_pad, expected_m
     from moe_jax.layer import moe_forward
@@ -158,6 +161,7 @@ def decode_layer(tokens: int = 128, reps: int = 4, iters: int = 200, *, small: b
     res = {"tokens": tokens, "m_pad": default_masked_m_pad(tokens), "expected_m": expected_m(tokens, cfg.top_k, e),
            "variants": {}}
     outs = {}
+    gemm_kernel = layer_problems((tokens,))[0].family.symbol  # the masked GEMMs' __global__ function
     print(f"\ndecode layer, {tokens} tokens (masked, routing included), steady stream over {reps} inputs:",
           flush=True)
     for name, settings, opts in variants:
@@ -167,7 +171,7 @@ def decode_layer(tokens: int = 128, reps: int = 4, iters: int = 200, *, small: b
         us = _stream_us(compiled, [(params, x) for x in xs], iters)
         outs[name] = np.asarray(compiled(params, xs[0]).astype(jnp.float32))
         # the masked GEMMs' kernel time: two per call (GEMM1 then GEMM2), over 20 calls
-        durs = _gemm_durations(trace_kernel_durations, compiled, params, xs, calls=20)
+        durs = _gemm_durations(trace_kernel_durations, compiled, params, xs, calls=20, kernel=gemm_kernel)
         g_us = [statistics.median(durs[j::2]) * 1e6 for j in (0, 1)] if durs else [float("nan")] * 2
         tbps = [b / t / 1e6 for b, t in zip(gemm_bytes, g_us)]
         res["variants"][name] = {"us_per_call": us, "gemm_kernel_us": g_us, "gemm_tbps": tbps}
@@ -182,11 +186,12 @@ def decode_layer(tokens: int = 128, reps: int = 4, iters: int = 200, *, small: b
     return res
 
 
-def _gemm_durations(trace, compiled, params, xs, calls: int) -> list[float]:
-    """Durations of the FP8 grouped-GEMM kernels over ``calls`` layer calls (2 per call), in order."""
+def _gemm_durations(trace, compiled, params, xs, calls: int, kernel: str) -> list[float]:
+    """Durations of the grouped-GEMM kernels (named ``kernel``) over ``calls`` layer calls (2 per
+    call), in order."""
     try:
         return trace([lambda x=xs[j % len(xs)]: compiled(params, x) for j in range(calls)],
-                     ("sm90_fp8_gemm_1d2d",), sync_every=4, per_call=2)
+                     (kernel,), sync_every=4, per_call=2)
     except Exception as e:  # kernel time is a column, not the point; say why it is missing
         print(f"  (GEMM kernel time unavailable: {type(e).__name__}: {e})", file=sys.stderr, flush=True)
         return []
@@ -212,14 +217,13 @@ def run(args) -> int:
         return 2
     import jax
 
-    from custom_calls.deep_gemm import autotune
+    from moe_jax.bench.autotune_search import SearchPolicy, tune
 
     t0 = time.perf_counter()
     probs = problems(args.quick)
-    policy = autotune.TuningPolicy(mode="search", max_tiles=args.max_tiles, iters=args.iters,
-                                   retune=not args.cached)
+    policy = SearchPolicy(max_tiles=args.max_tiles, iters=args.iters, retune=not args.cached)
     log(f"# tuning {len(probs)} grouped GEMM shapes on {jax.devices()[0].device_kind}")
-    reports = autotune.tune(probs, policy=policy)
+    reports = tune(probs, policy=policy)
     print(f"\nDeepGEMM grouped GEMMs, heuristic vs tuned (kernel time, us; masked: sum over the masked_m patterns "
           f"'uniform' and 'routed'; rates on the first pattern), {time.perf_counter() - t0:.0f} s:", flush=True)
     out = {"date": datetime.date.today().isoformat(), "device": str(jax.devices()[0].device_kind),
