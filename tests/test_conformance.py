@@ -281,7 +281,7 @@ def _weights(rng, fmt, g, n, k):
 
     rec = layouts.get_recipe(fmt.recipe)
     w = jnp.asarray(rng.standard_normal((g, n, k)) * 0.05, jnp.float32)
-    from moe_jax.params import _quantize_checkpoint
+    from moe_jax.random_init import _quantize_checkpoint
 
     values, scale = _quantize_checkpoint(w, rec.name)
     return layouts.prepare_expert_weights(values, scale, recipe=rec.name, arch=fmt.arch)

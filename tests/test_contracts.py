@@ -24,7 +24,7 @@ import layouts
 import moe_jax as mj
 from custom_calls import ActivationSpec
 from layouts import gemm_format
-from moe_jax.params import _quantize_checkpoint
+from moe_jax.random_init import _quantize_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_conformance import np_canonical_m_indices, np_canonical_src2dst  # noqa: E402

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import layouts
-from moe_jax import MoEConfig, check_params, init_params
-from moe_jax.params import (CHUNK_BYTES, SMALL_DRAW_BYTES, TEMP_FRACTION, _chunk_limit, _Chunks, _expert_chunk, _expert_slices,
-                            _init_params, _init_plans)
+from moe_jax import MoEConfig, MoEParams, check_params, init_params
+from moe_jax.random_init import (CHUNK_BYTES, SMALL_DRAW_BYTES, TEMP_FRACTION, _chunk_limit, _Chunks, _expert_chunk,
+                                 _expert_slices, _init_plans, draw_params)
 
 INT32_LIMIT = 2**31
 PRESETS = {
@@ -115,13 +115,13 @@ def test_values_independent_of_chunk_size(cfg, shared):
     _, g, q = whole["experts"]
     units = e * g // q
     unit = 3 * cfg.intermediate_size * cfg.hidden_size * 4 // g * q  # f32 bytes of a unit
-    ref = _init_params(key, cfg, e, 1, shared, 2**40)
+    ref = MoEParams(**draw_params(key, cfg, e, 1, shared, 2**40))
     plans = [_init_plans(cfg, e, 1, shared, size * unit)[1]["experts"][0]  # chunkings of several steps
              for size in (max(1, units // 7), units // 3 + 1)]
     assert all(p.units == units and p.steps > 1 for p in plans)
     assert any(p.stage > p.size for p in plans) and any(units % p.stage for p in plans)  # staged, overlapping
     for plan in plans:
-        _assert_same(_init_params(key, cfg, e, 1, shared, plan.size * unit), ref)
+        _assert_same(MoEParams(**draw_params(key, cfg, e, 1, shared, plan.size * unit)), ref)
     _assert_same(init_params(key, cfg, shared_recipe=shared), ref)  # the rule's chunking
     other = init_params(jax.random.key(4), cfg, shared_recipe=shared)
     assert not np.array_equal(np.asarray(other.gate_weight), np.asarray(ref.gate_weight))
