@@ -1,7 +1,7 @@
 """`ParallelConfig`: how one MoE layer is spread over a `Mesh` (docs/ARCHITECTURE.md). Frozen and hashable:
 pass it as a static argument.
 
-Patterns (attention x MoE, the seed's §2.6.3 table):
+Patterns (how attention and the MoE layer share the mesh):
 
     pattern  tokens enter                        before MoE            experts       after MoE
     "tp"     replicated over moe_axes            -                     I sharded     one psum (all-reduce)
