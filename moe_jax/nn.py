@@ -81,6 +81,22 @@ def _axes(name, value, default, mesh: Mesh | None):
     return names[0] if len(names) == 1 else names
 
 
+def _default_axes(parallel, mesh: Mesh | None):
+    """(expert axis, intermediate axis) the annotations default to: the pattern's MoE axes on the
+    experts (EP) or on the intermediate size (TP), else the module defaults."""
+    if parallel is None:
+        return DEFAULT_EXPERT_AXIS, DEFAULT_INTERMEDIATE_AXIS
+    from moe_jax.parallel import ParallelConfig
+    from moe_jax.parallel.a2a import axis_name
+
+    if not isinstance(parallel, ParallelConfig):
+        raise TypeError(f"parallel: expected ParallelConfig or None, got {type(parallel).__name__}")
+    if mesh is None:
+        raise ValueError(f"mesh: required with parallel={parallel.pattern!r}, got None")
+    axes = axis_name(parallel.moe_axes)
+    return (axes, None) if parallel.is_ep else (None, axes)
+
+
 class MoE(nnx.Module):
     """A DeepSeek-style MoE layer (routed + shared experts), `moe_forward` inside.
 
@@ -108,17 +124,7 @@ class MoE(nnx.Module):
                              f"for it; got config.layout={config.layout!r}")
         if mesh is not None and not isinstance(mesh, Mesh):
             raise TypeError(f"mesh: expected jax.sharding.Mesh or None, got {type(mesh).__name__}")
-        ep_default, tp_default = DEFAULT_EXPERT_AXIS, DEFAULT_INTERMEDIATE_AXIS
-        if parallel is not None:
-            from moe_jax.parallel import ParallelConfig
-            from moe_jax.parallel.a2a import axis_name
-
-            if not isinstance(parallel, ParallelConfig):
-                raise TypeError(f"parallel: expected ParallelConfig or None, got {type(parallel).__name__}")
-            if mesh is None:
-                raise ValueError(f"mesh: required with parallel={parallel.pattern!r}, got None")
-            axes = axis_name(parallel.moe_axes)
-            ep_default, tp_default = (axes, None) if parallel.is_ep else (None, axes)
+        ep_default, tp_default = _default_axes(parallel, mesh)
         if params is None:
             if rngs is None:
                 raise ValueError("rngs: required to initialize weights when params is None, got None")
