@@ -170,3 +170,23 @@ def test_the_layer_passes_its_settings_to_the_kernels(monkeypatch):
     jax.jit(moe_forward, static_argnames=("config", "settings")).lower(x, params, config, settings=settings)
     assert seen and {s for _, s in seen} == {settings}, seen
     assert {op for op, _ in seen} == {"m_grouped_gemm_contig"} or {op for op, _ in seen} == {"m_grouped_gemm_masked"}
+
+
+def test_the_flax_module_keeps_its_settings(monkeypatch):
+    pytest.importorskip("flax")
+    from flax import nnx
+
+    import moe_jax.nn as mnn
+    from moe_jax import MoEConfig
+
+    seen = []
+    monkeypatch.setattr(mnn, "moe_forward", lambda *a, **k: seen.append(k["settings"]) or a[0])
+    config = MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=128)
+    settings = KernelSettings(command_buffer=True)
+    layer = mnn.MoE(config, rngs=nnx.Rngs(0), settings=settings)
+    layer(jnp.zeros((2, 128), jnp.bfloat16))
+    monkeypatch.setenv("MOE_JAX_NUM_SMS", "7")  # read once, when a module without settings is built
+    default = mnn.MoE(config, rngs=nnx.Rngs(0))
+    monkeypatch.delenv("MOE_JAX_NUM_SMS")
+    default(jnp.zeros((2, 128), jnp.bfloat16))
+    assert seen == [settings, KernelSettings(num_sms=7)]
