@@ -10,7 +10,8 @@ import json
 import math
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def log(*parts: object) -> None:
@@ -101,6 +102,12 @@ def exit_status(failed: Sequence[str]) -> int:
         log(f"{len(failed)} requested row(s) failed: " + "; ".join(failed))
         return 1
     return 0
+
+
+def failure(exc: BaseException, limit: int = 500) -> str:
+    """A failed row's "error" text: the exception's type and the first `limit` characters of its
+    message (a compiler's message can run to pages)."""
+    return f"{type(exc).__name__}: {str(exc)[:limit]}"
 
 
 def resolved_backends(fn, *args) -> dict[str, str]:

@@ -8,7 +8,8 @@ import dataclasses
 import functools
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -39,6 +40,15 @@ def time_op(fn: Callable, arg_sets: list[tuple], rounds: int = 5, chain: int = 4
         del outs
         times.append((time.perf_counter() - t0) / (chain * len(arg_sets)))
     return statistics.median(times)
+
+
+def xla_copy_bandwidth(n: int) -> float:
+    """Bytes/s (read + write) of an XLA elementwise pass over n float32 values (the f32 pass is the
+    fastest XLA copy measured on the H200, so a roofline built on it is not flattered)."""
+    import jax.numpy as jnp
+
+    x = [jax.random.normal(jax.random.PRNGKey(i), (n,), jnp.float32) for i in range(2)]
+    return 2 * x[0].size * 4 / time_op(lambda a: -a, [(a,) for a in x], chain=3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +85,13 @@ def time_stream(fn: Callable, arg_sets: list[tuple], rounds: int = 5, chain: int
     jax.block_until_ready(many(arg_sets))
     times: dict[int, list[float]] = {chain: [], chain * long_factor: []}
     for _ in range(rounds):
-        for n in times:
+        for n, walls in times.items():
             t0 = time.perf_counter()
             for _ in range(n):  # only the last result is kept: the programs run in order on one stream
                 out = many(arg_sets)
             jax.block_until_ready(out)
             del out
-            times[n].append(time.perf_counter() - t0)
+            walls.append(time.perf_counter() - t0)
     calls = {n: n * len(arg_sets) for n in times}
     (short, ts), (long, tl) = times.items()
     return stream_fit(statistics.median(ts), calls[short], statistics.median(tl), calls[long])

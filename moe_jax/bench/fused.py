@@ -2,7 +2,7 @@
 
 For each token count, the benchmark layer's weights (32 experts, top-8, H 7168, I 2048, fp8_block)
 and two routed inputs (the layer's own grouped top-k): every candidate instantiation of
-``heuristics.sm90_fused_moe_candidates`` (the other BLOCK_M, 2-CTA clusters with the weight tile
+``fused_moe_config.sm90_fused_moe_candidates`` (the other BLOCK_M, 2-CTA clusters with the weight tile
 multicast, the L2-lag schedule, early combine, batched or eager pull publish, more dispatch warps,
 the L2 staging passes, programmatic dependent launch, one stage fewer; ``--all`` adds every pair
 of options; ``--grids`` the rule's config on fewer CTAs than the GPU has SMs; ``--only`` keeps the
@@ -37,12 +37,11 @@ import time
 
 def _traced_medians(fns: dict, args: list[tuple], iters: int, reverse: bool) -> dict[str, float]:
     """Kernel µs of each candidate: per round the mean over ``args``, median over the rounds."""
-    from custom_calls.deep_gemm import autotune
+    from moe_jax.bench.autotune_search import trace_kernel_durations
 
     order = list(reversed(fns)) if reverse else list(fns)
     seq = [(lab, a) for _ in range(iters) for lab in order for a in args]
-    durs = autotune.trace_kernel_durations([functools.partial(fns[lab], *a) for lab, a in seq],
-                                           ["sm90_fp8_mega_moe"])
+    durs = trace_kernel_durations([functools.partial(fns[lab], *a) for lab, a in seq], ["sm90_fp8_mega_moe"])
     per: dict[str, list[float]] = {lab: [] for lab in fns}
     for i in range(0, len(seq), len(args)):
         per[seq[i][0]].append(sum(durs[i:i + len(args)]) / len(args) * 1e6)
@@ -59,7 +58,7 @@ def _steady_medians(fns: dict, args: list[tuple], iters: int, reverse: bool) -> 
 
 def layer_setup():
     """(config, params, the fused layout's weight operands) of the benchmark layer."""
-    from moe_jax.bench.layer import _bench_params, _config
+    from moe_jax.bench.layer_model import _bench_params, _config
     from moe_jax.params import prepare_params
 
     cfg = _config()
@@ -99,10 +98,10 @@ def sweep(tokens: int, setup, *, full: bool, iters: int, log, grids: tuple[int, 
     import numpy as np
 
     from custom_calls import fused_moe_sm90 as S
-    from custom_calls.deep_gemm import autotune
     from custom_calls.deep_gemm import fused_moe as F
     from custom_calls.deep_gemm.codegen import sm90_fused_moe_source
-    from custom_calls.deep_gemm.heuristics import sm90_fused_moe_candidates
+    from custom_calls.deep_gemm.fused_moe_config import sm90_fused_moe_candidates
+    from moe_jax.bench.autotune_search import compile_all
 
     cfg = setup[0]
     args = _routed_inputs(setup, tokens, 2)
@@ -121,7 +120,7 @@ def sweep(tokens: int, setup, *, full: bool, iters: int, log, grids: tuple[int, 
             cands.append(c)
             labels.append(f"{F.config_label(c)} grid {g}")
     log(f"# {tokens} tokens: compiling {len(cands)} candidates")
-    cubins = autotune.compile_all([(F.kernel_name(c), sm90_fused_moe_source(c)) for c in cands])
+    cubins = compile_all([(F.kernel_name(c), sm90_fused_moe_source(c)) for c in cands], 90)  # the SM90 kernel
     rejected, fns, outs = {}, {}, {}
     for c, lab in zip(cands, labels):
         err = cubins[sm90_fused_moe_source(c)]
@@ -280,8 +279,8 @@ def trace_run(tokens: int, setup, *, log) -> dict:
     import numpy as np
 
     from custom_calls import fused_moe_sm90 as S
-    from custom_calls.deep_gemm import autotune
     from custom_calls.deep_gemm import fused_moe as F
+    from moe_jax.bench.autotune_search import trace_kernel_durations
 
     cfg, weights = setup[0], setup[2]
     (args,) = _routed_inputs(setup, tokens, 1)
@@ -293,8 +292,7 @@ def trace_run(tokens: int, setup, *, log) -> dict:
     for _ in range(4):  # the last call's trace: compiled and clocked up by then
         y, words = fn(*args)
     same = bool(jnp.all(y == plain(*args)))
-    kernel = autotune.trace_kernel_durations([functools.partial(plain, *args) for _ in range(8)],
-                                             ["sm90_fp8_mega_moe"])
+    kernel = trace_kernel_durations([functools.partial(plain, *args) for _ in range(8)], ["sm90_fp8_mega_moe"])
     w13, w2 = weights[0], weights[2]
     res = trace_phases(np.asarray(words), phase_bytes=(w13.size, w2.size))  # e4m3: one byte each
     res.update(tokens=tokens, config=F.config_label(base), kernel_us=float(np.median(kernel)) * 1e6,

@@ -439,21 +439,11 @@ def _fmt_row(r) -> str:
 # --- tuned vs heuristic (when python -m moe_jax.bench.tune has cached tuned configs) ---------------
 
 def tuning_problems(plan: list[tuple[str, tuple]]) -> list:
-    """The autotuner's problems (custom_calls.deep_gemm.autotune.Sm90Problem) of this benchmark's
-    DeepGEMM shapes: FP8 contig and masked, and BF16 contig on the first contig shape."""
-    from custom_calls.deep_gemm import autotune
+    """The autotuner's problems of this benchmark's DeepGEMM shapes: FP8 contig and masked, and BF16
+    contig on the first contig shape (`autotune_search.bench_problems`)."""
+    from moe_jax.bench.autotune_search import bench_problems
 
-    out = []
-    for what, shp in plan:
-        if what == "contig":
-            g, rows, n, k = shp
-            out.append(autotune.grouped_problem("contig", g * rows, n, k, g, "fp8_1d2d"))
-            if shp == CONTIG[0]:
-                out.append(autotune.grouped_problem("contig", g * rows, n, k, g, "bf16"))
-        else:
-            g, m_pad, em, n, k = shp
-            out.append(autotune.grouped_problem("masked", m_pad, n, k, g, "fp8_1d2d", em))
-    return out
+    return bench_problems(plan, bf16_contig=(CONTIG[0],))
 
 
 _TUNED_HEADER = ("| shape | heuristic | tuned | heuristic kernel us | tuned kernel us | gain % |\n"
@@ -472,10 +462,10 @@ def print_tuned(plan: list[tuple[str, tuple]]) -> list[dict]:
     """Kernel time of the tuned config beside the heuristic's, now, for the shapes whose tuned config
     is cached (masked: the sum over two masked_m patterns); prints the table, returns its rows."""
     from moe_jax.bench._cli import log
-    from custom_calls.deep_gemm import autotune
+    from moe_jax.bench.autotune_search import compare_cached
 
     try:
-        rows = autotune.compare_cached(tuning_problems(plan))
+        rows = compare_cached(tuning_problems(plan))
     except Exception as e:  # the main table stands without this one; say why it is missing
         log(f"tuned vs heuristic unavailable: {type(e).__name__}: {e}")
         return []

@@ -55,7 +55,7 @@ def _summary(events: list[tuple[str, int, int]], layers: int) -> dict:
 def setup(layout: str) -> tuple:
     """(config, params, the layout moe_forward is called with) of the benchmark layer in `layout`,
     built once for every token count (1.4 GB of weights)."""
-    from moe_jax.bench.layer import _bench_params, _config
+    from moe_jax.bench.layer_model import _bench_params, _config
     from moe_jax.params import prepare_params
 
     cfg = _config()
@@ -73,7 +73,7 @@ def measure(tokens: int, layout: str, layer: tuple, *, reps: int, chain: int, lo
 
     from custom_calls.profiling import gpu_kernel_events
     from moe_jax.bench._timing import _over_sets, time_stream
-    from moe_jax.bench.layer import _weight_bytes
+    from moe_jax.bench.layer_model import _weight_bytes
     from moe_jax.layer import moe_forward
 
     cfg, params, call_layout = layer
@@ -140,8 +140,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from moe_jax.bench._cli import cannot_run, log, write_json
+    from moe_jax.bench._timing import xla_copy_bandwidth
     from moe_jax.bench.gemm import gpu_reason
-    from moe_jax.bench.layer import _copy_bandwidth
 
     if cannot_run("moe_jax.bench timeline", gpu_reason()):
         return 2
@@ -164,7 +164,7 @@ def run(args) -> int:
     # in the order given, repeats included (A,B,A,B interleaves two forms against clock drift)
     results = [measure(m, lay, built[weights_of(lay)], reps=args.reps, chain=args.chain, log=log)
                for m in tokens for lay in layouts]
-    bw = _copy_bandwidth(1 << 30)
+    bw = xla_copy_bandwidth(1 << 30)
     roofline_us = results[0]["weights_bytes"] / bw * 1e6
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; weights-once roofline {roofline_us:.1f} µs")
     for res in results:

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 
 import jax
 import jax.numpy as jnp
 
-from moe_jax.bench._cli import log
+from moe_jax.bench._cli import failure, log
 from moe_jax.bench._timing import device_time, time_op
 
 
@@ -52,13 +53,15 @@ def copy_bandwidth() -> dict:
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < N), mask=offs < N)
 
+    def triton_copy(block: int, warps: int):
+        return lambda a: triton_call(a, kernel=copy_kernel, out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype)],
+                                     grid=(n // block,), num_warps=warps, N=n, BLOCK=block)[0]
+
     n = 1 << 30
     xb = [jax.random.normal(jax.random.PRNGKey(i), (n,), jnp.bfloat16) for i in range(2)]
-    res = dict(xla_bf16=2 * n * 2 / time_op(lambda a: -a, [(a,) for a in xb]))
+    res = {"xla_bf16": 2 * n * 2 / time_op(lambda a: -a, [(a,) for a in xb])}
     for block, warps in ((4096, 4), (8192, 8), (16384, 8)):
-        t = time_op(lambda a: triton_call(a, kernel=copy_kernel, out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype)],
-                                          grid=(n // block,), num_warps=warps, N=n, BLOCK=block)[0],
-                    [(a,) for a in xb])
+        t = time_op(triton_copy(block, warps), [(a,) for a in xb])
         res[f"triton_copy_{block}_{warps}w"] = 2 * n * 2 / t
     del xb
     xf = [jax.random.normal(jax.random.PRNGKey(i), (n // 2,), jnp.float32) for i in range(2)]
@@ -80,135 +83,219 @@ def configs(default, variants: list[dict], sweep: bool) -> list[tuple[str, objec
 
 
 # Tiling variants timed against each kernel's heuristic config (fields of its config dataclass).
-QUANT_SWEEP = [dict(block_m=8), dict(block_m=8, num_warps=8), dict(tile=2048, block_m=2),
-               dict(block_m=16, num_warps=8), dict(tile=2048, num_warps=8), dict(block_m=1),
-               dict(chunks_fastest=False)]
-PERMUTE_SWEEP = [dict(tokens=1), dict(tokens=2), dict(num_warps=8), dict(tokens=8, num_warps=8),
-                 dict(tokens=2, tile=2048, num_warps=8), dict(chunks_fastest=False),
-                 dict(image_rows=256, image_groups=4), dict(image_rows=64, image_groups=16)]
-ACT_SWEEP = [dict(num_warps=8), dict(block_m=8, num_warps=8), dict(block_m=2), dict(tile=2048, num_warps=8),
-             dict(chunks_fastest=False)]
-UNPERMUTE_SWEEP = [dict(num_warps=8), dict(block_h=2048, num_warps=8), dict(block_h=512, num_warps=2)]
+QUANT_SWEEP = [{"block_m": 8}, {"block_m": 8, "num_warps": 8}, {"tile": 2048, "block_m": 2},
+               {"block_m": 16, "num_warps": 8}, {"tile": 2048, "num_warps": 8}, {"block_m": 1},
+               {"chunks_fastest": False}]
+PERMUTE_SWEEP = [{"tokens": 1}, {"tokens": 2}, {"num_warps": 8}, {"tokens": 8, "num_warps": 8},
+                 {"tokens": 2, "tile": 2048, "num_warps": 8}, {"chunks_fastest": False},
+                 {"image_rows": 256, "image_groups": 4}, {"image_rows": 64, "image_groups": 16}]
+ACT_SWEEP = [{"num_warps": 8}, {"block_m": 8, "num_warps": 8}, {"block_m": 2}, {"tile": 2048, "num_warps": 8},
+             {"chunks_fastest": False}]
+UNPERMUTE_SWEEP = [{"num_warps": 8}, {"block_h": 2048, "num_warps": 8}, {"block_h": 512, "num_warps": 2}]
+
+# The shapes of the table (module docstring): prefill tokens, top-k, H, I, local experts, contig
+# alignment; decode tokens and their masked m_pad; the unpermute's routed_scaling_factor.
+_M, _K, _H, _INTER, _E, _ALIGN = 4096, 8, 7168, 2048, 32, 128
+_RECIPE, _ARCH = "fp8_block", 90
+_DECODE_M, _DECODE_M_PAD = 128, 256
+_SCALE = 2.5
+
+
+def _routes(key, m: int) -> jax.Array:
+    """Random routes of m tokens: _K distinct experts of _E each (int32)."""
+    return jnp.argsort(jax.random.uniform(key, (m, _E)), axis=1)[:, :_K].astype(jnp.int32)
+
+
+def _activation_spec():
+    from custom_calls.activation import ActivationSpec
+
+    return ActivationSpec(kind="silu", swiglu_limit=7.0)
+
+
+def _kernel_row(name: str, fn, sets: list[tuple], nbytes: int, bw: float, ref_fn=None, config=None) -> dict:
+    """A kernel's row: wall and kernel time of fn over the argument sets, bandwidth from the kernel
+    time (against `bw`, the best copy ceiling, and 4.3 TB/s), and the reference's wall time when
+    `ref_fn` is given; "error" when it failed."""
+    row = {"kernel": name, "bytes": nbytes}
+    if config is not None:
+        row["config"] = dataclasses.asdict(config)
+    try:
+        t = time_op(fn, sets)
+        dev = device_time(fn, sets)
+        kt = dev.pop("total")
+        row.update(us=t * 1e6, kernel_us=kt * 1e6, kernels={n: v * 1e6 for n, v in dev.items()},
+                   GBps=nbytes / kt / 1e9, pct_copy=100 * nbytes / kt / bw, pct_4300=100 * nbytes / kt / 4.3e12)
+        if ref_fn is not None:
+            tr = time_op(ref_fn, sets, rounds=3, chain=2)
+            row.update(ref_us=tr * 1e6, speedup=tr / t)
+    except Exception as exc:  # noqa: BLE001  report the row as failed and go on
+        row["error"] = failure(exc)
+    return row
+
+
+@dataclasses.dataclass
+class _Table:
+    """The rows being built, each logged as a JSON line on stderr when added; `bw`: the best copy
+    ceiling (B/s) that the bandwidth columns compare with."""
+
+    bw: float
+    rows: list[dict] = dataclasses.field(default_factory=list)
+
+    def append(self, row: dict) -> None:
+        self.rows.append(row)
+        log(json.dumps(row))
+
+    def add(self, name: str, fn, sets: list[tuple], nbytes: int, ref_fn=None, config=None) -> None:
+        self.append(_kernel_row(name, fn, sets, nbytes, self.bw, ref_fn, config))
+
+    def add_sweep(self, name: str, kernel, default, variants: list[dict], sweep: bool, sets: list[tuple],
+                  nbytes: int, ref_fn) -> None:
+        """One row per config of `configs(default, variants, sweep)`, timing kernel(*args, config=c);
+        the heuristic's row also times `ref_fn`."""
+        for label, cfg in configs(default, variants, sweep):
+            self.add(f"{name} {label}", functools.partial(kernel, config=cfg), sets, nbytes,
+                     ref_fn if label == "heuristic" else None, config=cfg)
 
 
 def run(reps: int = 6, decode: bool = True, sweep: bool = True) -> list[dict]:
     """The rows of the table (the first holds the copy ceilings); a row that failed holds "error"."""
-    from custom_calls.activation import ActivationSpec, activation_quant_contig, activation_quant_masked
-    from custom_calls.act_quant import quantize_activation
-    from custom_calls.permute import permute_contig, permute_masked
-    from custom_calls.triton import activation_kernel, permute_kernel, quant_kernel, unpermute_kernel
-    from custom_calls.unpermute import unpermute
-    from moe_jax.dispatch import dispatch_contig, dispatch_masked
+    from moe_jax.dispatch import dispatch_contig
 
-    m, k, h, inter, e, align = 4096, 8, 7168, 2048, 32, 128
-    recipe, arch = "fp8_block", 90
-    act = ActivationSpec(kind="silu", swiglu_limit=7.0)
-    bf16 = jnp.bfloat16
     keys = jax.random.split(jax.random.PRNGKey(0), reps)
-
-    def routes(key, m):
-        return jnp.argsort(jax.random.uniform(key, (m, e)), axis=1)[:, :k].astype(jnp.int32)
-
     bws = copy_bandwidth()
-    bw = max(bws.values())
     log(json.dumps({k: v / 1e9 for k, v in bws.items()}))
-    xs = [jax.random.normal(kk, (m, h), bf16) for kk in keys]
-    disp = [dispatch_contig(routes(jax.random.fold_in(kk, 1), m), num_local_experts=e, alignment=align)
+    table = _Table(bw=max(bws.values()))
+    xs = [jax.random.normal(kk, (_M, _H), jnp.bfloat16) for kk in keys]
+    disp = [dispatch_contig(_routes(jax.random.fold_in(kk, 1), _M), num_local_experts=_E, alignment=_ALIGN)
             for kk in keys]
-    rows = disp[0].num_rows_cap
-    table = []
-
-    def add(name, fn, sets, nbytes, ref_fn=None, config=None):
-        row = dict(kernel=name, bytes=nbytes)
-        if config is not None:
-            row["config"] = dataclasses.asdict(config)
-        try:
-            t = time_op(fn, sets)
-            dev = device_time(fn, sets)
-            kt = dev.pop("total")
-            row.update(us=t * 1e6, kernel_us=kt * 1e6, kernels={n: v * 1e6 for n, v in dev.items()},
-                       GBps=nbytes / kt / 1e9, pct_copy=100 * nbytes / kt / bw, pct_4300=100 * nbytes / kt / 4.3e12)
-            if ref_fn is not None:
-                tr = time_op(ref_fn, sets, rounds=3, chain=2)
-                row.update(ref_us=tr * 1e6, speedup=tr / t)
-        except Exception as exc:  # report the row as failed and go on
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
-        table.append(row)
-        log(json.dumps(row))
-
-    # 1. per-token-group quant (x -> e4m3 + fp32 MN-major image)
-    q, img = quantize_activation(xs[0], recipe, arch)
-    qbytes = _nbytes(xs[0], q, img)
-    for label, cfg in configs(quant_kernel.heuristic_config(recipe, arch), QUANT_SWEEP, sweep):
-        add(f"quant (M,H) {label}", lambda x, c=cfg: quant_kernel.quantize_activation(x, recipe, arch, config=c),
-            [(x,) for x in xs], qbytes,
-            (lambda x: quantize_activation(x, recipe, arch)) if label == "heuristic" else None, config=cfg)
-    # 2. permute contig: scatter + quant + zero rows
-    lhs, img = permute_contig(xs[0], disp[0].src2dst, num_rows=rows, recipe=recipe, arch=arch)
-    pbytes = _nbytes(xs[0], lhs, img, disp[0].src2dst)
-    del lhs
-    for label, cfg in configs(permute_kernel.heuristic_config(recipe), PERMUTE_SWEEP, sweep):
-        add(f"permute_contig (M_cap={rows}) {label}",
-            lambda x, s, c=cfg: permute_kernel.permute_contig(x, s, num_rows=rows, recipe=recipe, arch=arch, config=c),
-            [(x, d.src2dst) for x, d in zip(xs, disp)], pbytes,
-            (lambda x, s: permute_contig(x, s, num_rows=rows, recipe=recipe, arch=arch, backend="reference"))
-            if label == "heuristic" else None, config=cfg)
-    # 3. activation + quant contig
-    gu = [jax.random.normal(kk, (rows, 2 * inter), bf16) for kk in keys]
-    a, img = activation_quant_contig(gu[0], act=act, recipe=recipe, arch=arch)
-    abytes = _nbytes(gu[0], a, img)
-    for label, cfg in configs(activation_kernel.heuristic_config(inter, recipe), ACT_SWEEP, sweep):
-        add(f"act_quant_contig silu+limit {label}",
-            lambda g, c=cfg: activation_kernel.activation_quant_contig(g, act=act, recipe=recipe, arch=arch, config=c),
-            [(g,) for g in gu], abytes,
-            (lambda g: activation_quant_contig(g, act=act, recipe=recipe, arch=arch, backend="reference"))
-            if label == "heuristic" else None, config=cfg)
-    del gu
-    # 4. unpermute
-    ds = [jax.random.normal(kk, (rows, h), bf16) for kk in keys]
-    ws = [jax.random.uniform(kk, (m, k)) for kk in keys]
-    ubytes = m * k * h * 2 + _nbytes(disp[0].src2dst, ws[0]) + m * h * 2
-    for label, cfg in configs(unpermute_kernel.heuristic_config(), UNPERMUTE_SWEEP, sweep):
-        add(f"unpermute {label}",
-            lambda d, s, w, c=cfg: unpermute_kernel.unpermute(d, s, w, routed_scaling_factor=2.5, out_dtype=bf16,
-                                                              config=c),
-            [(d, dd.src2dst, w) for d, dd, w in zip(ds, disp, ws)], ubytes,
-            (lambda d, s, w: unpermute(d, s, w, routed_scaling_factor=2.5, backend="reference"))
-            if label == "heuristic" else None, config=cfg)
-    del ds
-    # jnp stages outside the kernels
-    ids = [routes(jax.random.fold_in(kk, 1), m) for kk in keys]
-    for be in ("reference", "triton"):
-        t = time_op(lambda i: dispatch_contig(i, num_local_experts=e, alignment=align, backend=be), [(i,) for i in ids])
-        table.append(dict(kernel=f"dispatch_contig ({be} ranking)", us=t * 1e6))
-        log(json.dumps(table[-1]))
-    for name, t in routing_bench(m, reps).items():
-        table.append(dict(kernel=f"routing {name}" + ("" if "triton" in name else " (XLA)"), us=t * 1e6))
-        log(json.dumps(table[-1]))
+    _quant_rows(table, xs, sweep)
+    _permute_rows(table, xs, disp, sweep)
+    _activation_rows(table, keys, disp[0].num_rows_cap, sweep)
+    _unpermute_rows(table, keys, disp, sweep)
+    _outside_rows(table, keys, reps)
     if decode:
-        md, m_pad = 128, 256
-        xd = [jax.random.normal(kk, (md, h), bf16) for kk in keys]
-        dm = [dispatch_masked(routes(jax.random.fold_in(kk, 2), md), num_local_experts=e, m_pad=m_pad,
-                              num_experts_global=e) for kk in keys]
-        _, img = permute_masked(xd[0], dm[0].src2dst, num_groups=e, m_pad=m_pad, recipe=recipe, arch=arch)
-        add("decode permute_masked (bytes of routed rows)",
-            lambda x, s: permute_kernel.permute_masked(x, s, num_groups=e, m_pad=m_pad, recipe=recipe, arch=arch),
-            [(x, d.src2dst) for x, d in zip(xd, dm)], _nbytes(xd[0], img, dm[0].src2dst) + md * k * h,
-            lambda x, s: permute_masked(x, s, num_groups=e, m_pad=m_pad, recipe=recipe, arch=arch,
-                                        backend="reference"))
-        gm = [jax.random.normal(kk, (e, m_pad, 2 * inter), bf16) for kk in keys]
-        real = md * k
-        add("decode act_quant_masked (bytes of real rows)",
-            lambda g, mm: activation_kernel.activation_quant_masked(g, mm, act=act, recipe=recipe, arch=arch),
-            [(g, d.masked_m) for g, d in zip(gm, dm)], real * (2 * inter * 2 + inter + 16 * 4),
-            lambda g, mm: activation_quant_masked(g, mm, act=act, recipe=recipe, arch=arch, backend="reference"))
-        ds = [jax.random.normal(kk, (e * m_pad, h), bf16) for kk in keys]
-        wd = [jax.random.uniform(kk, (md, k)) for kk in keys]
-        add("decode unpermute",
-            lambda d, s, w: unpermute_kernel.unpermute(d, s, w, routed_scaling_factor=2.5, out_dtype=bf16),
-            [(d, dd.src2dst, w) for d, dd, w in zip(ds, dm, wd)], md * k * h * 2 + md * h * 2,
-            lambda d, s, w: unpermute(d, s, w, routed_scaling_factor=2.5, backend="reference"))
-    return [dict(copy_GBps={k: v / 1e9 for k, v in bws.items()})] + table
+        _decode_rows(table, keys)
+    return [{"copy_GBps": {k: v / 1e9 for k, v in bws.items()}}] + table.rows
+
+
+def _quant_rows(table: _Table, xs: list, sweep: bool) -> None:
+    """Per-token-group quant (x -> e4m3 + fp32 MN-major image)."""
+    from custom_calls.act_quant import quantize_activation
+    from custom_calls.triton import quant_kernel
+
+    def kernel(x, config):
+        return quant_kernel.quantize_activation(x, _RECIPE, _ARCH, config=config)
+
+    def reference(x):
+        return quantize_activation(x, _RECIPE, _ARCH)
+
+    q, img = quantize_activation(xs[0], _RECIPE, _ARCH)
+    table.add_sweep("quant (M,H)", kernel, quant_kernel.heuristic_config(_RECIPE, _ARCH), QUANT_SWEEP, sweep,
+                    [(x,) for x in xs], _nbytes(xs[0], q, img), reference)
+
+
+def _permute_rows(table: _Table, xs: list, disp: list, sweep: bool) -> None:
+    """Permute contig: scatter + quant + zero rows."""
+    from custom_calls.permute import permute_contig
+    from custom_calls.triton import permute_kernel
+
+    rows = disp[0].num_rows_cap
+
+    def kernel(x, s, config):
+        return permute_kernel.permute_contig(x, s, num_rows=rows, recipe=_RECIPE, arch=_ARCH, config=config)
+
+    def reference(x, s):
+        return permute_contig(x, s, num_rows=rows, recipe=_RECIPE, arch=_ARCH, backend="reference")
+
+    lhs, img = permute_contig(xs[0], disp[0].src2dst, num_rows=rows, recipe=_RECIPE, arch=_ARCH)
+    nbytes = _nbytes(xs[0], lhs, img, disp[0].src2dst)
+    del lhs, img
+    table.add_sweep(f"permute_contig (M_cap={rows})", kernel, permute_kernel.heuristic_config(_RECIPE),
+                    PERMUTE_SWEEP, sweep, [(x, d.src2dst) for x, d in zip(xs, disp)], nbytes, reference)
+
+
+def _activation_rows(table: _Table, keys, rows: int, sweep: bool) -> None:
+    """Activation + quant, contig, on random gate-up rows."""
+    from custom_calls.activation import activation_quant_contig
+    from custom_calls.triton import activation_kernel
+
+    act = _activation_spec()
+
+    def kernel(g, config):
+        return activation_kernel.activation_quant_contig(g, act=act, recipe=_RECIPE, arch=_ARCH, config=config)
+
+    def reference(g):
+        return activation_quant_contig(g, act=act, recipe=_RECIPE, arch=_ARCH, backend="reference")
+
+    gu = [jax.random.normal(kk, (rows, 2 * _INTER), jnp.bfloat16) for kk in keys]
+    a, img = activation_quant_contig(gu[0], act=act, recipe=_RECIPE, arch=_ARCH)
+    table.add_sweep("act_quant_contig silu+limit", kernel, activation_kernel.heuristic_config(_INTER, _RECIPE),
+                    ACT_SWEEP, sweep, [(g,) for g in gu], _nbytes(gu[0], a, img), reference)
+
+
+def _unpermute_rows(table: _Table, keys, disp: list, sweep: bool) -> None:
+    """Unpermute (weighted sum of each token's routed rows) on random GEMM2 outputs."""
+    from custom_calls.triton import unpermute_kernel
+    from custom_calls.unpermute import unpermute
+
+    def kernel(d, s, w, config):
+        return unpermute_kernel.unpermute(d, s, w, routed_scaling_factor=_SCALE, out_dtype=jnp.bfloat16,
+                                          config=config)
+
+    def reference(d, s, w):
+        return unpermute(d, s, w, routed_scaling_factor=_SCALE, backend="reference")
+
+    ds = [jax.random.normal(kk, (disp[0].num_rows_cap, _H), jnp.bfloat16) for kk in keys]
+    ws = [jax.random.uniform(kk, (_M, _K)) for kk in keys]
+    nbytes = _M * _K * _H * 2 + _nbytes(disp[0].src2dst, ws[0]) + _M * _H * 2
+    table.add_sweep("unpermute", kernel, unpermute_kernel.heuristic_config(), UNPERMUTE_SWEEP, sweep,
+                    [(d, dd.src2dst, w) for d, dd, w in zip(ds, disp, ws)], nbytes, reference)
+
+
+def _outside_rows(table: _Table, keys, reps: int) -> None:
+    """What stays outside the kernels, by wall time: the dispatcher's slot assignment per ranking
+    backend, and routing (`routing_bench`)."""
+    from moe_jax.dispatch import dispatch_contig
+
+    ids = [_routes(jax.random.fold_in(kk, 1), _M) for kk in keys]
+    for be in ("reference", "triton"):
+        dispatch = functools.partial(dispatch_contig, num_local_experts=_E, alignment=_ALIGN, backend=be)
+        t = time_op(dispatch, [(i,) for i in ids])
+        table.append({"kernel": f"dispatch_contig ({be} ranking)", "us": t * 1e6})
+    for name, t in routing_bench(_M, reps).items():
+        table.append({"kernel": f"routing {name}" + ("" if "triton" in name else " (XLA)"), "us": t * 1e6})
+
+
+def _decode_rows(table: _Table, keys) -> None:
+    """The decode shape (masked): permute, activation + quant, unpermute at their heuristic configs."""
+    from custom_calls.activation import activation_quant_masked
+    from custom_calls.permute import permute_masked
+    from custom_calls.triton import activation_kernel, permute_kernel, unpermute_kernel
+    from custom_calls.unpermute import unpermute
+    from moe_jax.dispatch import dispatch_masked
+
+    md, m_pad, act, bf16 = _DECODE_M, _DECODE_M_PAD, _activation_spec(), jnp.bfloat16
+    masked = {"num_groups": _E, "m_pad": m_pad, "recipe": _RECIPE, "arch": _ARCH}
+    xd = [jax.random.normal(kk, (md, _H), bf16) for kk in keys]
+    dm = [dispatch_masked(_routes(jax.random.fold_in(kk, 2), md), num_local_experts=_E, m_pad=m_pad,
+                          num_experts_global=_E) for kk in keys]
+    _, img = permute_masked(xd[0], dm[0].src2dst, **masked)
+    table.add("decode permute_masked (bytes of routed rows)",
+              lambda x, s: permute_kernel.permute_masked(x, s, **masked),
+              [(x, d.src2dst) for x, d in zip(xd, dm)], _nbytes(xd[0], img, dm[0].src2dst) + md * _K * _H,
+              lambda x, s: permute_masked(x, s, **masked, backend="reference"))
+    gm = [jax.random.normal(kk, (_E, m_pad, 2 * _INTER), bf16) for kk in keys]
+    quant = {"act": act, "recipe": _RECIPE, "arch": _ARCH}
+    table.add("decode act_quant_masked (bytes of real rows)",
+              lambda g, mm: activation_kernel.activation_quant_masked(g, mm, **quant),
+              [(g, d.masked_m) for g, d in zip(gm, dm)], md * _K * (2 * _INTER * 2 + _INTER + 16 * 4),
+              lambda g, mm: activation_quant_masked(g, mm, **quant, backend="reference"))
+    ds = [jax.random.normal(kk, (_E * m_pad, _H), bf16) for kk in keys]
+    wd = [jax.random.uniform(kk, (md, _K)) for kk in keys]
+    table.add("decode unpermute",
+              lambda d, s, w: unpermute_kernel.unpermute(d, s, w, routed_scaling_factor=_SCALE, out_dtype=bf16),
+              [(d, dd.src2dst, w) for d, dd, w in zip(ds, dm, wd)], md * _K * _H * 2 + md * _H * 2,
+              lambda d, s, w: unpermute(d, s, w, routed_scaling_factor=_SCALE, backend="reference"))
 
 
 def routing_bench(m: int = 4096, reps: int = 6) -> dict:
@@ -230,10 +317,10 @@ def routing_bench(m: int = 4096, reps: int = 6) -> dict:
         return lambda lg: route_topk(lg, bias, top_k=cfg.top_k, scoring=cfg.scoring, n_group=cfg.n_group,
                                      topk_group=cfg.topk_group, norm_topk_prob=True, backend=backend)
 
-    return dict(grouped_topk=time_op(selection("reference"), [(lg,) for lg in logits]),
-                grouped_topk_triton=time_op(selection("triton"), [(lg,) for lg in logits]),
-                plain_topk=time_op(lambda lg: jax.lax.top_k(lg, cfg.top_k), [(lg,) for lg in logits]),
-                gate_gemm=time_op(lambda x: router_logits(x, gw), [(x,) for x in xs]))
+    return {"grouped_topk": time_op(selection("reference"), [(lg,) for lg in logits]),
+            "grouped_topk_triton": time_op(selection("triton"), [(lg,) for lg in logits]),
+            "plain_topk": time_op(lambda lg: jax.lax.top_k(lg, cfg.top_k), [(lg,) for lg in logits]),
+            "gate_gemm": time_op(lambda x: router_logits(x, gw), [(x,) for x in xs])}
 
 
 ROUTING_SHAPES = (("prefill", 4096, "contig"), ("prefill", 16384, "contig"), ("decode", 128, "masked"))
@@ -247,8 +334,12 @@ def routing_cases(tokens: int, layout: str, sweep: bool = False) -> dict:
     """{row label: (input name, fn)} of `--routing-only` for one shape (fns of x, logits or ids,
     jit-able): gate GEMM, the epilogue variants (with `sweep`, also the ROUTING_SWEEP tilings),
     the dispatch-map variants on ids routed beforehand, and route + dispatch old and new."""
-    from custom_calls.dispatch_map import (dispatch_map_contig, dispatch_map_contig_xla, dispatch_map_masked,
-                                           dispatch_map_masked_xla)
+    from custom_calls.dispatch_map import (
+        dispatch_map_contig,
+        dispatch_map_contig_xla,
+        dispatch_map_masked,
+        dispatch_map_masked_xla,
+    )
     from custom_calls.route_topk import route_topk
     from moe_jax.config import MoEConfig
     from moe_jax.dispatch import default_masked_m_pad
@@ -258,8 +349,8 @@ def routing_cases(tokens: int, layout: str, sweep: bool = False) -> dict:
     e_loc, align, m_pad = ROUTING_LOCAL_EXPERTS, cfg.alignment, default_masked_m_pad(tokens)
     bias = 0.1 * jax.random.normal(jax.random.PRNGKey(8), (cfg.num_experts,), jnp.float32)
     gw = (0.02 * jax.random.normal(jax.random.PRNGKey(9), (cfg.num_experts, cfg.hidden_size))).astype(jnp.bfloat16)
-    sel = dict(top_k=cfg.top_k, scoring=cfg.scoring, n_group=cfg.n_group, topk_group=cfg.topk_group,
-               norm_topk_prob=True)
+    sel = {"top_k": cfg.top_k, "scoring": cfg.scoring, "n_group": cfg.n_group, "topk_group": cfg.topk_group,
+           "norm_topk_prob": True}
 
     def epilogue(which, tiling=None):
         def run(lg):
@@ -274,11 +365,11 @@ def routing_cases(tokens: int, layout: str, sweep: bool = False) -> dict:
     def dispatch(which):
         def run(ids):
             if layout == "contig":
-                kw = dict(num_local_experts=e_loc, alignment=align)
+                kw = {"num_local_experts": e_loc, "alignment": align}
                 if which == "old":
                     return dispatch_map_contig_xla(ids, 0, **kw, rank_backend="triton")
                 return dispatch_map_contig(ids, 0, **kw, backend="triton" if which == "new" else "reference")
-            kw = dict(num_local_experts=e_loc, m_pad=m_pad)
+            kw = {"num_local_experts": e_loc, "m_pad": m_pad}
             if which == "old":
                 return dispatch_map_masked_xla(ids, 0, **kw, rank_backend="triton")
             return dispatch_map_masked(ids, 0, **kw, backend="triton" if which == "new" else "reference")
@@ -306,30 +397,40 @@ def routing_cases(tokens: int, layout: str, sweep: bool = False) -> dict:
 
 def run_routing(reps: int = 6, shapes=ROUTING_SHAPES, sweep: bool = True) -> list[dict]:
     """Rows of `--routing-only` (module docstring); a row that failed holds "error"."""
-    from moe_jax.config import MoEConfig
-
-    cfg = MoEConfig.deepseek_v3()
     table = []
     for phase, m, layout in shapes:
-        keys = jax.random.split(jax.random.PRNGKey(m), reps)
-        inputs = dict(x=[jax.random.normal(kk, (m, cfg.hidden_size), jnp.bfloat16) for kk in keys],
-                      logits=[jax.random.normal(kk, (m, cfg.num_experts), jnp.float32) for kk in keys])
-        # routes as the layer sees them: top-8 of 256 (distinct per token), about 1/8 held here
-        inputs["ids"] = [jnp.argsort(jax.random.uniform(kk, (m, cfg.num_experts)), axis=1)[:, :cfg.top_k]
-                         .astype(jnp.int32) for kk in keys]
+        inputs = _routing_inputs(m, reps)
         for label, (arg, fn) in routing_cases(m, layout, sweep).items():
-            row = dict(kernel=f"{phase} M={m} {label}", phase=phase, tokens=m, layout=layout)
-            sets = [(a,) for a in inputs[arg]]
-            try:
-                row["us"] = time_op(fn, sets) * 1e6
-                dev = device_time(fn, sets)
-                row["kernel_us"] = dev.pop("total") * 1e6
-                row["kernels"] = {n: v * 1e6 for n, v in dev.items()}
-            except Exception as exc:  # report the row as failed and go on
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            row = {"kernel": f"{phase} M={m} {label}", "phase": phase, "tokens": m, "layout": layout}
+            _time_routing_row(row, fn, [(a,) for a in inputs[arg]])
             table.append(row)
             log(json.dumps(row))
     return table
+
+
+def _routing_inputs(m: int, reps: int) -> dict[str, list]:
+    """`reps` random sets of m tokens, by the name `routing_cases` gives its input: x, logits, ids."""
+    from moe_jax.config import MoEConfig
+
+    cfg = MoEConfig.deepseek_v3()
+    keys = jax.random.split(jax.random.PRNGKey(m), reps)
+    inputs = {"x": [jax.random.normal(kk, (m, cfg.hidden_size), jnp.bfloat16) for kk in keys],
+              "logits": [jax.random.normal(kk, (m, cfg.num_experts), jnp.float32) for kk in keys]}
+    # routes as the layer sees them: top-8 of 256 (distinct per token), about 1/8 held here
+    inputs["ids"] = [jnp.argsort(jax.random.uniform(kk, (m, cfg.num_experts)), axis=1)[:, :cfg.top_k]
+                     .astype(jnp.int32) for kk in keys]
+    return inputs
+
+
+def _time_routing_row(row: dict, fn, sets: list[tuple]) -> None:
+    """Wall time, then kernel time of fn, into `row` field by field (a failure keeps what was measured)."""
+    try:
+        row["us"] = time_op(fn, sets) * 1e6
+        dev = device_time(fn, sets)
+        row["kernel_us"] = dev.pop("total") * 1e6
+        row["kernels"] = {n: v * 1e6 for n, v in dev.items()}
+    except Exception as exc:  # noqa: BLE001  report the row as failed and go on
+        row["error"] = failure(exc)
 
 
 def print_routing_table(table: list[dict]) -> None:
