@@ -112,3 +112,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty tuned-config and kernel cache of the test's own (the autotuner tests)."""
+    from custom_calls.deep_gemm import autotune
+
+    monkeypatch.setenv("MOE_JAX_CACHE_DIR", str(tmp_path))
+    autotune.clear_memory_cache()
+    yield tmp_path
+    autotune.clear_memory_cache()

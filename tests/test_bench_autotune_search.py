@@ -25,15 +25,6 @@ from test_deep_gemm_autotune import DEVICE, PROBLEMS, _entry, _id, _other, _p
 from test_deep_gemm_host import needs_nvcc
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """An empty tuned-config cache of this test's own."""
-    monkeypatch.setenv("MOE_JAX_CACHE_DIR", str(tmp_path))
-    A.clear_memory_cache()
-    yield tmp_path
-    A.clear_memory_cache()
-
-
 @pytest.mark.parametrize("p", PROBLEMS, ids=_id)
 def test_search_lists_start_from_the_heuristic_and_stay_legal(p):
     heur = G.sm90_gemm_config(p, 132)

@@ -157,14 +157,6 @@ def test_problem_and_policy_validation():
 
 # --- the cache ----------------------------------------------------------------------------------
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOE_JAX_CACHE_DIR", str(tmp_path))
-    A.clear_memory_cache()
-    yield tmp_path
-    A.clear_memory_cache()
-
-
 def _entry(p: GemmProblem, cfg: G.Sm90GemmConfig) -> A.TunedEntry:
     return A.TunedEntry(config=cfg, heuristic=G.sm90_gemm_config(p, 132), tuned=cfg != G.sm90_gemm_config(p, 132),
                         heuristic_us=(100.0, 101.0), config_us=(90.0, 91.0), num_candidates=20, created="now")

@@ -10,7 +10,7 @@ from custom_calls.native.launch_plan import NULL, TMA_BFLOAT16, TMA_FLOAT32, Lau
 from . import autotune
 from .codegen import CD_DTYPE, GEMM_TYPE, K_MAJOR, cpp_bool, translation_unit
 from .family import KernelFamily, Sm90Tiling
-from .sm90_gemm import Sm90GemmConfig, sm90_cd_box, sm90_kernel_name
+from .sm90_gemm import Sm90GemmConfig, sm90_cd_box, sm90_kernel_name, sm90_operand_rows
 
 SYMBOL = "sm90_bf16_gemm"
 
@@ -27,12 +27,9 @@ def source(cfg: Sm90GemmConfig, n: int, k: int) -> str:
 def plan(cfg: Sm90GemmConfig, cubin: str, *, m: int, n: int, k: int) -> LaunchPlan:
     """Operands: 0 lhs bf16, 1 rhs bf16, [2 m_indices | masked_m], then D (bf16 or f32).
     m: rows of lhs (normal/contig) or m_pad (masked); G: cfg.num_groups."""
-    num_groups = cfg.num_groups
     grouped = cfg.gemm_kind != "normal"
-    masked = cfg.gemm_kind == "masked"
     out = 3 if grouped else 2
-    rows_a = num_groups * m if masked else m
-    rows_b = num_groups * n if grouped else n
+    rows_a, rows_b = sm90_operand_rows(cfg, m, n)
     cd_esize = 2 if cfg.cd_dtype == "bf16" else 4
     cd_type = TMA_BFLOAT16 if cfg.cd_dtype == "bf16" else TMA_FLOAT32
     tmaps = (

@@ -13,7 +13,7 @@ from layouts.checks import align, ceil_div
 from . import autotune
 from .codegen import CD_DTYPE, GEMM_TYPE, K_MAJOR, cpp_bool, translation_unit
 from .family import KernelFamily, Sm90Tiling
-from .sm90_gemm import Sm90GemmConfig, sm90_cd_box, sm90_kernel_name
+from .sm90_gemm import Sm90GemmConfig, sm90_cd_box, sm90_kernel_name, sm90_operand_rows
 
 SYMBOL = "sm90_fp8_gemm_1d2d"
 
@@ -34,12 +34,10 @@ def plan(cfg: Sm90GemmConfig, cubin: str, *, m: int, n: int, k: int) -> LaunchPl
 
     m: rows of lhs (normal/contig) or m_pad (masked: lhs is (G, m_pad, K)); G: cfg.num_groups.
     """
-    num_groups = cfg.num_groups
     grouped = cfg.gemm_kind != "normal"
-    masked = cfg.gemm_kind == "masked"
     out = 5 if grouped else 4
-    rows_a = num_groups * m if masked else m
-    rows_b = num_groups * n if grouped else n
+    rows_a, rows_b = sm90_operand_rows(cfg, m, n)
+    scale_groups = cfg.num_groups if cfg.gemm_kind == "masked" else 1  # a masked A's scales per group
     sf_k = ceil_div(k, 128)
     tmaps = (
         TensorMap(0, TMA_UINT8, (k, rows_a), (k,), (cfg.swizzle_a, cfg.block_m), cfg.swizzle_a),
@@ -47,7 +45,7 @@ def plan(cfg: Sm90GemmConfig, cubin: str, *, m: int, n: int, k: int) -> LaunchPl
         TensorMap(out, TMA_BFLOAT16, (n, rows_a), (n * 2,), (sm90_cd_box(cfg, 2), cfg.block_m),
                   cfg.swizzle_cd if cfg.swizzle_cd >= 32 else 0),
         # The kernel expects exactly BLOCK_M scales per stage: the box is BM wide, not the padded M.
-        TensorMap(2, TMA_FLOAT32, (align(m, 4), sf_k * (num_groups if masked else 1)), (align(m, 4) * 4,),
+        TensorMap(2, TMA_FLOAT32, (align(m, 4), sf_k * scale_groups), (align(m, 4) * 4,),
                   (cfg.block_m, 1), 0),
     )
     args = (_ptr(3), _ptr(4) if grouped else NULL, _u32(m), _u32(n), _u32(k), _tmap(0), _tmap(1), _tmap(2), _tmap(3))

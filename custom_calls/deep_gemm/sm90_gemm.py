@@ -306,3 +306,10 @@ def sm90_kernel_name(cfg: Sm90GemmConfig, problem: GemmProblem) -> str:
 def sm90_cd_box(cfg: Sm90GemmConfig, esize: int) -> int:
     """Columns of the D store's TMA box: one swizzle atom, or the whole tile unswizzled."""
     return cfg.swizzle_cd // esize if cfg.swizzle_cd >= 32 else cfg.block_n
+
+
+def sm90_operand_rows(cfg: Sm90GemmConfig, m: int, n: int) -> tuple[int, int]:
+    """Rows the tensor maps of A and B span: a masked A is (G, m_pad, K), a grouped B (G, N, K);
+    m: rows of A (normal/contig) or m_pad (masked)."""
+    g = cfg.num_groups
+    return (g * m if cfg.gemm_kind == "masked" else m), (g * n if cfg.gemm_kind != "normal" else n)
