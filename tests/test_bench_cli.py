@@ -440,6 +440,43 @@ def test_goal_ratios_come_first_and_follow_their_definitions(capsys):
     assert "with routing 1080.0 us steady, 1070.0 us marginal (320 us once per stream)" in fused_line
 
 
+
+def test_layer_models_are_the_presets_routed_layers():
+    """`--model`: v3 the 32-expert V3 layer; v4 / v4-256 V4-Flash's routed layer (32 / 256 experts) with
+    its routing and clamp, MXFP4 experts that arch 90 runs as fp8_block; an unknown name is refused."""
+    from moe_jax.bench.layer_model import MODELS, _config
+    from moe_jax.config import MoEConfig
+
+    assert MODELS == ("v3", "v4", "v4-256")
+    v3, v4, v4_all = (_config(model=m) for m in MODELS)
+    assert (v3.num_experts, v3.top_k, v3.hidden_size, v3.scoring) == (32, 8, 7168, "sigmoid")
+    full = MoEConfig.deepseek_v4()
+    for cfg, experts in ((v4, 32), (v4_all, 256)):
+        assert cfg.num_experts == experts and cfg.n_shared_experts == 0 and cfg.arch == 90
+        for field in ("top_k", "hidden_size", "intermediate_size", "scoring", "use_correction_bias",
+                      "routed_scaling_factor", "activation", "recipe"):
+            assert getattr(cfg, field) == getattr(full, field), field
+        assert cfg.gemm_recipe == "fp8_block"  # the FP4 -> FP8 expansion on Hopper
+    small = _config(small=True, model="v4")
+    assert (small.num_experts, small.hidden_size, small.scoring) == (16, 256, "sqrtsoftplus")
+    with pytest.raises(ValueError, match="model: expected one of v3, v4, v4-256, got 'v5'"):
+        _config(model="v5")
+
+
+def test_v4_decode_goal_is_85_percent():
+    """The decode goal is the model's: 90 % for V3, 85 % for V4 (its smaller experts), from the same
+    row; a row without a model (written before --model) is V3's."""
+    stages = {s: 1.0 for s in STAGES}
+    row = dict(backend="auto", end_to_end_us=1.0, e2e_over_gemms=1.0, temp_MB=1.0, temp_bound_MB=2.0,
+               stages_us=stages, implementations={"m_grouped_gemm_masked": "deep_gemm"},
+               with_routing_us=570.0, gemms_us=400.0)
+    decode = dict(shape="decode", tokens=128, layout="masked", weights_GB=0.5, platform="gpu", auto=row)
+    for model, goal in ((None, 0.90), ("v3", 0.90), ("v4", 0.85), ("v4-256", 0.85)):
+        res = decode if model is None else dict(decode, model=model)
+        (g,) = bench_layer.goals([res], copy_gbps=1000.0)
+        assert g["goal"] == goal and g["wall"] == pytest.approx(500 / 570)
+        assert g["met"] == (500 / 570 >= goal)  # 87.7 %: V4's goal met, V3's not
+
 @pytest.mark.slow
 def test_layer_shared_variants_side_by_side_on_cpu(tmp_path):
     """`layer --shared bf16,fp8,fused` at the scaled CPU size: one row per variant, the FP8 variants

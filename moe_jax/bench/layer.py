@@ -2,8 +2,11 @@
 
 Shapes (`SHAPES`): prefill = 4096 tokens and prefill16k = 16384 tokens, contig layout; decode32,
 decode, decode512 = 32, 128, 512 tokens, masked layout (m_pad = tokens rounded up to 256); all with
-32 local experts (all of the model's), top-8 (sigmoid + correction bias, 8 groups of 4, top-4
-groups), H 7168, I 2048, fp8_block weights on arch 90, the router gate in bf16 (as DeepSeek's
+the layer of `--model`: v3 (default) DeepSeek-V3's with 32 local experts (all of the model's), top-8
+(sigmoid + correction bias, 8 groups of 4, top-4 groups), H 7168, I 2048, fp8_block weights; v4
+DeepSeek-V4-Flash's with a slice of 32 experts, top-6 (sqrtsoftplus + correction bias), swiglu_limit
+10, H 4096, I 2048, its MXFP4 experts expanded to fp8_block at load (arch 90 has no FP4 GEMM);
+v4-256 the same with all 256 experts. All on arch 90, the router gate in bf16 (as DeepSeek's
 checkpoints ship it), no shared expert (its dense MLP is not part of the routed path measured here).
 Backends: "auto" (Triton non-GEMM stages + DeepGEMM GEMMs on a supported GPU) and "reference" (pure
 JAX through XLA).
@@ -74,11 +77,11 @@ from moe_jax.bench.layer_measure import (
     STEPS_PER_BACKEND,
     bench_shape,
 )
-from moe_jax.bench.layer_model import _config, _fp32_model
+from moe_jax.bench.layer_model import MODELS, _config, _fp32_model
 from moe_jax.bench.layer_report import goals, plot, print_shared_table, print_table
 from moe_jax.bench.layer_shared import SHARED_VARIANTS, STEPS_PER_VARIANT, bench_shared
 
-__all__ = ["DEFAULT_SHAPES_NO_GPU", "SHAPES", "SHARED_VARIANTS", "STAGES", "_config", "_fp32_model",
+__all__ = ["DEFAULT_SHAPES_NO_GPU", "MODELS", "SHAPES", "SHARED_VARIANTS", "STAGES", "_config", "_fp32_model",
            "add_arguments", "bench_shape", "bench_shared", "goals", "plot", "print_shared_table", "print_table",
            "run", "run_shared"]
 
@@ -100,16 +103,16 @@ def run(args: argparse.Namespace) -> int:
     per_backend = STEPS_PER_BACKEND + FUSED_STEPS * int(args.fused)
     progress = Progress("layer", total=len(plan) * (1 + int(error) + per_backend * len(backends)) + 1)
     results = [bench_shape(name, m, layout, backends, args.reps, small=small, error=error, progress=progress,
-                           fused=args.fused)
+                           fused=args.fused, model=args.model)
                for name, m, layout in plan]
     progress.step("copy bandwidth")
     bw = xla_copy_bandwidth(1 << 20 if small else 1 << 30)
     progress.close()
     device = _device()
-    print_table(results, backends, device, bw / 1e9, scaled=small)
+    print_table(results, backends, device, bw / 1e9, scaled=small, model=args.model)
     if args.json:
-        write_json(args.json, {"device": device, "jax": jax.__version__, "backends": backends, "copy_GBps": bw / 1e9,
-                               "scaled": small, "results": results})
+        write_json(args.json, {"device": device, "jax": jax.__version__, "model": args.model, "backends": backends,
+                               "copy_GBps": bw / 1e9, "scaled": small, "results": results})
     if args.plot:
         plot(args.plot, results, backends, device)
     return exit_status([f"{res['shape']} {be}" for res in results for be in backends if "error" in res.get(be, {})])
@@ -126,7 +129,8 @@ def run_shared(args: argparse.Namespace) -> int:
         raise SystemExit("--plot: the stage plot is not drawn with --shared")
     backends, small, plan = _plan(args, DEFAULT_SHAPES_NO_GPU)
     progress = Progress("layer --shared", total=len(plan) * len(backends) * len(variants) * STEPS_PER_VARIANT)
-    results = [bench_shared(name, m, layout, variants, backends, args.reps, small=small, progress=progress)
+    results = [bench_shared(name, m, layout, variants, backends, args.reps, small=small, progress=progress,
+                            model=args.model)
                for name, m, layout in plan]
     progress.close()
     device = _device()
@@ -178,6 +182,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", default=None,
                         help=f"comma list of {', '.join(SHAPES)} (default: all on a GPU, "
                              f"{','.join(DEFAULT_SHAPES_NO_GPU)} scaled elsewhere)")
+    parser.add_argument("--model", choices=MODELS, default="v3",
+                        help="the layer: v3 (DeepSeek-V3, 32 experts; default), v4 (DeepSeek-V4-Flash, a slice of 32 "
+                             "experts), v4-256 (V4-Flash, all 256 experts); see Shapes above")
     parser.add_argument("--backends", default="auto,reference",
                         help="comma list of backend names (default: auto,reference)")
     parser.add_argument("--reps", type=int, default=4,

@@ -109,7 +109,7 @@ class LayerInputs:
         return [(self.params, x) for x in self.xs]
 
 
-def layer_inputs(m: int, layout: str, reps: int, small: bool) -> LayerInputs:
+def layer_inputs(m: int, layout: str, reps: int, small: bool, model: str = "v3") -> LayerInputs:
     """The benchmark layer's params (built and on the device) and `reps` random input sets of m
     tokens, routed by the layer's own router."""
     import jax
@@ -117,7 +117,7 @@ def layer_inputs(m: int, layout: str, reps: int, small: bool) -> LayerInputs:
 
     from moe_jax.routing import route
 
-    cfg = _config(small)
+    cfg = _config(small, model)
     params = _bench_params(cfg)
     jax.block_until_ready(params.w13)
     keys = jax.random.split(jax.random.PRNGKey(1), reps)
@@ -170,9 +170,11 @@ def _stream_fields(key: str, st: StreamTime) -> dict:
 
 
 def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, *, small: bool = False,
-                error: bool = True, progress: Progress | None = None, fused: bool = False) -> dict:
+                error: bool = True, progress: Progress | None = None, fused: bool = False,
+                model: str = "v3") -> dict:
     """One shape: {shape, tokens, layout, weights_GB, platform, <backend>: row} (row keys: `_bench_backend`).
-    fused: also time the fused layout (`_bench_fused`) for accelerated backends.
+    fused: also time the fused layout (`_bench_fused`) for accelerated backends. model: the layer
+    (`layer_model.MODELS`).
 
     progress: a `_cli.Progress` (one step per compile); None makes one on stderr."""
     import jax
@@ -181,8 +183,8 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
     if own:
         progress = Progress(name, total=1 + int(error) + STEPS_PER_BACKEND * len(backends))
     progress.step(f"{name}: parameters")
-    inputs = layer_inputs(m, layout, reps, small)
-    result = {"shape": name, "tokens": m, "layout": layout, "weights_GB": _weight_bytes(inputs.params) / 1e9,
+    inputs = layer_inputs(m, layout, reps, small, model)
+    result = {"shape": name, "model": model, "tokens": m, "layout": layout, "weights_GB": _weight_bytes(inputs.params) / 1e9,
               "platform": jax.default_backend()}
     ref32 = _reference_output(inputs, name, progress) if error else None
     for be in backends:

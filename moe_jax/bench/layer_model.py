@@ -7,13 +7,25 @@ import dataclasses
 from typing import Any
 
 
-def _config(small: bool = False) -> Any:
-    """DeepSeek-V3's routed layer on one rank: 32 local experts (all of the model's), top-8 of 8 groups
-    / top-4 groups, fp8_block weights on arch 90, no shared expert."""
+# --model: the layer measured. "v3": DeepSeek-V3's routed layer with 32 experts (top-8 of 8 groups / top-4
+# groups, sigmoid + correction bias, H 7168, I 2048); "v4": DeepSeek-V4-Flash's with a slice of 32 experts
+# (top-6, sqrtsoftplus + correction bias, swiglu_limit 10, H 4096, I 2048, MXFP4 experts, which arch 90
+# runs as fp8_block after the load-time FP4 -> FP8 expansion); "v4-256": the same with all 256 experts.
+MODELS = ("v3", "v4", "v4-256")
+
+
+def _config(small: bool = False, model: str = "v3") -> Any:
+    """The routed layer of `model` (`MODELS`) on one rank, arch 90, no shared expert (its dense MLP is
+    not part of the routed path measured here)."""
     from moe_jax.config import MoEConfig
 
-    cfg = MoEConfig.deepseek_v3(num_experts=32, n_shared_experts=0, n_group=8, topk_group=4,
-                                recipe="fp8_block", arch=90)
+    if model == "v3":
+        cfg = MoEConfig.deepseek_v3(num_experts=32, n_shared_experts=0, n_group=8, topk_group=4,
+                                    recipe="fp8_block", arch=90)
+    elif model in ("v4", "v4-256"):
+        cfg = MoEConfig.deepseek_v4(num_experts=32 if model == "v4" else 256, n_shared_experts=0, arch=90)
+    else:
+        raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {model!r}")
     if small:  # a smoke-test size for machines without a GPU
         cfg = cfg.scaled(num_experts=16, hidden_size=256, intermediate_size=128, top_k=4)
     return cfg

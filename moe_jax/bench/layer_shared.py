@@ -15,16 +15,16 @@ SHARED_VARIANTS = ("bf16", "fp8", "fused")
 STEPS_PER_VARIANT = 4  # parameters and implementations, layer, shared MLP, output
 
 
-def _shared_setup(variant: str, small: bool) -> tuple[Any, Any]:
+def _shared_setup(variant: str, small: bool, model: str) -> tuple[Any, Any]:
     """(config, GEMM-form params) of the benchmark layer with one shared expert run as `variant`;
     the same random draws for every variant (fp8 and fused quantize the bf16 shared weights)."""
-    cfg = dataclasses.replace(_config(small), n_shared_experts=1,
+    cfg = dataclasses.replace(_config(small, model), n_shared_experts=1,
                               fuse_shared_experts=variant == "fused")
     return cfg, _bench_params(cfg, shared_recipe="bf16" if variant == "bf16" else "fp8_block")
 
 
 def bench_shared(name: str, m: int, layout: str, variants: list[str], backends: list[str], reps: int, *,
-                 small: bool, progress: Progress) -> dict:
+                 small: bool, progress: Progress, model: str = "v3") -> dict:
     """One shape: {shape, tokens, layout, platform, <backend>: {<variant>: row}}; row keys: layer_us
     (routing included), shared_us (dense variants: the shared MLP alone), rel_vs_bf16 / rel_vs_fp8
     (‖out − out_variant‖ / ‖out_variant‖), implementations (as the stage table's rows), or error."""
@@ -32,8 +32,8 @@ def bench_shared(name: str, m: int, layout: str, variants: list[str], backends: 
     import jax.numpy as jnp
 
     keys = jax.random.split(jax.random.PRNGKey(1), reps)
-    xs = [jax.random.normal(kk, (m, _config(small).hidden_size), jnp.bfloat16) for kk in keys]
-    result = {"shape": name, "tokens": m, "layout": layout, "platform": jax.default_backend()}
+    xs = [jax.random.normal(kk, (m, _config(small, model).hidden_size), jnp.bfloat16) for kk in keys]
+    result = {"shape": name, "model": model, "tokens": m, "layout": layout, "platform": jax.default_backend()}
     for be in backends:
         rows, outs = {}, {}
         for v in variants:
@@ -41,7 +41,7 @@ def bench_shared(name: str, m: int, layout: str, variants: list[str], backends: 
             timer.step("parameters, implementations")
             rows[v] = {"backend": be, "variant": v}
             try:
-                out = _bench_variant(rows[v], v, layout, backends, small, timer, xs)
+                out = _bench_variant(rows[v], v, layout, backends, (small, model), timer, xs)
                 if out is not None:
                     outs[v] = out
             except Exception as exc:  # noqa: BLE001  e.g. an explicit backend that cannot run here: the row failed
@@ -53,18 +53,18 @@ def bench_shared(name: str, m: int, layout: str, variants: list[str], backends: 
     return result
 
 
-def _bench_variant(row: dict, variant: str, layout: str, backends: list[str], small: bool, timer: RowTimer,
-                   xs: list) -> Any:
+def _bench_variant(row: dict, variant: str, layout: str, backends: list[str], size: tuple[bool, str],
+                   timer: RowTimer, xs: list) -> Any:
     """Fills `row` of one variant and backend (field by field: a failure keeps what was measured);
     returns the layer's output on xs[0] as f32, None when the row runs the code of a row measured
-    anyway."""
+    anyway. size: (scaled down?, model)."""
     import jax
     import jax.numpy as jnp
 
     from moe_jax.layer import moe_forward, shared_experts
 
     be = row["backend"]
-    cfg, params = _shared_setup(variant, small)
+    cfg, params = _shared_setup(variant, *size)
 
     def layer(p, x):
         return moe_forward(x, p, cfg, layout=layout, backend=be)
