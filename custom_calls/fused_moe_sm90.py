@@ -69,7 +69,7 @@ def fused_moe_impl(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
 def fused_moe_with_config(cfg: Sm90FusedMoEConfig, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
                           w13: jax.Array, w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array, *,
                           routed_scaling_factor: float, command_buffer: bool = False) -> jax.Array:
-    """`fused_moe_impl` with the kernel configuration given (e.g. a `sm90_fused_moe_candidates`
+    """`fused_moe_impl` with the kernel configuration given (e.g. a `moe_jax.bench.fused.sm90_fused_moe_candidates`
     entry, as `python -m moe_jax.bench fused` runs them): operands as there, already checked, 1 to
     ``cfg.max_tokens`` tokens of ``cfg``'s shapes. A config whose clusters the GPU cannot hold is
     refused with the reason; a traced config (``trace=True``) goes to `fused_moe_traced`."""

@@ -277,10 +277,9 @@ def test_traced_build_keeps_the_bits_and_records_every_cta():
 
 
 def test_schedule_options_keep_the_output_bits():
-    """Every schedule option (the dispatch and loader warps and the eager publish included) changes
-    only the order of work: the same bits as the template's defaults, at both BLOCK_Ms, and the
-    H200 holds the rule's 2-CTA clusters of the whole grid (at both BLOCK_Ms, the benchmark layer's
-    sizes too)."""
+    """Every schedule option (the dispatch and loader warps included) changes only the order of
+    work: the same bits as the template's defaults, at both BLOCK_Ms, and the H200 holds the rule's
+    2-CTA clusters of the whole grid (at both BLOCK_Ms, the benchmark layer's sizes too)."""
     from custom_calls import fused_moe_sm90 as S
     from custom_calls.deep_gemm import compiler
     from custom_calls.deep_gemm import fused_moe as F
@@ -295,13 +294,10 @@ def test_schedule_options_keep_the_output_bits():
                                             activation_clamp=None), max_tokens=256)
     assert d0.block_m == 64 and d0.cluster_size == 1
     configs = [base, dataclasses.replace(base, l2_cd_passes=0, l2_stage_mode=0, num_stages=3),
-               dataclasses.replace(base, cluster_size=2), dataclasses.replace(base, l2_lag_units=2),
-               dataclasses.replace(base, early_combine=True), dataclasses.replace(base, pull_publish_batch=4),
-               dataclasses.replace(base, pdl=not base.pdl), dataclasses.replace(base, pull_eager_publish=True),
+               dataclasses.replace(base, cluster_size=2), dataclasses.replace(base, pdl=not base.pdl),
                d0, dataclasses.replace(d0, cluster_size=2), dataclasses.replace(d0, cluster_size=2, pdl=not d0.pdl),
                dataclasses.replace(d0, num_dispatch_threads=128, num_non_epilogue_threads=128),
-               dataclasses.replace(d0, num_dispatch_threads=192),
-               dataclasses.replace(d0, cluster_size=2, pull_eager_publish=True)]
+               dataclasses.replace(d0, num_dispatch_threads=192)]
     outs = []
     for cfg in configs:
         f = jax.jit(lambda *a, c=cfg: S.fused_moe_with_config(c, *a, routed_scaling_factor=1.5))

@@ -31,27 +31,27 @@ def _smem(cfg, **kw) -> int:
     return H.sm90_fused_moe_smem_bytes(
         max_tokens=c.max_tokens, hidden=c.hidden, intermediate=c.intermediate, num_experts=c.num_experts,
         top_k=c.top_k, block_m=c.block_m, num_stages=c.num_stages, num_sms=c.num_sms, half_l2_cd=c.half_l2_cd,
-        early_combine=c.early_combine, pull_publish_batch=c.pull_publish_batch, l2_cd_passes=c.l2_cd_passes)
+        num_dispatch_threads=c.num_dispatch_threads, l2_cd_passes=c.l2_cd_passes)
 
 
 # --- the choice rule ---------------------------------------------------------------------------
 
 def _options(c) -> tuple:
-    return (c.cluster_size, c.l2_lag_units, c.early_combine, c.pull_publish_batch, c.l2_cd_passes, c.l2_stage_mode)
+    return (c.cluster_size, c.l2_cd_passes, c.l2_stage_mode)
 
 
-DEFAULT_OPTIONS = (1, 0, False, 1, 0, 0)
+DEFAULT_OPTIONS = (1, 0, 0)
 
 
 def test_model_configs():
     # Stage counts and shared-memory totals read from the kernel's own constants (its SMEM_* constexprs).
     p = _config(max_tokens=4096)  # four row passes of the L2 staging free room for a 4th stage; 1024
     # expected routes per expert: 2-CTA clusters
-    assert (p.block_m, p.num_stages, p.smem_bytes, _options(p)) == (128, 4, 231264, (2, 0, False, 1, 4, 4))
-    assert p.reuse_accum_as_final and p.half_l2_cd
+    assert (p.block_m, p.num_stages, p.smem_bytes, _options(p)) == (128, 4, 231264, (2, 4, 4))
+    assert p.half_l2_cd
     d = _config(max_tokens=128)  # 32 expected routes per expert: 2-CTA clusters
-    assert (d.block_m, d.num_stages, d.smem_bytes, _options(d)) == (64, 4, 213312, (2, 0, False, 1, 0, 0))
-    assert d.reuse_accum_as_final and not d.half_l2_cd
+    assert (d.block_m, d.num_stages, d.smem_bytes, _options(d)) == (64, 4, 213312, (2, 0, 0))
+    assert not d.half_l2_cd
     # the template's defaults
     p0, d0 = _config(max_tokens=4096, schedule_options=False), _config(max_tokens=128, schedule_options=False)
     assert (p0.block_m, p0.num_stages, p0.smem_bytes, _options(p0)) == (128, 3, 197968, DEFAULT_OPTIONS)
@@ -59,7 +59,7 @@ def test_model_configs():
     for c in (p, d, p0, d0):
         assert (c.block_n, c.block_k, c.experts_per_wave, c.num_threads, c.grid) == (256, 128, 32, 384, 132)
         assert (c.num_dispatch_threads, c.num_non_epilogue_threads, c.num_epilogue_threads) == (64, 64, 256)
-        assert c.fast_math and c.l2_arrival_counter and not c.l2_epilogue_full_sync and c.activation_clamp is None
+        assert c.activation_clamp is None and not c.pdl and not c.trace
     assert (p.pool_tokens, p.padded_sf_tokens, d.pool_tokens, d.padded_sf_tokens) == (36864, 36864, 5120, 10240)
 
 
@@ -71,9 +71,9 @@ def test_model_configs():
 def test_block_m_rule(max_tokens, top_k, num_experts, block_m):
     c = _config(max_tokens=max_tokens, top_k=top_k, num_experts=num_experts)
     assert c.block_m == block_m
-    # BLOCK_M 128 takes the reuse-accumulator path and the row-pass L2 staging (kHalfL2CD stays set:
-    # the kernel's own choice of passes, which l2_cd_passes overrides)
-    assert c.half_l2_cd == (block_m == 128) and c.reuse_accum_as_final
+    # BLOCK_M 128 takes the row-pass L2 staging (kHalfL2CD stays set: the kernel's own choice of
+    # passes, which l2_cd_passes overrides)
+    assert c.half_l2_cd == (block_m == 128)
     assert (c.l2_cd_passes, c.l2_stage_mode) == ((4, 4) if block_m == 128 else (0, 0))
 
 
@@ -90,8 +90,7 @@ def test_cluster_rule(max_tokens, top_k, num_experts, cluster):
     assert c.cluster_size == cluster
     if c.block_m == 128 and c.max_tokens * c.top_k >= 128 * c.num_experts:
         # clusters exactly where they keep 4 stages
-        assert (cluster == 2) == (H._fused_moe_max_stages(dataclasses.replace(c, cluster_size=2)) >= 4)
-    assert _options(c)[1:4] == (0, False, 1)  # lag, early combine, pull batch: the template's defaults
+        assert (cluster == 2) == (H.sm90_fused_moe_max_stages(dataclasses.replace(c, cluster_size=2)) >= 4)
 
 
 SHAPES = [dict(max_tokens=t, hidden=h, intermediate=i, num_experts=e, top_k=k, num_sms=s)
@@ -193,7 +192,7 @@ _HEADER = "sm90_fp8_mega_moe.cuh"
 _ANCHOR = '"SM90 MegaMoE smem layout overflows (pull pending list)");'
 _PROBE = ("    static_assert(::DgSmemCheck<SMEM_PULL_PENDING_OFFSET + SMEM_PULL_PENDING_SIZE, ::DgExpectedSmem<"
           "kNumMaxTokensPerRank, kHidden, kIntermediateHidden, kNumExperts, kNumTopk, BLOCK_M, kNumStages, kNumSMs, "
-          "kHalfL2CD, kClusterSize, kL2LagUnits, kEarlyCombineMode, kPullPublishBatch, kL2CDPasses, "
+          "kHalfL2CD, kClusterSize, kL2CDPasses, "
           "kL2StageMode, kNumDispatchThreads, kNumNonEpilogueThreads>::value>::ok, \"shared-memory probe\");\n")
 
 
@@ -222,7 +221,10 @@ def _kernel_parameter_names(inc) -> list[str]:
 
 
 def _template_args(c) -> list[tuple[str, str]]:
-    """All 36 explicit template arguments of the instantiation ``c`` stands for (name, C++ text)."""
+    """All 36 explicit template arguments of the instantiation ``c`` stands for (name, C++ text):
+    the config's, and the values the library always uses for the rest (those of `codegen`), but
+    the full L2 epilogue sync for a hand-built config whose stages are not below both GEMMs'
+    k-block counts (the rule keeps them below, which spares the sync)."""
     def b(v):
         return "true" if v else "false"
 
@@ -237,13 +239,13 @@ def _template_args(c) -> list[tuple[str, str]]:
         ("kNumRingTokens", buf.pool_tokens), ("kNumStages", c.num_stages),
         ("kNumDispatchThreads", c.num_dispatch_threads), ("kNumNonEpilogueThreads", c.num_non_epilogue_threads),
         ("kNumEpilogueThreads", c.num_epilogue_threads), ("kNumSMs", c.num_sms), ("kNumRanks", 1),
-        ("kActivationClamp", clamp), ("kFastMath", b(c.fast_math)), ("kEpilogueRegisterBudget", 0),
-        ("kReuseAccumAsFinal", b(c.reuse_accum_as_final)), ("kL2ArrivalCounter", b(c.l2_arrival_counter)),
-        ("kL2EpilogueRequiresFullSync", b(c.l2_epilogue_full_sync)), ("kHalfL2CD", b(c.half_l2_cd)),
-        ("kClusterSize", c.cluster_size), ("kMulticastOnB", b(c.cluster_size == 2)), ("kL2LagUnits", c.l2_lag_units),
-        ("kL2CDPasses", c.l2_cd_passes), ("kTrace", "false"), ("kTraceEpi", "false"),
-        ("kL2StageMode", c.l2_stage_mode), ("kPDL", b(c.pdl)), ("kEarlyCombineMode", int(c.early_combine)),
-        ("kPullPublishBatch", c.pull_publish_batch), ("kPullEagerPublish", b(c.pull_eager_publish)),
+        ("kActivationClamp", clamp), ("kFastMath", "true"), ("kEpilogueRegisterBudget", 0),
+        ("kReuseAccumAsFinal", "true"), ("kL2ArrivalCounter", "true"),
+        ("kL2EpilogueRequiresFullSync", b(c.num_stages >= min(c.hidden, c.intermediate) // c.block_k)),
+        ("kHalfL2CD", b(c.half_l2_cd)), ("kClusterSize", c.cluster_size), ("kMulticastOnB", b(c.cluster_size == 2)),
+        ("kL2LagUnits", 0), ("kL2CDPasses", c.l2_cd_passes), ("kTrace", b(c.trace)), ("kTraceEpi", "false"),
+        ("kL2StageMode", c.l2_stage_mode), ("kPDL", b(c.pdl)), ("kEarlyCombineMode", 0),
+        ("kPullPublishBatch", 1), ("kPullEagerPublish", "false"),
     ]
 
 
@@ -275,24 +277,24 @@ def test_template_arguments_follow_the_kernel(tmp_path):
 def _probe_configs():
     p, d = _config(max_tokens=4096), _config(max_tokens=128)
     p0, d0 = _config(max_tokens=4096, schedule_options=False), _config(max_tokens=128, schedule_options=False)
-    # every option that changes the layout (early combine, pull batch, staging passes), and two that do not
-    options = [dataclasses.replace(p0, early_combine=True, pull_publish_batch=16),
-               dataclasses.replace(d0, early_combine=True, l2_cd_passes=2),
+    # every option that changes the layout (staging passes), and one that does not (pdl)
+    options = [dataclasses.replace(d0, l2_cd_passes=2),
                dataclasses.replace(p0, l2_cd_passes=4, l2_stage_mode=2, num_stages=3),
-               dataclasses.replace(d, l2_lag_units=2, pull_publish_batch=3, pdl=True),
-               # more dispatch warps (a send buffer each) and loader warps; the eager publish (no layout change)
+               dataclasses.replace(d, pdl=True),
+               # more dispatch warps (a send buffer each) and loader warps
                dataclasses.replace(d, num_dispatch_threads=128, num_non_epilogue_threads=128),
-               dataclasses.replace(d0, num_dispatch_threads=192, pull_eager_publish=True, num_stages=3)]
+               dataclasses.replace(d0, num_dispatch_threads=192, num_stages=3)]
     out = [p, d, p0, d0, *options, dataclasses.replace(p, num_stages=2), dataclasses.replace(d, num_stages=2),
            # the per-expert routing counts outgrow the tile table: they size that region
            H.sm90_fused_moe_config(max_tokens=8, hidden=1024, intermediate=512, num_experts=2048, top_k=8,
                                    num_sms=132)]
     # hidden 1024, intermediate 256, 8 experts, top-4: 2 k-blocks in GEMM2, which the config refuses (it
     # keeps more k-blocks than stages); built by hand, with the full L2 epilogue sync such a kernel needs
+    # (`_template_args`)
     for t in (1, 64, 512):
         bm = 64 if t * 4 < 64 * 8 else 128
         c = dataclasses.replace(d0, max_tokens=t, hidden=1024, intermediate=256, num_experts=8, top_k=4,
-                                experts_per_wave=8, block_m=bm, half_l2_cd=bm == 128, l2_epilogue_full_sync=True)
+                                experts_per_wave=8, block_m=bm, half_l2_cd=bm == 128)
         stages = max(s for s in range(2, 16) if _smem(c, num_stages=s) <= SMEM_CAPACITY)
         out.append(dataclasses.replace(c, num_stages=stages))
     return out
@@ -302,19 +304,23 @@ def _probe_source(configs, expected) -> str:
     def b(v):
         return "true" if v else "false"
 
-    specs = "\n".join(
-        f"template <> struct DgExpectedSmem<{c.max_tokens}, {c.hidden}, {c.intermediate}, {c.num_experts}, {c.top_k}, "
-        f"{c.block_m}, {c.num_stages}, {c.num_sms}, {b(c.half_l2_cd)}, {c.cluster_size}, {c.l2_lag_units}, "
-        f"{int(c.early_combine)}, {c.pull_publish_batch}, {c.l2_cd_passes}, {c.l2_stage_mode}, "
-        f"{c.num_dispatch_threads}, {c.num_non_epilogue_threads}> "
-        f"{{ static constexpr uint32_t value = {e}; }};" for c, e in zip(configs, expected))
+    # one specialization per key: configs that differ only in what the layout does not depend on
+    # (e.g. pdl) share it, with one expected size
+    keys = {}
+    for c, e in zip(configs, expected):
+        key = (f"{c.max_tokens}, {c.hidden}, {c.intermediate}, {c.num_experts}, {c.top_k}, {c.block_m}, "
+               f"{c.num_stages}, {c.num_sms}, {b(c.half_l2_cd)}, {c.cluster_size}, {c.l2_cd_passes}, "
+               f"{c.l2_stage_mode}, {c.num_dispatch_threads}, {c.num_non_epilogue_threads}")
+        assert keys.setdefault(key, e) == e, (key, keys[key], e)
+    specs = "\n".join(f"template <> struct DgExpectedSmem<{key}> {{ static constexpr uint32_t value = {e}; }};"
+                       for key, e in keys.items())
     prelude = ("#include <cstdint>\n"
                "template <uint32_t kKernel, uint32_t kOurs> struct DgSmemCheck {\n"
                "    static_assert(kKernel == kOurs, \"the kernel's dynamic shared memory differs from "
                "sm90_fused_moe_smem_bytes\");\n"
                "    static constexpr bool ok = true;\n};\n"
                "template <uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, bool,\n"
-               "          uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t>\n"
+               "          uint32_t, uint32_t, uint32_t, uint32_t, uint32_t>\n"
                "struct DgExpectedSmem;\n" + specs)
     return _unit(configs, prelude)
 
@@ -370,8 +376,7 @@ def test_chosen_configs_compile(tmp_path):
     # the rule's two BLOCK_Ms, and BLOCK_M 64 with four dispatch and four loader warps (512 threads:
     # registers for its math warpgroups still fit, unlike BLOCK_M 128's); DeepSeek-V4's shapes
     configs = [_config(max_tokens=4096), _config(max_tokens=128, activation_clamp=7.0),
-               dataclasses.replace(_config(max_tokens=128), num_dispatch_threads=128, num_non_epilogue_threads=128,
-                                   pull_eager_publish=True),
+               dataclasses.replace(_config(max_tokens=128), num_dispatch_threads=128, num_non_epilogue_threads=128),
                H.sm90_fused_moe_config(**V4_MODELS[0], max_tokens=4096, activation_clamp=10.0),
                H.sm90_fused_moe_config(**V4_MODELS[1], max_tokens=128, activation_clamp=10.0)]
     assert all(H.sm90_fused_moe_options_reason(c) is None for c in configs)
@@ -406,16 +411,10 @@ def _d0():
 OPTION_BAD = [
     (dict(cluster_size=3), ["cluster_size:", "1 or 2", "3"]),
     (dict(cluster_size=True), ["cluster_size:", "1 or 2", "True"]),
-    (dict(l2_lag_units=-1), ["l2_lag_units:", "int >= 0", "-1"]),
-    (dict(pull_publish_batch=0), ["pull_publish_batch:", "[1, 256]", "0"]),
-    (dict(pull_publish_batch=257), ["pull_publish_batch:", "[1, 256]", "257"]),
     (dict(l2_cd_passes=3), ["l2_cd_passes:", "one of (0, 1, 2, 4)", "3"]),
     (dict(l2_cd_passes=4), ["l2_cd_passes:", "64 or 128", "(32 columns per pass)"]),
     (dict(l2_stage_mode=1), ["l2_stage_mode:", "0, 2 or 4", "1"]),
     (dict(pdl=1), ["pdl:", "a bool", "1"]),
-    (dict(pull_eager_publish=1), ["pull_eager_publish:", "a bool", "1"]),
-    (dict(pull_eager_publish=True, pull_publish_batch=4), ["pull_eager_publish:", "batched publish",
-                                                           "True with pull_publish_batch=4"]),
     (dict(num_dispatch_threads=128), ["num_dispatch_threads:", "multiple of 128", "128"]),
     (dict(num_dispatch_threads=96), ["num_dispatch_threads:", "a multiple of 64", "96"]),
     (dict(num_non_epilogue_threads=96), ["num_non_epilogue_threads:", "64 or 128", "96"]),
@@ -425,7 +424,6 @@ OPTION_BAD = [
     (dict(num_stages=16), ["num_stages:", "[2, 15]", "16"]),
     (dict(num_stages=1), ["num_stages:", "[2, 15]", "1"]),
     (dict(num_stages=5), ["num_stages:", "<= 232448 bytes", "5 stages"]),
-    (dict(max_tokens=4096, num_sms=2, early_combine=True), ["early_combine:", "32 token stripes", "256"]),
 ]
 
 
@@ -439,12 +437,13 @@ def test_option_reasons_name_argument_expected_and_actual(change, parts):
 
 def test_rule_configs_and_candidates_are_legal_unique_and_start_with_the_rule():
     from custom_calls.deep_gemm.fused_moe import config_label
+    from moe_jax.bench.fused import sm90_fused_moe_candidates
 
     for t in (32, 128, 512, 4096):
         base = _config(max_tokens=t)
         assert H.sm90_fused_moe_options_reason(base) is None
         for full in (False, True):
-            cands = H.sm90_fused_moe_candidates(base, full=full)
+            cands = sm90_fused_moe_candidates(base, full=full)
             labels = [config_label(c) for c in cands]
             assert cands[0] == base and len(set(labels)) == len(labels) == len(set(cands))
             assert all(H.sm90_fused_moe_options_reason(c) is None for c in cands)
@@ -455,13 +454,34 @@ def test_rule_configs_and_candidates_are_legal_unique_and_start_with_the_rule():
             for c in cands[:-1]:
                 more = dataclasses.replace(c, num_stages=c.num_stages + 1)
                 assert H.sm90_fused_moe_options_reason(more) is not None, config_label(c)
-        singles = H.sm90_fused_moe_candidates(base)
-        assert {c.l2_lag_units for c in singles} == {0, 1, 2, 4} and any(c.early_combine for c in singles)
-        assert {c.pdl for c in singles} == {False, True} and any(c.pull_eager_publish for c in singles)
+        singles = sm90_fused_moe_candidates(base)
+        assert {c.pdl for c in singles} == {False, True} and {c.cluster_size for c in singles} == {1, 2}
+        # the L2 staging: the kernel's own passes, two or four column passes, four row passes (both modes)
+        assert {(c.l2_cd_passes, c.l2_stage_mode) for c in singles} == {(0, 0), (2, 0), (4, 0), (4, 2), (4, 4)}
         # more dispatch warps at BLOCK_M 64 only (512 threads leave BLOCK_M 128's math too few registers)
         warps = {(c.block_m, c.num_dispatch_threads, c.num_non_epilogue_threads) for c in singles}
         assert warps == {(64, 64, 64), (128, 64, 64), (64, 128, 128), (64, 192, 64)}
-        assert len(H.sm90_fused_moe_candidates(base, full=True)) > 2 * len(singles)
+        # ``full`` adds the pairs of options (e.g. four dispatch warps with programmatic launch)
+        pairs = sm90_fused_moe_candidates(base, full=True)
+        assert set(singles) < set(pairs)
+        assert not any(c.pdl and c.num_dispatch_threads == 128 for c in singles)
+        assert any(c.pdl and c.num_dispatch_threads == 128 for c in pairs)
+
+
+def test_source_writes_the_template_arguments():
+    """`codegen.sm90_fused_moe_source` passes the config's values and the fixed ones the library
+    always uses (the template's defaults after kHalfL2CD), in the kernel's order."""
+    from custom_calls.deep_gemm.codegen import sm90_fused_moe_source
+    from custom_calls.deep_gemm.fused_moe import config_label
+
+    configs = [_config(max_tokens=4096), _config(max_tokens=128, activation_clamp=7.0), _d0(),
+               dataclasses.replace(_config(max_tokens=128), num_dispatch_threads=128, num_non_epilogue_threads=128,
+                                   pdl=True, trace=True)]
+    for c in configs:
+        src = sm90_fused_moe_source(c)
+        body = src[src.index("sm90_fp8_mega_moe_impl<") + len("sm90_fp8_mega_moe_impl<"):src.index(">);")]
+        args = [a.strip() for a in body.split(",")]
+        assert args == [str(v) for _, v in _template_args(c)], config_label(c)
 
 
 def _small_slot():

@@ -48,12 +48,17 @@ def sm90_fused_moe_source(cfg: Sm90FusedMoEConfig) -> str:
               str(buf.pool_tokens), str(buf.padded_sf_tokens), str(buf.pool_tokens),  # ring = the whole pool
               str(cfg.num_stages), str(cfg.num_dispatch_threads), str(cfg.num_non_epilogue_threads),
               str(cfg.num_epilogue_threads), str(cfg.num_sms), "1",  # kNumRanks
-              _float_literal(cfg.activation_clamp), cpp_bool(cfg.fast_math), "0",  # register split: the kernel's own
-              cpp_bool(cfg.reuse_accum_as_final), cpp_bool(cfg.l2_arrival_counter), cpp_bool(cfg.l2_epilogue_full_sync),
+              # kActivationClamp; then kFastMath on, kEpilogueRegisterBudget 0 (the kernel's own register split),
+              # kReuseAccumAsFinal and kL2ArrivalCounter on, kL2EpilogueRequiresFullSync off: the values the
+              # library always uses
+              _float_literal(cfg.activation_clamp), "true", "0", "true", "true", "false",
               cpp_bool(cfg.half_l2_cd),
               str(cfg.cluster_size), cpp_bool(cfg.cluster_size == 2),  # kClusterSize, kMulticastOnB (the weights)
-              str(cfg.l2_lag_units), str(cfg.l2_cd_passes), cpp_bool(cfg.trace), "false",  # kTrace, kTraceEpi
+              "0",  # kL2LagUnits 0 (the wave schedule): the template's default, which the library always uses
+              str(cfg.l2_cd_passes), cpp_bool(cfg.trace), "false",  # kL2CDPasses, kTrace, kTraceEpi
               str(cfg.l2_stage_mode), cpp_bool(cfg.pdl),  # kPDL
-              str(int(cfg.early_combine)), str(cfg.pull_publish_batch), cpp_bool(cfg.pull_eager_publish)]
+              # kEarlyCombineMode 0, kPullPublishBatch 1, kPullEagerPublish off: the template's defaults,
+              # which the library always uses
+              "0", "1", "false"]
     return translation_unit("sm90_fp8_mega_moe.cuh", "sm90_fp8_mega_moe_impl", params)
 

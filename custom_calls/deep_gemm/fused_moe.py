@@ -156,11 +156,8 @@ def kernel_name(cfg: Sm90FusedMoEConfig) -> str:
 
 def config_label(cfg: Sm90FusedMoEConfig) -> str:
     """Tile, stages and the schedule options that differ from the template's defaults, e.g.
-    ``128x256 s3 c2 lag2 ec``."""
+    ``128x256 s4 c2 cd4 sm4``."""
     opts = [f"c{cfg.cluster_size}" if cfg.cluster_size != 1 else "",
-            f"lag{cfg.l2_lag_units}" if cfg.l2_lag_units else "", "ec" if cfg.early_combine else "",
-            f"pb{cfg.pull_publish_batch}" if cfg.pull_publish_batch != 1 else "",
-            "eager" if cfg.pull_eager_publish else "",
             f"dw{cfg.num_dispatch_threads // 32}" if cfg.num_dispatch_threads != 64 else "",
             f"lw{cfg.num_non_epilogue_threads // 32}" if cfg.num_non_epilogue_threads != 64 else "",
             f"cd{cfg.l2_cd_passes}" if cfg.l2_cd_passes else "", f"sm{cfg.l2_stage_mode}" if cfg.l2_stage_mode else "",

@@ -1,6 +1,7 @@
 """The fused MoE kernel's configuration (sm90_fp8_mega_moe_impl of the sgl-deep-gemm 0.2.5
-templates): its template values per problem, the rules they obey and the variants the benchmark
-times. Shared-memory sizes restate the kernel's own SMEM_* layout and must stay consistent with it.
+templates): its template values per problem and the rules they obey (the variants the benchmark
+times are built in `moe_jax.bench.fused`). Shared-memory sizes restate the kernel's own SMEM_*
+layout and must stay consistent with it.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ from .family import SM90_SMEM_CAPACITY
 #   2.2-4.7 % at 1024, 2.2-5.9 % at 4096 and 1.1-3.9 % at 8192 (2048: three of four passes);
 #   at 256 tokens (64 expected) within +-1.8 %, and at 16384, whose token pool leaves room for 3
 #   stages only, 0.3-3.4 % slower;
-# * left at the template's defaults: the L2-lag schedule (9-38 % slower at every size), early
-#   combine and batched pull publish (within +-2 %, not both runs).
+# * not config fields (the template's defaults, written as literals by `codegen`): the L2-lag
+#   schedule (9-38 % slower at every size), early combine and batched pull publish (within +-2 %,
+#   not both runs), and the eager pull publish (neutral).
 FUSED_MOE_BLOCK_N = 256
 FUSED_MOE_BLOCK_K = 128
 _FUSED_MOE_MIN_STAGES = 2
@@ -79,8 +81,7 @@ def _fused_moe_weight_sf_floats(hidden: int, intermediate: int, block_m: int, bl
 def _fused_moe_shared_layout(*, max_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int,
                              block_m: int, num_stages: int, num_sms: int, half_l2_cd: bool,
                              block_n: int = FUSED_MOE_BLOCK_N, num_dispatch_threads: int = 64,
-                             early_combine: bool = False, pull_publish_batch: int = 1, l2_cd_passes: int = 0
-                             ) -> tuple[int, int]:
+                             l2_cd_passes: int = 0) -> tuple[int, int]:
     """(dynamic shared memory, SMEM_BEFORE_BARRIER_SIZE) of sm90_fp8_mega_moe_impl, its SMEM_*
     constants restated (2 math warpgroups; the cluster size does not change the layout)."""
     pool = FusedMoEBuffer(max_tokens, hidden, intermediate, num_experts, top_k, block_m).pool_tokens
@@ -102,34 +103,34 @@ def _fused_moe_shared_layout(*, max_tokens: int, hidden: int, intermediate: int,
     # the per-expert routing counts (u32) live in the table's region before the table is built
     tile_region = max(8 * entries, 4 * num_experts)
     ec_offset = align(tile_table_offset + tile_region, 8)
-    # early combine: one more barrier per dispatch warp and a 64-byte control block
-    ec_bytes = dispatch_warps * 8 + 64 if early_combine else 0
-    # batched pull publish: each dispatch warp's pending rows (u32)
-    pending = align(dispatch_warps * pull_publish_batch * 4, 16) if pull_publish_batch > 1 else 0
-    return align(ec_offset + ec_bytes, 16) + pending, before_barrier  # SMEM_PULL_PENDING_OFFSET + _SIZE
+    # SMEM_PULL_PENDING_OFFSET + _SIZE: the early-combine block and the pull-pending list are empty
+    # at the template's defaults (no early combine, per-row pull publish), which the library uses
+    return align(ec_offset, 16), before_barrier
 
 
 def sm90_fused_moe_smem_bytes(*, max_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int,
                               block_m: int, num_stages: int, num_sms: int, half_l2_cd: bool,
                               block_n: int = FUSED_MOE_BLOCK_N, num_dispatch_threads: int = 64,
-                              early_combine: bool = False, pull_publish_batch: int = 1, l2_cd_passes: int = 0) -> int:
+                              l2_cd_passes: int = 0) -> int:
     """Dynamic shared memory of the fused MoE kernel (its SMEM_PULL_PENDING_OFFSET +
     SMEM_PULL_PENDING_SIZE): dispatch send buffers, the output staging (1 KiB aligned), the A/B
-    stages, the activation-scale stages, the weight-scale slots, the barriers, the tile table, then
-    the early-combine block and the pull-publish list when those options are on."""
+    stages, the activation-scale stages, the weight-scale slots, the barriers and the tile table
+    (the early-combine block and the pull-publish list are empty at the template's defaults)."""
     return _fused_moe_shared_layout(
         max_tokens=max_tokens, hidden=hidden, intermediate=intermediate, num_experts=num_experts, top_k=top_k,
         block_m=block_m, num_stages=num_stages, num_sms=num_sms, half_l2_cd=half_l2_cd, block_n=block_n,
-        num_dispatch_threads=num_dispatch_threads, early_combine=early_combine,
-        pull_publish_batch=pull_publish_batch, l2_cd_passes=l2_cd_passes)[0]
+        num_dispatch_threads=num_dispatch_threads, l2_cd_passes=l2_cd_passes)[0]
 
 
 @dataclasses.dataclass(frozen=True)
 class Sm90FusedMoEConfig:
     """The template values of one sm90_fp8_mega_moe_impl instantiation, with the launch they imply.
-    The rest are fixed: one rank, kNumMaxPoolTokens = kNumRingTokens = pool_tokens,
-    kNumPaddedSFPoolTokens = padded_sf_tokens, kEpilogueRegisterBudget 0 (the kernel's own register
-    split) and the parameters after kHalfL2CD at their defaults (cluster 1, no early combine, ...)."""
+    The rest are fixed (`codegen.sm90_fused_moe_source` writes them): one rank,
+    kNumMaxPoolTokens = kNumRingTokens = pool_tokens, kNumPaddedSFPoolTokens = padded_sf_tokens,
+    kEpilogueRegisterBudget 0 (the kernel's own register split), kFastMath, kReuseAccumAsFinal and
+    kL2ArrivalCounter on, kL2EpilogueRequiresFullSync off (the stages stay below the k-blocks), and
+    the L2-lag schedule, early combine and pull publish at the template's defaults (wave schedule,
+    off, per-row publish one pull later)."""
 
     max_tokens: int  # kNumMaxTokensPerRank
     hidden: int
@@ -146,21 +147,11 @@ class Sm90FusedMoEConfig:
     num_epilogue_threads: int
     num_sms: int
     activation_clamp: float | None  # a float32 value; None: infinity, which compiles the clamp out
-    fast_math: bool
-    reuse_accum_as_final: bool
-    l2_arrival_counter: bool
-    l2_epilogue_full_sync: bool
     half_l2_cd: bool
     # schedule and staging options (template parameters after kHalfL2CD; the defaults are the
-    # template's own; `sm90_fused_moe_config` sets some by its rule, `sm90_fused_moe_candidates`
-    # varies them all)
+    # template's own; `sm90_fused_moe_config` sets some by its rule, the benchmark's candidates
+    # (`moe_jax.bench.fused`) vary them all)
     cluster_size: int = 1  # kClusterSize; 2 multicasts the weight tile to the CTA pair (kMulticastOnB)
-    l2_lag_units: int = 0  # kL2LagUnits: 0 the wave schedule, n > 0 GEMM2 of a unit n units after its GEMM1
-    early_combine: bool = False  # kEarlyCombineMode 1: combine tokens whose experts are done while others run
-    pull_publish_batch: int = 1  # kPullPublishBatch: dispatched rows published per fence
-    # kPullEagerPublish: each dispatch warp publishes its first pulled row at once instead of one
-    # pull later (per-row publish only), so the first GEMM1 blocks can start sooner
-    pull_eager_publish: bool = False
     l2_cd_passes: int = 0  # kL2CDPasses: 0 the kernel's choice (2 with kHalfL2CD, else 1), or 1, 2, 4
     l2_stage_mode: int = 0  # kL2StageMode: 0 column passes, 2 / 4 row passes (shared stores / stmatrix)
     # kPDL: launched with programmatic dependent launch, so the CTA-local prologue (barrier init,
@@ -192,8 +183,7 @@ class Sm90FusedMoEConfig:
             max_tokens=self.max_tokens, hidden=self.hidden, intermediate=self.intermediate,
             num_experts=self.num_experts, top_k=self.top_k, block_m=self.block_m, num_stages=self.num_stages,
             num_sms=self.num_sms, half_l2_cd=self.half_l2_cd, block_n=self.block_n,
-            num_dispatch_threads=self.num_dispatch_threads, early_combine=self.early_combine,
-            pull_publish_batch=self.pull_publish_batch, l2_cd_passes=self.l2_cd_passes)
+            num_dispatch_threads=self.num_dispatch_threads, l2_cd_passes=self.l2_cd_passes)
 
     @property
     def num_threads(self) -> int:
@@ -346,8 +336,7 @@ def sm90_fused_moe_config(*, max_tokens: int, hidden: int, intermediate: int, nu
         num_experts=int(num_experts), top_k=int(top_k), experts_per_wave=int(num_experts), block_m=block_m,
         block_n=FUSED_MOE_BLOCK_N, block_k=FUSED_MOE_BLOCK_K, num_stages=stages, num_dispatch_threads=64,
         num_non_epilogue_threads=64, num_epilogue_threads=256, num_sms=int(num_sms), activation_clamp=clamp,
-        fast_math=True, reuse_accum_as_final=True, l2_arrival_counter=True,
-        l2_epilogue_full_sync=False, half_l2_cd=block_m == 128)
+        half_l2_cd=block_m == 128)
     if not schedule_options:
         return cfg
     routes = int(max_tokens) * int(top_k)
@@ -357,18 +346,17 @@ def sm90_fused_moe_config(*, max_tokens: int, hidden: int, intermediate: int, nu
             tuned = dataclasses.replace(tuned, l2_stage_mode=2)
         if routes >= _FUSED_MOE_CLUSTER_ROUTES_M128 * int(num_experts):
             clustered = dataclasses.replace(tuned, cluster_size=2)
-            if _fused_moe_max_stages(clustered) >= _FUSED_MOE_CLUSTER_MIN_STAGES:
+            if sm90_fused_moe_max_stages(clustered) >= _FUSED_MOE_CLUSTER_MIN_STAGES:
                 tuned = clustered
     elif routes >= _FUSED_MOE_CLUSTER_ROUTES * int(num_experts):
         tuned = dataclasses.replace(cfg, cluster_size=2)
     else:
         return cfg
-    stages = _fused_moe_max_stages(tuned)
+    stages = sm90_fused_moe_max_stages(tuned)
     return dataclasses.replace(tuned, num_stages=stages) if stages else cfg
 
 
 _FUSED_MOE_CD_PASSES = (0, 1, 2, 4)
-_FUSED_MOE_MAX_EC_STRIPES = 32  # early combine keeps one bit per token stripe of a math warp
 
 
 def sm90_fused_moe_options_reason(cfg: Sm90FusedMoEConfig) -> str | None:
@@ -390,15 +378,6 @@ def sm90_fused_moe_options_reason(cfg: Sm90FusedMoEConfig) -> str | None:
         return bad("cluster_size", "1 or 2", cfg.cluster_size)
     if cfg.cluster_size == 2 and cfg.num_sms % 2:
         return bad("num_sms", "an even grid for 2-CTA clusters", cfg.num_sms)
-    if not is_int(cfg.l2_lag_units) or cfg.l2_lag_units < 0:
-        return bad("l2_lag_units", "an int >= 0 (lag + 1000 * group)", cfg.l2_lag_units)
-    if not is_int(cfg.pull_publish_batch) or not 1 <= cfg.pull_publish_batch <= 256:
-        return bad("pull_publish_batch", "an int in [1, 256]", cfg.pull_publish_batch)
-    if not isinstance(cfg.pull_eager_publish, bool):
-        return bad("pull_eager_publish", "a bool", cfg.pull_eager_publish)
-    if cfg.pull_eager_publish and cfg.pull_publish_batch != 1:
-        return bad("pull_eager_publish", "False with batched publish (the eager form is the per-row path's)",
-                   f"True with pull_publish_batch={cfg.pull_publish_batch}")
     if cfg.num_non_epilogue_threads not in (64, 128) or isinstance(cfg.num_non_epilogue_threads, bool):
         return bad("num_non_epilogue_threads", "64 or 128 (two or four TMA loader warps)",
                    cfg.num_non_epilogue_threads)
@@ -434,10 +413,6 @@ def sm90_fused_moe_options_reason(cfg: Sm90FusedMoEConfig) -> str | None:
     if not cfg.l2_stage_mode and wg_block_n // passes not in (64, 128):
         return bad("l2_cd_passes", f"column passes of 64 or 128 of a math warpgroup's {wg_block_n} columns "
                    "(the scatter vector width)", f"{cfg.l2_cd_passes} ({wg_block_n // passes} columns per pass)")
-    stripes = ceil_div(cfg.max_tokens, cfg.num_sms * _FUSED_MOE_COMBINE_WARPS)
-    if cfg.early_combine and stripes > _FUSED_MOE_MAX_EC_STRIPES:
-        return bad("early_combine", f"False above {_FUSED_MOE_MAX_EC_STRIPES} token stripes per math warp",
-                   f"True with {stripes} (max_tokens={cfg.max_tokens}, num_sms={cfg.num_sms})")
     if cfg.smem_bytes > SM90_SMEM_CAPACITY:
         return bad("num_stages", f"a shared-memory layout <= {SM90_SMEM_CAPACITY} bytes",
                    f"{cfg.num_stages} stages ({cfg.smem_bytes} bytes)")
@@ -445,12 +420,11 @@ def sm90_fused_moe_options_reason(cfg: Sm90FusedMoEConfig) -> str | None:
         max_tokens=cfg.max_tokens, hidden=cfg.hidden, intermediate=cfg.intermediate, num_experts=cfg.num_experts,
         top_k=cfg.top_k, block_m=cfg.block_m, num_stages=cfg.num_stages, num_sms=cfg.num_sms,
         half_l2_cd=cfg.half_l2_cd, block_n=cfg.block_n, num_dispatch_threads=cfg.num_dispatch_threads,
-        early_combine=cfg.early_combine, pull_publish_batch=cfg.pull_publish_batch,
         l2_cd_passes=cfg.l2_cd_passes)[1]
     return _fused_moe_combine_reason(cfg.hidden, before_barrier)
 
 
-def _fused_moe_max_stages(cfg: Sm90FusedMoEConfig) -> int:
+def sm90_fused_moe_max_stages(cfg: Sm90FusedMoEConfig) -> int:
     """The most stages ``cfg``'s options leave room for (below the k-block bound), 0 if none fit."""
     k_blocks = min(cfg.hidden, cfg.intermediate) // cfg.block_k
     best = 0
@@ -458,51 +432,3 @@ def _fused_moe_max_stages(cfg: Sm90FusedMoEConfig) -> int:
         if sm90_fused_moe_options_reason(dataclasses.replace(cfg, num_stages=stages)) is None:
             best = stages
     return best
-
-
-def sm90_fused_moe_candidates(base: Sm90FusedMoEConfig, *, full: bool = False) -> list[Sm90FusedMoEConfig]:
-    """Legal variants of ``base`` (a ``sm90_fused_moe_config`` result) for `python -m moe_jax.bench
-    fused`, ``base`` first, each with the most stages its options leave room for: from ``base``, the
-    same BLOCK_M at the template's defaults, and the other BLOCK_M with and without the rules'
-    options, one schedule option changed at a time (2-CTA clusters with the weight tile multicast,
-    the L2-lag schedule at lags 1, 2 and 4, early combine, batched or eager pull publish, four
-    dispatch warps (with four loader warps, to keep the math warpgroups aligned) or six instead of
-    two, the L2 staging passes and row modes, programmatic dependent launch toggled); then ``base``
-    with one stage fewer. ``full``: also every pair of the single options. Unique, in this order."""
-    def heuristic(bm, options):
-        try:
-            return sm90_fused_moe_config(
-                max_tokens=base.max_tokens, hidden=base.hidden, intermediate=base.intermediate,
-                num_experts=base.num_experts, top_k=base.top_k, num_sms=base.num_sms,
-                activation_clamp=base.activation_clamp, block_m=bm, schedule_options=options)
-        except ValueError:
-            return None
-
-    singles = [dict(cluster_size=2), dict(l2_lag_units=1), dict(l2_lag_units=2), dict(l2_lag_units=4),
-               dict(early_combine=True), dict(pull_publish_batch=4), dict(pull_eager_publish=True),
-               dict(num_dispatch_threads=128, num_non_epilogue_threads=128), dict(num_dispatch_threads=192),
-               dict(l2_cd_passes=4),
-               dict(l2_cd_passes=4, l2_stage_mode=2), dict(l2_cd_passes=4, l2_stage_mode=4), dict(l2_cd_passes=2),
-               dict(pdl=not base.pdl)]
-    changes = [dict()] + singles
-    if full:
-        changes += [a | b for i, a in enumerate(singles) for b in singles[i + 1:] if not a.keys() & b.keys()]
-    # the options vary from the template's defaults, at this BLOCK_M and the other
-    other = 64 if base.block_m == 128 else 128
-    roots = [c for c in (base, heuristic(base.block_m, False), heuristic(other, True), heuristic(other, False))
-             if c is not None]
-    out: list[Sm90FusedMoEConfig] = []
-    for root in roots:
-        for change in changes:
-            cfg = dataclasses.replace(root, **change)
-            if cfg.l2_cd_passes == (2 if cfg.half_l2_cd else 1):  # the kernel's own choice: the same kernel
-                cfg = dataclasses.replace(cfg, l2_cd_passes=0)
-            stages = _fused_moe_max_stages(cfg)
-            if stages:
-                cfg = dataclasses.replace(cfg, num_stages=stages)
-                if sm90_fused_moe_options_reason(cfg) is None and cfg not in out:
-                    out.append(cfg)
-    fewer = dataclasses.replace(base, num_stages=base.num_stages - 1)
-    if sm90_fused_moe_options_reason(fewer) is None and fewer not in out:
-        out.append(fewer)
-    return out

@@ -2,10 +2,9 @@
 
 For each token count, the benchmark layer's weights (32 experts, top-8, H 7168, I 2048, fp8_block)
 and two routed inputs (the layer's own grouped top-k): every candidate instantiation of
-``fused_moe_config.sm90_fused_moe_candidates`` (the other BLOCK_M, 2-CTA clusters with the weight tile
-multicast, the L2-lag schedule, early combine, batched or eager pull publish, more dispatch warps,
-the L2 staging passes, programmatic dependent launch, one stage fewer; ``--all`` adds every pair
-of options; ``--grids`` the rule's config on fewer CTAs than the GPU has SMs; ``--only`` keeps the
+`sm90_fused_moe_candidates` (the other BLOCK_M, 2-CTA clusters with the weight tile multicast, more
+dispatch warps, the L2 staging passes, programmatic dependent launch, one stage fewer; ``--all``
+adds every pair of options; ``--grids`` the rule's config on fewer CTAs than the GPU has SMs; ``--only`` keeps the
 named ones) is compiled, run, and its output compared with the heuristic config's: every option
 changes only the schedule, so the outputs must be bit-identical, and a candidate that differs is
 reported and not timed. Kernel time (the fused kernel alone, profiler trace, median over
@@ -89,6 +88,54 @@ def _rule_config(cfg, tokens: int, num_sms: int | None = None):
                           num_experts=cfg.num_experts, top_k=cfg.top_k, activation_clamp=None, num_sms=num_sms)
 
 
+def sm90_fused_moe_candidates(base, *, full: bool = False) -> list:
+    """Legal variants of ``base`` (a ``sm90_fused_moe_config`` result, `Sm90FusedMoEConfig`), ``base``
+    first, each with the most stages its options leave room for: from ``base``, the same BLOCK_M at
+    the template's defaults, and the other BLOCK_M with and without the rules' options, one schedule
+    option changed at a time (2-CTA clusters with the weight tile multicast, four dispatch warps
+    (with four loader warps, to keep the math warpgroups aligned) or six instead of two, the L2
+    staging passes and row modes, programmatic dependent launch toggled); then ``base`` with one
+    stage fewer. ``full``: also every pair of the single options. Unique, in this order."""
+    from custom_calls.deep_gemm.fused_moe_config import (sm90_fused_moe_config, sm90_fused_moe_max_stages,
+                                                         sm90_fused_moe_options_reason)
+
+    def heuristic(bm, options):
+        try:
+            return sm90_fused_moe_config(
+                max_tokens=base.max_tokens, hidden=base.hidden, intermediate=base.intermediate,
+                num_experts=base.num_experts, top_k=base.top_k, num_sms=base.num_sms,
+                activation_clamp=base.activation_clamp, block_m=bm, schedule_options=options)
+        except ValueError:
+            return None
+
+    singles = [dict(cluster_size=2), dict(num_dispatch_threads=128, num_non_epilogue_threads=128),
+               dict(num_dispatch_threads=192), dict(l2_cd_passes=4),
+               dict(l2_cd_passes=4, l2_stage_mode=2), dict(l2_cd_passes=4, l2_stage_mode=4), dict(l2_cd_passes=2),
+               dict(pdl=not base.pdl)]
+    changes = [dict()] + singles
+    if full:
+        changes += [a | b for i, a in enumerate(singles) for b in singles[i + 1:] if not a.keys() & b.keys()]
+    # the options vary from the template's defaults, at this BLOCK_M and the other
+    other = 64 if base.block_m == 128 else 128
+    roots = [c for c in (base, heuristic(base.block_m, False), heuristic(other, True), heuristic(other, False))
+             if c is not None]
+    out = []
+    for root in roots:
+        for change in changes:
+            cfg = dataclasses.replace(root, **change)
+            if cfg.l2_cd_passes == (2 if cfg.half_l2_cd else 1):  # the kernel's own choice: the same kernel
+                cfg = dataclasses.replace(cfg, l2_cd_passes=0)
+            stages = sm90_fused_moe_max_stages(cfg)
+            if stages:
+                cfg = dataclasses.replace(cfg, num_stages=stages)
+                if sm90_fused_moe_options_reason(cfg) is None and cfg not in out:
+                    out.append(cfg)
+    fewer = dataclasses.replace(base, num_stages=base.num_stages - 1)
+    if sm90_fused_moe_options_reason(fewer) is None and fewer not in out:
+        out.append(fewer)
+    return out
+
+
 def sweep(tokens: int, setup, *, full: bool, iters: int, log, grids: tuple[int, ...] = (),
           steady: bool = False, only: tuple[str, ...] = ()) -> dict:
     """One token count: {tokens, routes_per_expert, heuristic, rows, rejected}; setup: `layer_setup()`;
@@ -100,7 +147,6 @@ def sweep(tokens: int, setup, *, full: bool, iters: int, log, grids: tuple[int, 
     from custom_calls import fused_moe_sm90 as S
     from custom_calls.deep_gemm import fused_moe as F
     from custom_calls.deep_gemm.codegen import sm90_fused_moe_source
-    from custom_calls.deep_gemm.fused_moe_config import sm90_fused_moe_candidates
     from moe_jax.bench.autotune_search import compile_all
 
     cfg = setup[0]
@@ -303,7 +349,7 @@ def trace_run(tokens: int, setup, *, log) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0] if __doc__ else None
     p.add_argument("--tokens", default="32,128,512,4096", help="token counts (default 32,128,512,4096)")
-    p.add_argument("--all", action="store_true", help="also every pair of options (~67 configs per count)")
+    p.add_argument("--all", action="store_true", help="also every pair of options (~35 configs per count)")
     p.add_argument("--grids", default="", help="comma-separated grid sizes (CTAs, even, at most the SM count) "
                    "to time the rule's config on as well (default: none)")
     p.add_argument("--steady", action="store_true",
