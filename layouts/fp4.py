@@ -26,6 +26,10 @@ from layouts.ue8m0 import ue8m0_scale_from_amax
 E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 AMAX_FLOOR = 1e-4
+MXFP4_GROUP = 32  # values per UE8M0 scale
+# e2m1 max 6 * 2^6 = 384 <= 448 < 6 * 2^7: widened to e4m3, a 32-group may sit up to 6 binades
+# above its 128 x 128 tile's block scale
+MAX_OFFSET_BITS = 6
 
 # (boundary, ties round up?) between consecutive magnitudes
 _BOUNDARIES = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))

@@ -21,6 +21,7 @@ from layouts.ue8m0 import ue8m0_scale_from_amax
 
 FP8_E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
+FP8_BLOCK = 128  # rows and columns of a block-FP8 weight tile, columns of an activation group
 
 FP8_DTYPE = jnp.float8_e4m3fn
 

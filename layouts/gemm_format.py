@@ -17,11 +17,16 @@ Operands, "nt": lhs (A) is (rows, K) K-major, rhs (B) is (G, N, K) K-major, D = 
   mxfp8, 100      ue8m0   e4m3, 1x32         e4m3, 1x32                   as above with 32-groups       as above with 32-groups
   mxfp4, 100      ue8m0   e4m3, 1x128        int8 e2m1 pairs (G, N, K/2), as fp8_block, 100             as mxfp8, 100
                                              1x32
+  mxfp4, 90       w4a8    e4m3, 1x128        int8 e2m1 words (G, N, K/2)  as fp8_block, 90              (G, N, ceil(K/128)) int32
+  (W4A8)                                     (layouts.w4a8)                                             scale words (layouts.w4a8)
 
 An image's leading (batch) axes stay outermost; images are described in `layouts.scale_layout`.
 A recipe that an arch cannot consume directly is converted at load time (`QuantRecipe.gemm_recipe`:
 mxfp4 on 90 becomes fp8_block); GEMM ops are always called with the consumed recipe, whose
-format `layouts.gemm_format(recipe, arch)` returns.
+format `layouts.gemm_format(recipe, arch)` returns. mxfp4 on 90 also has a 4-bit form, W4A8
+(`QuantRecipe.kept_4bit_on`): the weights stay e2m1 and the GEMM widens them to the e4m3 values of
+the FP4 -> FP8 conversion in registers; its scale words carry the 128 x 128 block scale of that
+conversion per row and 128 columns, with the 32-groups' exponent offsets.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from layouts.archs import ARCHS, SCALE_UE8M0, check_arch
+from layouts.w4a8 import W4A8_BLOCK, widen_w4a8
 from layouts.checks import FLOAT_DTYPES, align, ceil_div, check_dtype, check_rank, check_shape
 from layouts.fp4 import dequantize_mxfp4
 from layouts.fp8 import quantize_fp8_per_token_group
@@ -41,6 +47,7 @@ from layouts.scale_layout import (from_mn_major_tma_aligned, pack_ue8m0_mn_major
                                   to_mn_major_tma_aligned, unpack_ue8m0_mn_major_tma_aligned)
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+SCALE_W4A8 = "w4a8"  # rhs: int32 scale words (block scale exponent + 32-group table indices), lhs: fp32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +55,7 @@ class GemmFormat:
     """Operand format of the grouped GEMMs for one (recipe, arch); hashable, a static argument.
 
     recipe: the recipe the GEMM consumes as is; arch: a key of ARCHS.
-    scale_kind: None (bf16), SCALE_FP32 or SCALE_UE8M0.
+    scale_kind: None (bf16), SCALE_FP32, SCALE_UE8M0 or SCALE_W4A8.
     act_group: lhs scale group along K (1 x act_group per row), None for bf16.
     weight_block: rhs scale granularity (along N, along K) as the GEMM reads it, None for bf16:
       (128, 128) blocks on SM90; per row (1, 128) or (1, 32) on SM100.
@@ -81,11 +88,21 @@ class GemmFormat:
         return value_dtypes(self.is_quantized, self.rhs_k_pack)
 
     @property
+    def w4a8(self) -> bool:
+        """rhs is e2m1 in the W4A8 word layout with int32 scale words (`layouts.w4a8`)."""
+        return self.scale_kind == SCALE_W4A8
+
+    @property
     def scale_dtype(self):
-        """dtype of both scale operands (None for bf16)."""
+        """dtype of the lhs scale operand, and of the rhs one unless W4A8 (None for bf16)."""
         if not self.is_quantized:
             return None
         return jnp.dtype(jnp.int32) if self.ue8m0 else jnp.dtype(jnp.float32)
+
+    @property
+    def rhs_scale_dtype(self):
+        """dtype of the rhs scale operand (None for bf16)."""
+        return jnp.dtype(jnp.int32) if self.w4a8 else self.scale_dtype
 
     def _image(self, mn: int, k: int, group: int) -> tuple[int, int]:
         g = ceil_div(k, group)
@@ -104,7 +121,7 @@ class GemmFormat:
         bn, bk = self.weight_block
         if self.ue8m0:
             return (num_groups, *self._image(n, k, bk))
-        return (num_groups, ceil_div(n, bn), ceil_div(k, bk))
+        return (num_groups, ceil_div(n, bn), ceil_div(k, bk))  # W4A8: bn 1, bk 128
 
     def rhs_width(self, k: int) -> int:
         """Stored width of a rhs row holding K values."""
@@ -141,11 +158,11 @@ class GemmFormat:
         check_dtype("lhs_scale", lhs_scale, (self.scale_dtype,))
         rhs_scale_shape = self.rhs_scale_shape(g, n, k)
         check_shape("rhs_scale", rhs_scale, rhs_scale_shape if grouped else rhs_scale_shape[1:], self.describe())
-        check_dtype("rhs_scale", rhs_scale, (self.scale_dtype,))
+        check_dtype("rhs_scale", rhs_scale, (self.rhs_scale_dtype,))
         return rows, k, g, n
 
     def describe(self) -> str:
-        return f"recipe {self.recipe!r} on arch {self.arch}"
+        return f"recipe {self.recipe!r} on arch {self.arch}" + (" (W4A8)" if self.w4a8 else "")
 
     # -- numerics (the reference's definition of each operand) ----------------------------------
     def quantize_lhs(self, x: jax.Array) -> tuple[jax.Array, Optional[jax.Array]]:
@@ -180,6 +197,9 @@ class GemmFormat:
         _, n, kb = rhs.shape
         k = kb * self.rhs_k_pack
         bn, bk = self.weight_block
+        if self.w4a8:
+            w, block = widen_w4a8(rhs, rhs_scale)
+            return w.astype(jnp.float32) * jnp.repeat(block, bk, axis=-1)[..., :k]
         if not self.ue8m0:
             sf = jnp.repeat(jnp.repeat(rhs_scale, bn, axis=-2)[..., :n, :], bk, axis=-1)[..., :k]
             return rhs.astype(jnp.float32) * sf
@@ -201,10 +221,12 @@ def format_for(recipe, arch: int) -> GemmFormat:
     check: use `QuantRecipe.gemm_format` or `layouts.gemm_format`)."""
     kind = ARCHS[check_arch(arch)].scale_kind if recipe.is_quantized else None
     block = recipe.weight_block
-    if kind == SCALE_UE8M0 and block is not None:
+    if arch in recipe.kept_4bit_on:
+        kind, block = SCALE_W4A8, (1, W4A8_BLOCK)
+    elif kind == SCALE_UE8M0 and block is not None:
         block = (1, block[1])  # SM100 reads the block scale broadcast to every row
     return GemmFormat(recipe=recipe.name, arch=arch, scale_kind=kind, act_group=recipe.act_group_size,
                       weight_block=block, rhs_k_pack=recipe.weight_k_pack)
 
 
-__all__ = ["GemmFormat", "format_for", "value_dtypes"]
+__all__ = ["GemmFormat", "SCALE_W4A8", "format_for", "value_dtypes"]

@@ -9,7 +9,8 @@ Recipes are frozen, hashable dataclasses, usable as static jit arguments. Scale 
   mxfp8      e4m3 (E, N, K)                               1x32 groups, powers of two  100
   mxfp4      int8 holding two e2m1 codes (E, N, K/2)      1x32 groups, powers of two  100; 90 after
                                                                                       the load-time
-                                                                                      FP4 -> FP8 cast
+                                                                                      FP4 -> FP8 cast,
+                                                                                      or 4-bit (W4A8)
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class QuantRecipe:
     supported_archs: SM versions that run it (mxfp4 on 90 through the load-time FP4->FP8 path).
     converted_on: (arch, recipe) pairs: on that arch the weights are converted at load time to the
       other recipe, which the GEMMs then consume.
+    kept_4bit_on: archs where the weights may instead stay 4-bit for GEMMs that widen them in
+      registers (mxfp4 on 90: W4A8, `layouts.w4a8`); `gemm_format(name, arch)` is that form.
     """
 
     name: str
@@ -45,6 +48,7 @@ class QuantRecipe:
     is_fp4_experts: bool
     supported_archs: frozenset
     converted_on: tuple[tuple[int, str], ...] = ()
+    kept_4bit_on: tuple[int, ...] = ()
 
     @property
     def is_quantized(self) -> bool:
@@ -101,16 +105,19 @@ _RECIPES = {
     "bf16": QuantRecipe("bf16", None, None, False, False, frozenset({90, 100})),
     "fp8_block": QuantRecipe("fp8_block", 128, (128, 128), False, False, frozenset({90, 100})),
     "mxfp8": QuantRecipe("mxfp8", 32, (1, 32), True, False, frozenset({100})),
-    "mxfp4": QuantRecipe("mxfp4", 128, (1, 32), True, True, frozenset({90, 100}), converted_on=((90, "fp8_block"),)),
+    "mxfp4": QuantRecipe("mxfp4", 128, (1, 32), True, True, frozenset({90, 100}), converted_on=((90, "fp8_block"),),
+                         kept_4bit_on=(90,)),
 }
 
 
 def gemm_format(recipe: str, arch: int) -> GemmFormat:
-    """The format of GEMMs that consume ``recipe`` directly on ``arch``. A recipe the arch only runs
-    after a load-time conversion (mxfp4 on 90) is an error naming the converted recipe."""
+    """The format of GEMMs that consume ``recipe`` directly on ``arch``: as stored, or 4-bit where the
+    recipe keeps its weights 4-bit (mxfp4 on 90: W4A8). A recipe the arch only runs after a load-time
+    conversion is an error naming the converted recipe."""
     rec = get_recipe(recipe)
     arch = check_arch(arch)
-    consumed = tuple(a for a in SUPPORTED_ARCHS if a in rec.supported_archs and rec.gemm_recipe(a) is rec)
+    consumed = tuple(a for a in SUPPORTED_ARCHS
+                     if a in rec.supported_archs and (rec.gemm_recipe(a) is rec or a in rec.kept_4bit_on))
     if arch not in consumed:
         hint = ""
         if arch in rec.supported_archs:

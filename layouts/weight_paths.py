@@ -23,16 +23,12 @@ from layouts.checks import (
     check_min_ndim,
     check_positive_int,
 )
-from layouts.fp4 import decode_e2m1, unpack_e2m1
-from layouts.fp8 import cast_to_e4m3, dequantize_fp8_per_block, quantize_fp8_per_block, quantize_mxfp8
+from layouts.fp4 import MAX_OFFSET_BITS, MXFP4_GROUP, decode_e2m1, unpack_e2m1
+from layouts.fp8 import FP8_BLOCK, cast_to_e4m3, dequantize_fp8_per_block, quantize_fp8_per_block, quantize_mxfp8
 from layouts.recipes import get_recipe
 from layouts.scale_layout import transform_sf_into_required_layout
 from layouts.ue8m0 import ue8m0_bytes_to_fp32
 
-FP8_BLOCK = 128
-MXFP4_GROUP = 32
-# e2m1 max 6 * 2^6 = 384 <= 448 < 6 * 2^7: a 32-group may sit up to 6 binades below its tile's max
-MAX_OFFSET_BITS = 6
 
 
 def mxfp4_to_fp8_block(packed: jax.Array, sf32: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -64,6 +64,7 @@ SWEEPS = {
     "test_peak_memory_moderate": 1, "test_layer_without_flags_on_cpu_runs_scaled_shapes_quickly_and_honestly": 0,
     "test_params_shapes_and_prepare": 2, "test_search_inputs_match_the_launch_plans": 1,
     "test_interleave_bit_exact_numpy_and_jax": 6, "test_the_kernel_refuses_what_the_reason_refuses": 0,
+    "test_widened_weights_equal_the_fp4_to_fp8_path_bit_for_bit": 3,
     "test_gpu_subcommand_without_gpu_exits_with_a_message_not_a_traceback": 1,
     "test_layer_exits_1_when_a_requested_row_failed": 0, "test_parallel_exits_1_when_a_requested_row_failed": 0,
     "test_quantized_contig_and_keep_fp32": 2, "test_dispatch_map_reference_against_numpy": 2,

@@ -40,7 +40,7 @@ CASES = [
     # heuristic config against the models, a non-default config bit for bit against the heuristic
     "host_quant_configs", "host_permute_configs", "host_act_configs", "host_unpermute_config",
     "host_rank_config", "host_route_config", "host_dispatch_map_configs", "host_fused_input_configs",
-    "router_partials", "host_fused_input_routed",
+    "router_partials", "host_fused_input_routed", "host_w4a8_masked",
 ]
 
 
@@ -52,7 +52,8 @@ CASES = [
 FAST_CASES = {"quant_ue8m0_image", "quant_mxfp8_partial_group", "permute_contig_fp8_90", "permute_masked_fp8_100",
               "act_contig_silu_90", "act_masked_silu_limit_90", "act_contig_mxfp8_100", "unpermute_addend",
               "dispatch_rank_e5", "dispatch_map_contig_one_launch", "dispatch_map_masked_one_launch",
-              "route_sigmoid_grouped_bias", "route_sqrtsoftplus_bias", "router_partials", "host_fused_input_routed"}
+              "route_sigmoid_grouped_bias", "route_sqrtsoftplus_bias", "router_partials", "host_fused_input_routed",
+              "host_w4a8_masked"}
 SLOW_CASES = set(CASES) - FAST_CASES
 assert FAST_CASES <= set(CASES), FAST_CASES - set(CASES)
 
@@ -1424,6 +1425,49 @@ def case_host_fused_input_routed():
             np.testing.assert_allclose(got, w, rtol=2e-5, atol=1e-7, err_msg=f"{label} weights ({scoring})")
         touched[off:off + w.nbytes] = True
         assert (buf[~touched] == 0xFF).all(), f"bytes outside the input regions written ({scoring})"
+
+
+def model_w4a8_masked(codes, sf32, a_q, sa_rows):
+    """Float64 model of the W4A8 masked GEMM: e2m1 codes (G, N, K) times their 32-group scales sf32
+    (G, N, K/32), activations e4m3 (G, m_pad, K) times sa_rows (G, m_pad, K/128) -> (G, m_pad, N)."""
+    ml = _ml()
+    mag = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])[codes & 7] * np.where(codes & 8, -1.0, 1.0)
+    w = mag * np.repeat(sf32.astype(np.float64), 32, axis=-1)
+    a = a_q.view(ml.float8_e4m3fn).astype(np.float64) * np.repeat(sa_rows.astype(np.float64), 128, axis=-1)
+    return np.einsum("gmk,gnk->gmn", a, w), np.einsum("gmk,gnk->gmn", np.abs(a), np.abs(w))
+
+
+def case_host_w4a8_masked():
+    """The W4A8 kernel (widen="lookup": the interpreter runs no PTX) at its heuristic tiling and a
+    smaller one, odd N, an empty group and one spanning several token tiles: every valid row against
+    the float64 model (bf16 output rounding plus fp32 accumulation), rows past masked_m untouched."""
+    import jax.numpy as jnp
+
+    from custom_calls.triton import w4a8_gemm_kernel as wk
+    from layouts import gemm_format
+    from layouts.fp4 import pack_e2m1
+    from layouts.scale_layout import from_mn_major_tma_aligned
+    from layouts.w4a8 import mxfp4_to_w4a8
+
+    rng = _rng(70)
+    g, m_pad, n, k = 3, 128, 200, 384
+    codes = rng.integers(0, 16, (g, n, k), dtype=np.uint8)
+    sf32 = (2.0 ** rng.integers(-14, -2, (g, n, k // 32))).astype(np.float32)
+    w, sw = mxfp4_to_w4a8(pack_e2m1(jnp.asarray(codes)), jnp.asarray(sf32))
+    x = rng.standard_normal((g, m_pad, k)) * rng.uniform(0.1, 10, (g, m_pad, 1))
+    a, sa = gemm_format("mxfp4", 90).quantize_lhs(jnp.asarray(x.astype(np.float32)))
+    masked_m = np.array([5, 0, 77], np.int32)
+    want, mag = model_w4a8_masked(codes, sf32, np.asarray(a).view(np.uint8),
+                                  np.asarray(from_mn_major_tma_aligned(sa, m_pad)))
+    for cfg in (None, wk.W4A8Config(block_n=64, block_m=16, num_warps=2)):
+        d = np.asarray(wk.w4a8_masked(a, sa, w, sw, jnp.asarray(masked_m), expected_m=32, config=cfg,
+                                      widen="lookup")).astype(np.float64)
+        valid = np.arange(m_pad)[None, :] < masked_m[:, None]
+        got, ref, bound = d[valid], want[valid], mag[valid]
+        assert np.isfinite(got).all(), f"{cfg}: a valid row was not written"
+        bad = np.abs(got - ref) > 2.0**-8 * np.abs(ref) + 1e-5 * bound
+        assert not bad.any(), f"{cfg}: {bad.sum()} elements off the model, first {np.argwhere(bad)[:3]}"
+        assert np.isnan(d[~valid]).all(), f"{cfg}: rows past masked_m written"
 
 
 def _main() -> None:

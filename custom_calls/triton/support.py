@@ -118,6 +118,15 @@ def supports_unpermute(**_static) -> tuple[bool, str]:
     return True, ""
 
 
+def supports_w4a8_masked(*, k: int, recipe: str, arch: int, **_static) -> tuple[bool, str]:
+    """The Triton grouped GEMM is the W4A8 kernel: recipe mxfp4 on arch 90 in its 4-bit form
+    (`layouts.w4a8`), K a multiple of 128 (one block scale word per 128 columns)."""
+    if (recipe, arch) != ("mxfp4", 90):
+        return False, (f"the Triton grouped GEMM is the W4A8 kernel (recipe 'mxfp4' on arch 90, weights kept "
+                       f"4-bit); got recipe {recipe!r} on arch {arch} (the DeepGEMM backend runs it)")
+    return _answer(f"k: the W4A8 kernel needs K a multiple of 128, got {k}" if k % 128 else "")
+
+
 def rank_chunk_size(num_experts: int) -> int:
     """Routes per program of the dispatch ranking kernels for E = num_experts: a power of two in
     [16, 1024] with CHUNK x next_pow2(E + 1) <= 8192 where possible (the one-hot matrix)."""

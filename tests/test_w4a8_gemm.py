@@ -1,0 +1,97 @@
+"""The W4A8 grouped GEMM (mxfp4 kept 4-bit on arch 90): its reference against a float64 model and
+against the FP4 -> FP8 path, the operand checks, and which backend serves it."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from custom_calls.backends import static_supports
+from custom_calls.grouped_gemm import OP_MASKED, m_grouped_gemm_masked
+from layouts import gemm_format
+from layouts.fp4 import E2M1_VALUES, pack_e2m1
+from layouts.scale_layout import from_mn_major_tma_aligned
+from layouts.w4a8 import mxfp4_to_w4a8
+from layouts.weight_paths import mxfp4_to_fp8_block
+
+W4A8 = gemm_format("mxfp4", 90)
+
+
+def _operands(seed, g=3, m_pad=128, n=72, k=256, spread=12):
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 16, (g, n, k), dtype=np.uint8)
+    sf32 = (2.0 ** rng.integers(-8 - spread, -8, (g, n, k // 32))).astype(np.float32)
+    packed = pack_e2m1(jnp.asarray(codes))
+    x = rng.standard_normal((g, m_pad, k)) * rng.uniform(0.1, 10, (g, m_pad, 1))
+    a, sa = W4A8.quantize_lhs(jnp.asarray(x.astype(np.float32)))
+    return codes, sf32, packed, a, sa
+
+
+def _model(codes, sf32, a, sa):
+    """Float64: e2m1 values times their 32-group scales, e4m3 activations times their 1x128 scales."""
+    mag = np.array(E2M1_VALUES)[codes & 7] * np.where(codes & 8, -1.0, 1.0)
+    w = mag * np.repeat(sf32.astype(np.float64), 32, axis=-1)
+    rows = np.asarray(from_mn_major_tma_aligned(sa, a.shape[1])).astype(np.float64)
+    x = np.asarray(a.astype(jnp.float32)).astype(np.float64) * np.repeat(rows, 128, axis=-1)
+    return np.einsum("gmk,gnk->gmn", x, w), np.einsum("gmk,gnk->gmn", np.abs(x), np.abs(w))
+
+
+def test_format_is_the_4bit_form_of_mxfp4_on_hopper():
+    assert W4A8.w4a8 and W4A8.is_quantized and not W4A8.ue8m0 and W4A8.rhs_k_pack == 2
+    assert W4A8.rhs_scale_shape(3, 200, 384) == (3, 200, 3) and W4A8.rhs_scale_dtype == jnp.int32
+    fp8 = gemm_format("fp8_block", 90)
+    assert W4A8.lhs_scale_shape(130, 384) == fp8.lhs_scale_shape(130, 384) and W4A8.scale_dtype == fp8.scale_dtype
+    assert "W4A8" in W4A8.describe()
+
+
+def test_reference_matches_the_float64_model():
+    codes, sf32, packed, a, sa = _operands(1)
+    w, sw = mxfp4_to_w4a8(packed, sf32)
+    masked_m = jnp.array([5, 0, 128], jnp.int32)
+    d = np.asarray(m_grouped_gemm_masked(a, w, masked_m, expected_m=32, lhs_scale=sa, rhs_scale=sw,
+                                         recipe="mxfp4", arch=90, backend="reference")).astype(np.float64)
+    want, mag = _model(codes, sf32, a, sa)
+    valid = np.arange(128)[None, :] < np.asarray(masked_m)[:, None]
+    assert (np.abs(d[valid] - want[valid]) <= 2.0**-8 * np.abs(want[valid]) + 1e-6 * mag[valid]).all()
+    assert (d[~valid] == 0).all() and np.abs(want[valid]).max() > 0
+
+
+def test_reference_equals_the_fp4_to_fp8_path_bit_for_bit():
+    """Same e4m3 operands and block scales as the load-time expansion, so the same bf16 output, also
+    where 32-groups sit 15+ binades below their tile (rounded products)."""
+    codes, sf32, packed, a, sa = _operands(2, spread=20)
+    w, sw = mxfp4_to_w4a8(packed, sf32)
+    w8, s8 = mxfp4_to_fp8_block(packed, sf32)
+    masked_m = jnp.array([7, 100, 1], jnp.int32)
+    kw = dict(expected_m=32, lhs_scale=sa, backend="reference", arch=90)
+    d4 = m_grouped_gemm_masked(a, w, masked_m, rhs_scale=sw, recipe="mxfp4", **kw)
+    d8 = m_grouped_gemm_masked(a, w8, masked_m, rhs_scale=s8, recipe="fp8_block", **kw)
+    np.testing.assert_array_equal(np.asarray(d4).view(np.uint16), np.asarray(d8).view(np.uint16))
+
+
+def test_operands_are_checked_by_name():
+    _, sf32, packed, a, sa = _operands(3, g=2)
+    w, sw = mxfp4_to_w4a8(packed, sf32)
+    mm = jnp.array([1, 2], jnp.int32)
+    kw = dict(expected_m=8, lhs_scale=sa, recipe="mxfp4", arch=90, backend="reference")
+    with pytest.raises(TypeError, match="rhs_scale: expected dtype int32, got float32"):
+        m_grouped_gemm_masked(a, w, mm, rhs_scale=sw.astype(jnp.float32), **kw)
+    with pytest.raises(ValueError, match=r"rhs_scale: expected shape \(2, 72, 2\).*W4A8"):
+        m_grouped_gemm_masked(a, w, mm, rhs_scale=sw[..., :1], **kw)
+    with pytest.raises(ValueError, match=r"rhs: expected last axis K//2=128"):
+        m_grouped_gemm_masked(a, w[..., :64], mm, rhs_scale=sw, **kw)
+
+
+def test_backends_say_who_serves_it():
+    """Triton's grouped GEMM is the W4A8 kernel and nothing else; DeepGEMM has no W4A8 family."""
+    static = dict(num_groups=4, m_pad=128, n=4096, k=7168, expected_m=8, arch=90, lhs_dtype=jnp.float8_e4m3fn,
+                  rhs_dtype=jnp.int8, settings=None)
+    ok, reason = static_supports(OP_MASKED, "triton", recipe="mxfp4", **static)
+    assert ok, reason
+    ok, reason = static_supports(OP_MASKED, "triton", recipe="fp8_block", **static)
+    assert not ok and "W4A8 kernel" in reason and "'fp8_block'" in reason
+    ok, reason = static_supports(OP_MASKED, "triton", recipe="mxfp4", **dict(static, k=7200))
+    assert not ok and "K a multiple of 128, got 7200" in reason
+    ok, reason = static_supports(OP_MASKED, "deep_gemm", recipe="mxfp4", **static)
+    assert not ok and "W4A8" in reason
