@@ -40,7 +40,7 @@ CASES = [
     # heuristic config against the models, a non-default config bit for bit against the heuristic
     "host_quant_configs", "host_permute_configs", "host_act_configs", "host_unpermute_config",
     "host_rank_config", "host_route_config", "host_dispatch_map_configs", "host_fused_input_configs",
-    "router_partials", "host_fused_input_routed", "host_w4a8_masked",
+    "router_partials", "host_fused_input_routed", "host_w4a8_masked", "host_w4a8_contig",
 ]
 
 
@@ -53,7 +53,7 @@ FAST_CASES = {"quant_ue8m0_image", "quant_mxfp8_partial_group", "permute_contig_
               "act_contig_silu_90", "act_masked_silu_limit_90", "act_contig_mxfp8_100", "unpermute_addend",
               "dispatch_rank_e5", "dispatch_map_contig_one_launch", "dispatch_map_masked_one_launch",
               "route_sigmoid_grouped_bias", "route_sqrtsoftplus_bias", "router_partials", "host_fused_input_routed",
-              "host_w4a8_masked"}
+              "host_w4a8_masked", "host_w4a8_contig"}
 SLOW_CASES = set(CASES) - FAST_CASES
 assert FAST_CASES <= set(CASES), FAST_CASES - set(CASES)
 
@@ -1437,6 +1437,54 @@ def model_w4a8_masked(codes, sf32, a_q, sa_rows):
     return np.einsum("gmk,gnk->gmn", a, w), np.einsum("gmk,gnk->gmn", np.abs(a), np.abs(w))
 
 
+def _w4a8_weights(rng, g, n, k):
+    import jax.numpy as jnp
+
+    from layouts.fp4 import pack_e2m1
+    from layouts.w4a8 import mxfp4_to_w4a8
+
+    codes = rng.integers(0, 16, (g, n, k), dtype=np.uint8)
+    sf32 = (2.0 ** rng.integers(-14, -2, (g, n, k // 32))).astype(np.float32)
+    w, sw = mxfp4_to_w4a8(pack_e2m1(jnp.asarray(codes)), jnp.asarray(sf32))
+    return codes, sf32, w, sw
+
+
+def _w4a8_check(d, want, mag, valid, label):
+    got, ref, bound = d[valid], want[valid], mag[valid]
+    assert np.isfinite(got).all(), f"{label}: a valid row was not written"
+    bad = np.abs(got - ref) > 2.0**-8 * np.abs(ref) + 1e-5 * bound
+    assert not bad.any(), f"{label}: {bad.sum()} elements off the model, first {np.argwhere(bad)[:3]}"
+
+
+def case_host_w4a8_contig():
+    """The W4A8 contig kernel (widen="lookup"): odd N, a partial expert block, an all-padding block, an
+    expert with a few rows, at 128- and 64-row tiles: expert rows against the float64 model, padding
+    rows written as 0."""
+    import jax.numpy as jnp
+
+    from custom_calls.triton import w4a8_gemm_kernel as wk
+    from layouts import gemm_format
+    from layouts.scale_layout import from_mn_major_tma_aligned
+
+    rng = _rng(71)
+    g, n, k = 3, 200, 384
+    codes, sf32, w, sw = _w4a8_weights(rng, g, n, k)
+    m_indices = np.full(512, -1, np.int32)
+    m_indices[:100], m_indices[128:256], m_indices[384:390] = 2, 0, 1
+    x = rng.standard_normal((512, k)) * (m_indices >= 0)[:, None]
+    a, sa = gemm_format("mxfp4", 90).quantize_lhs(jnp.asarray(x.astype(np.float32)))
+    rows = np.asarray(from_mn_major_tma_aligned(sa, 512))
+    full, mag = model_w4a8_masked(codes, sf32, np.broadcast_to(np.asarray(a).view(np.uint8), (g, 512, k)),
+                                  np.broadcast_to(rows, (g, 512, k // 128)))
+    expert = np.maximum(m_indices, 0)
+    want, bound = full[expert, np.arange(512)], mag[expert, np.arange(512)]
+    for cfg in (None, wk.W4A8Config(block_n=64, block_m=64, num_warps=4)):
+        d = np.asarray(wk.w4a8_contig(a, sa, w, sw, jnp.asarray(m_indices), alignment=128, config=cfg,
+                                      widen="lookup")).astype(np.float64)
+        _w4a8_check(d, want, bound, m_indices >= 0, f"contig {cfg}")
+        assert (d[m_indices < 0] == 0).all(), f"contig {cfg}: padding rows not 0"
+
+
 def case_host_w4a8_masked():
     """The W4A8 kernel (widen="lookup": the interpreter runs no PTX) at its heuristic tiling and a
     smaller one, odd N, an empty group and one spanning several token tiles: every valid row against
@@ -1445,15 +1493,11 @@ def case_host_w4a8_masked():
 
     from custom_calls.triton import w4a8_gemm_kernel as wk
     from layouts import gemm_format
-    from layouts.fp4 import pack_e2m1
     from layouts.scale_layout import from_mn_major_tma_aligned
-    from layouts.w4a8 import mxfp4_to_w4a8
 
     rng = _rng(70)
     g, m_pad, n, k = 3, 128, 200, 384
-    codes = rng.integers(0, 16, (g, n, k), dtype=np.uint8)
-    sf32 = (2.0 ** rng.integers(-14, -2, (g, n, k // 32))).astype(np.float32)
-    w, sw = mxfp4_to_w4a8(pack_e2m1(jnp.asarray(codes)), jnp.asarray(sf32))
+    codes, sf32, w, sw = _w4a8_weights(rng, g, n, k)
     x = rng.standard_normal((g, m_pad, k)) * rng.uniform(0.1, 10, (g, m_pad, 1))
     a, sa = gemm_format("mxfp4", 90).quantize_lhs(jnp.asarray(x.astype(np.float32)))
     masked_m = np.array([5, 0, 77], np.int32)
@@ -1463,10 +1507,7 @@ def case_host_w4a8_masked():
         d = np.asarray(wk.w4a8_masked(a, sa, w, sw, jnp.asarray(masked_m), expected_m=32, config=cfg,
                                       widen="lookup")).astype(np.float64)
         valid = np.arange(m_pad)[None, :] < masked_m[:, None]
-        got, ref, bound = d[valid], want[valid], mag[valid]
-        assert np.isfinite(got).all(), f"{cfg}: a valid row was not written"
-        bad = np.abs(got - ref) > 2.0**-8 * np.abs(ref) + 1e-5 * bound
-        assert not bad.any(), f"{cfg}: {bad.sum()} elements off the model, first {np.argwhere(bad)[:3]}"
+        _w4a8_check(d, want, mag, valid, f"masked {cfg}")
         assert np.isnan(d[~valid]).all(), f"{cfg}: rows past masked_m written"
 
 

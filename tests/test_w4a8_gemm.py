@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from custom_calls.backends import static_supports
-from custom_calls.grouped_gemm import OP_MASKED, m_grouped_gemm_masked
+from custom_calls.grouped_gemm import OP_CONTIG, OP_MASKED, m_grouped_gemm_masked
 from layouts import gemm_format
 from layouts.fp4 import E2M1_VALUES, pack_e2m1
 from layouts.scale_layout import from_mn_major_tma_aligned
@@ -95,3 +95,8 @@ def test_backends_say_who_serves_it():
     assert not ok and "K a multiple of 128, got 7200" in reason
     ok, reason = static_supports(OP_MASKED, "deep_gemm", recipe="mxfp4", **static)
     assert not ok and "W4A8" in reason
+    contig = dict(m_cap=1024, n=4096, k=7168, num_groups=4, arch=90, alignment=128, lhs_dtype=jnp.float8_e4m3fn,
+                  rhs_dtype=jnp.int8, settings=None)
+    assert static_supports(OP_CONTIG, "triton", recipe="mxfp4", **contig) == (True, "")
+    ok, reason = static_supports(OP_CONTIG, "triton", recipe="mxfp4", **dict(contig, alignment=32))
+    assert not ok and "alignment: the W4A8 contig kernel needs a multiple of 64, got 32" in reason

@@ -71,3 +71,37 @@ def test_w4a8_equals_deep_gemm_on_the_fp4_to_fp8_operands():
     print(f"W4A8 vs DeepGEMM FP8 on the FP4->FP8 operands: max |diff| {diff.max():.3e} "
           f"(max |out| {scale:.3e}), {np.mean(diff == 0) * 100:.1f} % of elements identical")
     assert diff.max() <= 2**-7 * scale
+
+
+@pytest.mark.parametrize("alignment,n,k", [(128, 4096, 2048), (64, 200, 384)])
+def test_w4a8_contig_on_gpu(alignment, n, k):
+    """Contig: PTX widening against the table lookup bit for bit, the reference within bf16 rounding,
+    padding rows 0, and DeepGEMM's FP8 contig kernel on the FP4 -> FP8 operands within accumulation order."""
+    from custom_calls.grouped_gemm import m_grouped_gemm_contig
+    from custom_calls.triton.w4a8_gemm_kernel import w4a8_contig
+
+    g, m_cap = 4, 1024
+    packed, sf32, _, _, _ = _operands(n + k, g, 128, n, k)
+    w, sw = mxfp4_to_w4a8(packed, sf32)
+    m_indices = np.full(m_cap, -1, np.int32)
+    m_indices[:300], m_indices[384:512], m_indices[640:645] = 3, 0, 1  # expert 2 has no rows
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((m_cap, k)) * (m_indices >= 0)[:, None]
+    a, sa = gemm_format("mxfp4", 90).quantize_lhs(jnp.asarray(x.astype(np.float32)))
+    mi = jnp.asarray(m_indices)
+    run = jax.jit(lambda widen: w4a8_contig(a, sa, w, sw, mi, alignment=alignment, widen=widen), static_argnums=0)
+    fast, table = np.asarray(run("prmt"), np.float32), np.asarray(run("lookup"), np.float32)
+    np.testing.assert_array_equal(fast.view(np.uint32), table.view(np.uint32))
+    assert (fast[m_indices < 0] == 0).all() and np.isfinite(fast).all()
+    kw = dict(lhs_scale=sa, arch=90, alignment=alignment)
+    ref = np.asarray(m_grouped_gemm_contig(a, w, mi, rhs_scale=sw, recipe="mxfp4", backend="reference", **kw),
+                     np.float32)
+    np.testing.assert_allclose(fast, ref, rtol=2**-7, atol=1e-3 * np.abs(ref).max())
+    if alignment == 128:
+        w8, s8 = mxfp4_to_fp8_block(packed, sf32)
+        d8 = np.asarray(m_grouped_gemm_contig(a, w8, mi, rhs_scale=s8, recipe="fp8_block", backend="deep_gemm",
+                                              **kw), np.float32)
+        rows = m_indices >= 0
+        diff = np.abs(fast[rows] - d8[rows])
+        print(f"W4A8 contig vs DeepGEMM FP8: max |diff| {diff.max():.3e} (max |out| {np.abs(d8).max():.3e})")
+        assert diff.max() <= 2**-7 * np.abs(d8).max()

@@ -1,12 +1,13 @@
-"""W4A8 masked grouped GEMM on SM90: MXFP4 weights kept 4-bit (`layouts.w4a8`), e4m3 activations.
+"""W4A8 grouped GEMMs on SM90: MXFP4 weights kept 4-bit (`layouts.w4a8`), e4m3 activations.
 
-D[g, m, :] = A[g, m, :] . W[g]^T for m < masked_m[g], as `m_grouped_gemm_masked` with recipe
+Masked: D[g, m, :] = A[g, m, :] . W[g]^T for m < masked_m[g], as `m_grouped_gemm_masked` with recipe
 "mxfp4" on arch 90 (its W4A8 form): A (G, m_pad, K) e4m3 with fp32 1x128 scales in the MN-major
 image; W (G, N, K/2) int8 e2m1 words and (G, N, K/128) int32 scale words -> D (G, m_pad, N) bf16.
+Contig: as `m_grouped_gemm_contig`, A (M_cap, K) rows grouped by expert (m_indices).
 
-Per program: one group g, BLOCK_N weight rows and BLOCK_M token rows; it computes the transposed
-tile D^T = W . A^T so the weights are the MMA's M side (64-row wgmma tiles), the few decode tokens
-its N side. Per 128 columns of K: load BLOCK_N x 64 weight bytes and BLOCK_N scale words, widen
+Masked, per program: one group g, BLOCK_N weight rows and BLOCK_M token rows; it computes the
+transposed tile D^T = W . A^T so the weights are the MMA's M side (64-row wgmma tiles), the few decode
+tokens its N side. Contig: a BLOCK_M x BLOCK_N tile of one expert's rows, D = A . W^T. Per 128 columns of K: load BLOCK_N x 64 weight bytes and BLOCK_N scale words, widen
 the bytes to e4m3 in registers (two byte permutes per 4 bytes from the 32-group's e4m3 table,
 `layouts.w4a8`), one FP8 MMA over the 128 columns, then the fp32 promotion
 acc += partial * (weight block scale per row) * (activation scale per token): DeepGEMM's 1D2D
@@ -57,11 +58,17 @@ class W4A8Config:
 
 
 def heuristic_config(expected_m: int) -> W4A8Config:
-    """Token tile from the expected rows per group: the smallest of 16 / 32 / 64 / 128 covering it."""
+    """Masked: the token tile from the expected rows per group, the smallest of 16 / 32 / 64 / 128
+    covering it."""
     block_m = 16
     while block_m < min(max(expected_m, 1), 128):
         block_m *= 2
     return W4A8Config(block_m=block_m, num_stages=4 if block_m <= 64 else 3)
+
+
+def contig_config(alignment: int) -> W4A8Config:
+    """Contig: 128 x 128 tiles (64 token rows where the alignment is 64), tensor-core bound."""
+    return W4A8Config(block_n=128, block_m=min(128, alignment), num_warps=8, num_stages=3)
 
 
 @triton.jit
@@ -135,6 +142,39 @@ def w4a8_masked_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, masked_m_ptr, table_ptr, d_
     tl.store(d, acc.to(tl.bfloat16), mask=n_ok[:, None] & m_ok[None, :])
 
 
+@triton.jit
+def w4a8_contig_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, m_indices_ptr, table_ptr, d_ptr,
+                       M_CAP: tl.constexpr, N: tl.constexpr, K: tl.constexpr, SA_LD: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRMT: tl.constexpr):
+    """Rows grouped by expert, BLOCK_M rows of one expert per program (BLOCK_M divides the op's
+    alignment): its expert is its first row's m_indices entry; rows with -1 (padding) are written 0."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    KB: tl.constexpr = K // 128
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    expert = tl.load(m_indices_ptr + pid_m * BLOCK_M)
+    row_ok = tl.load(m_indices_ptr + m) >= 0
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if expert >= 0:
+        e64 = expert.to(tl.int64)
+        w_rows = w_ptr + e64 * N * (K // 2) + n.to(tl.int64)[:, None] * (K // 2)
+        sw_rows = sw_ptr + e64 * N * KB + n.to(tl.int64) * KB
+        a_rows = a_ptr + m.to(tl.int64)[:, None] * K
+        for kb in range(KB):
+            word = tl.load(sw_rows + kb, mask=n_ok, other=0)
+            w = _widen_tile(w_rows + kb * 64 + tl.arange(0, 64)[None, :], word, table_ptr, n_ok, BLOCK_N, PRMT)
+            a = tl.load(a_rows + kb * 128 + tl.arange(0, 128)[None, :])
+            part = tl.dot(a, tl.trans(w))
+            w_scale = ((word & 0xFF) << 23).to(tl.float32, bitcast=True)
+            a_scale = tl.load(sa_ptr + kb * SA_LD + m)
+            acc += part * a_scale[:, None] * w_scale[None, :]
+    acc = tl.where(row_ok[:, None], acc, 0.0)
+    d = d_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
+    tl.store(d, acc.to(tl.bfloat16), mask=n_ok[None, :])
+
+
 def _tables(widen: str) -> jax.Array:
     """The e4m3 tables as the kernel reads them: (lo, hi) words for "prmt", bytes for "lookup"."""
     if widen == "prmt":
@@ -158,6 +198,28 @@ def w4a8_masked(lhs: jax.Array, lhs_scale: jax.Array, rhs: jax.Array, rhs_scale:
                        out_shape=[jax.ShapeDtypeStruct((g, m_pad, n), jnp.bfloat16)], grid=grid,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, name="w4a8_masked",
                        M_PAD=m_pad, N=n, K=k, SA_LD=align(m_pad, 4), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                       PRMT=widen == "prmt")
+    return d
+
+
+def w4a8_contig(lhs: jax.Array, lhs_scale: jax.Array, rhs: jax.Array, rhs_scale: jax.Array, m_indices: jax.Array,
+                *, alignment: int, config: W4A8Config | None = None, widen: str = "prmt") -> jax.Array:
+    """lhs (M_cap, K) e4m3, lhs_scale (ceil(K/128), align(M_cap, 4)) f32, rhs (G, N, K/2) int8,
+    rhs_scale (G, N, K/128) int32, m_indices (M_cap,) int32 (canonical: each block of `alignment` rows
+    one expert's from its first row, -1 padding) -> (M_cap, N) bf16, padding rows 0. Operands already
+    checked (`m_grouped_gemm_contig`); K a multiple of 128; config.block_m divides `alignment`."""
+    if widen not in WIDEN_MODES:
+        raise ValueError(f"widen: expected one of {WIDEN_MODES}, got {widen!r}")
+    m_cap, k = lhs.shape
+    n = rhs.shape[1]
+    cfg = config or contig_config(alignment)
+    if alignment % cfg.block_m:
+        raise ValueError(f"config.block_m: expected a divisor of alignment={alignment}, got {cfg.block_m}")
+    grid = (ceil_div(n, cfg.block_n), m_cap // cfg.block_m)
+    (d,) = triton_call(lhs, lhs_scale, rhs, rhs_scale, m_indices, _tables(widen), kernel=w4a8_contig_kernel,
+                       out_shape=[jax.ShapeDtypeStruct((m_cap, n), jnp.bfloat16)], grid=grid,
+                       num_warps=cfg.num_warps, num_stages=cfg.num_stages, name="w4a8_contig",
+                       M_CAP=m_cap, N=n, K=k, SA_LD=align(m_cap, 4), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                        PRMT=widen == "prmt")
     return d
 
