@@ -2,7 +2,9 @@
 
   A  MXFP4 experts on SM100: values stay int8-packed e2m1; (E, N, K/32) power-of-two scales
      become the packed UE8M0 MN-major image (recipe (1, 32), K = 2 * packed width). Lossless.
-  B  MXFP4 -> FP8 block (SM90, no FP4 GEMM): ``mxfp4_to_fp8_block``.
+  B  MXFP4 -> FP8 block (SM90, no FP4 DeepGEMM kernel): ``mxfp4_to_fp8_block``.
+  E  MXFP4 kept 4-bit on SM90 (W4A8): ``layouts.w4a8.mxfp4_to_w4a8``, the same e4m3 values as B once
+     the GEMM widens them.
   C  block FP8 -> UE8M0 (SM100): ``requant_fp8_block_ue8m0`` (numerical re-quantization), then the
      row-block scale is broadcast to rows and packed.
   D  MXFP8 (SM100): from high-precision weights ``quantize_mxfp8``; from an MXFP8 checkpoint only
@@ -28,6 +30,7 @@ from layouts.fp8 import FP8_BLOCK, cast_to_e4m3, dequantize_fp8_per_block, quant
 from layouts.recipes import get_recipe
 from layouts.scale_layout import transform_sf_into_required_layout
 from layouts.ue8m0 import ue8m0_bytes_to_fp32
+from layouts.w4a8 import mxfp4_to_w4a8
 
 
 
@@ -103,7 +106,7 @@ def expand_per_tensor_scale(
 
 
 def prepare_expert_weights(
-    w: jax.Array, scale: jax.Array | None, *, recipe: str, arch: int
+    w: jax.Array, scale: jax.Array | None, *, recipe: str, arch: int, keep_4bit: bool = False
 ) -> tuple[jax.Array, jax.Array | None]:
     """Run the load-time path for (recipe, arch); returns (weight, scale) in the GEMM form of
     ``get_recipe(recipe).gemm_format(arch)``.
@@ -118,7 +121,9 @@ def prepare_expert_weights(
                  -> (w e4m3, (E, ceil(ceil(K/32)/4), align(N, 4)) int32)
       mxfp4:     w (E, N, K/2) int8, scale (E, N, ceil(K/32)) f32 powers of two (or uint8 bytes)
                  arch 100 -> path A: (w, (E, ceil(ceil(K/32)/4), align(N, 4)) int32)
-                 arch 90  -> path B: (w e4m3 (E, N, K), scale (E, ceil(N/128), ceil(K/128)) f32)
+                 arch 90  -> path B: (w e4m3 (E, N, K), scale (E, ceil(N/128), ceil(K/128)) f32);
+                 keep_4bit: path E, (w int8 (E, N, K/2) W4A8 words, scale (E, N, ceil(K/128)) int32),
+                 the form of ``layouts.gemm_format("mxfp4", 90)``
     Weights must carry at least one leading (expert) dim.
     """
     arch = check_arch(arch)
@@ -139,6 +144,11 @@ def prepare_expert_weights(
     check_dtype("w", w, rec.value_dtypes)
     _require_scale(scale, rec.name)
     n, k = w.shape[-2], w.shape[-1] * rec.weight_k_pack
+    if keep_4bit:  # path E
+        if arch not in rec.kept_4bit_on:
+            raise ValueError(f"keep_4bit: recipe {rec.name!r} stays 4-bit on arch {rec.kept_4bit_on or '()'}, "
+                             f"got arch {arch}")
+        return mxfp4_to_w4a8(w, scale)
     if rec.gemm_recipe(arch) is not rec:  # path B: the arch has no GEMM for these values
         return mxfp4_to_fp8_block(w, scale)
     if not fmt.ue8m0:  # the checkpoint's fp32 block scales are what the GEMM reads

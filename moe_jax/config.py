@@ -21,6 +21,8 @@ from moe_jax.dispatch import LAYOUTS
 QUANT_SIZE_MULTIPLE = 128
 # Row alignment of contig segments for quantized GEMMs (DeepGEMM's M block on SM90 and SM100).
 QUANT_ALIGNMENT_MULTIPLE = 128
+# MXFP4 experts on arch 90: expanded to FP8 at load, or kept 4-bit for the W4A8 GEMMs
+MXFP4_SM90_FORMS = ("fp8", "w4a8")
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,9 @@ class MoEConfig:
 
     Core: `recipe` ("bf16" | "fp8_block" | "mxfp8" | "mxfp4"), `arch` (90 | 100 | None: which GPU
     family's GEMM scale formats the core produces; None -> 90 unless the recipe needs 100),
+    `mxfp4_sm90_form` (MXFP4 experts on arch 90: "fp8", expanded to fp8_block at load, twice the
+    bytes, every GEMM backend and layout; or "w4a8", kept 4-bit, `layouts.w4a8`, the Triton W4A8
+    grouped GEMMs widen them to the same e4m3 values in registers; contig and masked layouts),
     `layout` ("auto" | "contig" | "masked" | "fused": the whole routed branch in one kernel, FP8
     block weights and SiLU only, its w13 prepared for it by `prepare_params`; never chosen by
     "auto"), contig `alignment` (rows per expert segment block),
@@ -79,6 +84,7 @@ class MoEConfig:
     masked_m_pad: int | None = None
     masked_memory_budget_bytes: int | None = None
     fuse_shared_experts: bool = False
+    mxfp4_sm90_form: str = "fp8"
 
     def __post_init__(self) -> None:
         if isinstance(self.activation, str):
@@ -95,8 +101,16 @@ class MoEConfig:
 
     @property
     def gemm_recipe(self) -> str:
-        """Recipe the GEMMs actually run: mxfp4 on 90 is converted to fp8_block at load time."""
-        return get_recipe(self.recipe).gemm_recipe(self.gemm_arch).name
+        """Recipe the GEMMs actually run: mxfp4 on 90 is converted to fp8_block at load time, unless
+        `mxfp4_sm90_form` is "w4a8" (then the GEMMs run mxfp4 in its 4-bit form)."""
+        return self.gemm_recipe_on(self.gemm_arch)
+
+    def gemm_recipe_on(self, arch: int) -> str:
+        """The recipe the GEMMs run on `arch` (`gemm_recipe` for another arch than `gemm_arch`)."""
+        rec = get_recipe(self.recipe)
+        if self.mxfp4_sm90_form == "w4a8" and arch in rec.kept_4bit_on:
+            return rec.name
+        return rec.gemm_recipe(arch).name
 
     @property
     def shared_intermediate_size(self) -> int:
@@ -218,6 +232,14 @@ def _validate(c: MoEConfig) -> None:
         _check(c.vocab_size is not None and c.vocab_size >= 1,
                f"MoEConfig.hash_routing needs a positive vocab_size, got {c.vocab_size!r}")
     rec = get_recipe(c.recipe)
+    _check(c.mxfp4_sm90_form in MXFP4_SM90_FORMS,
+           f"MoEConfig.mxfp4_sm90_form must be one of {MXFP4_SM90_FORMS}, got {c.mxfp4_sm90_form!r}")
+    if c.mxfp4_sm90_form == "w4a8":
+        _check(c.gemm_arch in rec.kept_4bit_on,
+               f"MoEConfig.mxfp4_sm90_form='w4a8' keeps MXFP4 experts 4-bit on arch 90: it needs recipe 'mxfp4' "
+               f"on arch 90, got recipe {c.recipe!r} on arch {c.gemm_arch}")
+        _check(c.layout != "fused", "MoEConfig.layout='fused' runs FP8 expert weights: it needs "
+               "mxfp4_sm90_form='fp8' (the W4A8 GEMMs run the contig and masked layouts)")
     if c.arch is not None:
         _check(c.arch in ARCHS, f"MoEConfig.arch must be one of {ARCHS} or None, got {c.arch!r}")
         _check(c.arch in rec.supported_archs,

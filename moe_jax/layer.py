@@ -57,7 +57,6 @@ from custom_calls import (AUTO, REFERENCE, KernelSettings, backend_stages, contr
                           known_backends, permute_contig, permute_masked, unpermute)
 from custom_calls.settings import resolve_settings
 from custom_calls.dispatch_map import local_expert_ids
-from layouts import get_recipe
 from moe_jax.config import MoEConfig
 from moe_jax.dispatch import LAYOUTS, choose_layout, default_masked_m_pad, dispatch_contig, dispatch_masked
 from moe_jax.experts import expert_core_contig, expert_core_masked
@@ -115,7 +114,7 @@ def resolve_layout(layout: str, config: MoEConfig, *, num_tokens: int, num_local
     arch = config.gemm_arch if arch is None else arch
     return choose_layout(num_tokens=num_tokens, num_local_experts=num_local_experts,
                          hidden_size=config.hidden_size, intermediate_size=local_intermediate_size,
-                         recipe=get_recipe(config.recipe).gemm_recipe(arch).name, arch=arch,
+                         recipe=config.gemm_recipe_on(arch), arch=arch,
                          act=config.activation, backend=act_backend, m_pad=config.masked_m_pad,
                          memory_budget_bytes=config.masked_memory_budget_bytes)
 

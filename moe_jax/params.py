@@ -25,7 +25,9 @@ GEMM form (after `prepare_params(params, config)`): the rhs operands of
     fp8_block, arch 100  UE8M0 requant (path C), scales packed MN-major (E, ceil(K/512), align(N,4)) int32
     mxfp8, arch 100      scales packed MN-major (E, ceil(K/128), align(N,4)) int32 (path D)
     mxfp4, arch 100      values stay int8-packed; scales packed MN-major (path A)
-    mxfp4, arch 90       FP4 -> FP8 dequant to fp8_block (path B); the GEMMs then run fp8_block/90
+    mxfp4, arch 90       FP4 -> FP8 dequant to fp8_block (path B); the GEMMs then run fp8_block/90;
+                         with config.mxfp4_sm90_form "w4a8": kept 4-bit (path E, `layouts.w4a8`),
+                         the GEMMs run mxfp4/90 (the Triton W4A8 kernels)
 `params.gemm_recipe` / `params.gemm_arch` (static pytree metadata) say which form the params are in
 (None: checkpoint form).
 
@@ -160,12 +162,12 @@ def init_params(key: jax.Array, config: MoEConfig, *, num_local_experts: int | N
     return MoEParams(**draw_params(key, config, e_loc, tp_size, shared_recipe, None))
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))  # one compiled conversion, not op-by-op
-def _prepare_weight(w: jax.Array, sf: jax.Array | None, recipe: str, arch: int):
-    """One expert weight (E, N, K[/2]) from checkpoint form to GEMM form (load-time paths A-D)."""
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))  # one compiled conversion, not op-by-op
+def _prepare_weight(w: jax.Array, sf: jax.Array | None, recipe: str, arch: int, keep_4bit: bool = False):
+    """One expert weight (E, N, K[/2]) from checkpoint form to GEMM form (load-time paths A-E)."""
     if not get_recipe(recipe).is_quantized:
         return w, None
-    return layouts.prepare_expert_weights(w, sf, recipe=recipe, arch=arch)
+    return layouts.prepare_expert_weights(w, sf, recipe=recipe, arch=arch, keep_4bit=keep_4bit)
 
 
 def prepare_params(params: MoEParams, config: MoEConfig, arch: int | None = None) -> MoEParams:
@@ -184,9 +186,10 @@ def prepare_params(params: MoEParams, config: MoEConfig, arch: int | None = None
             raise ValueError(f"params: already prepared for arch {params.gemm_arch}, asked for arch {arch}")
         return _gate_up_order(params, config)
     check_params(params, config)
-    w13, s13 = _prepare_weight(params.w13, params.w13_scale, config.recipe, arch)
-    w2, s2 = _prepare_weight(params.w2, params.w2_scale, config.recipe, arch)
-    gr = rec.gemm_recipe(arch).name
+    gr = config.gemm_recipe_on(arch)
+    keep_4bit = rec.weight_k_pack == 2 and gr == rec.name and arch in rec.kept_4bit_on  # W4A8
+    w13, s13 = _prepare_weight(params.w13, params.w13_scale, config.recipe, arch, keep_4bit)
+    w2, s2 = _prepare_weight(params.w2, params.w2_scale, config.recipe, arch, keep_4bit)
     out = _gate_up_order(params.replace(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, gemm_recipe=gr,
                                         gemm_arch=arch), config)
     if config.n_shared_experts and config.fuse_shared_experts:
@@ -300,7 +303,7 @@ def check_params(params: MoEParams, config: MoEConfig) -> tuple[int, int]:
     e_loc, i_loc = expert_sizes(params, config)
     if params.is_prepared:
         try:
-            expect = get_recipe(config.recipe).gemm_recipe(params.gemm_arch).name
+            expect = config.gemm_recipe_on(params.gemm_arch)
         except ValueError as exc:
             raise ValueError(f"params: prepared as ({params.gemm_recipe!r}, arch {params.gemm_arch!r}), "
                              f"which config.recipe={config.recipe!r} cannot use: {exc}") from None
@@ -406,4 +409,4 @@ def _check_gemm_form(params, e_loc, i_loc, h) -> None:
     for name, n, k in _projections(e_loc, i_loc, h):
         _check_expert(name, getattr(params, name), getattr(params, f"{name}_scale"),
                       (e_loc, n, fmt.rhs_width(k)), fmt.rhs_dtypes, fmt.rhs_scale_shape(e_loc, n, k),
-                      fmt.scale_dtype)
+                      fmt.rhs_scale_dtype)

@@ -4,6 +4,7 @@ speed-up or roofline figure); exit status 1 when a requested row failed; the cle
 `gemm` and `triton` without a GPU; what the backend registry says each op resolved to; and the
 float32 model of the layer benchmark against a float64 per-token numpy loop."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -447,8 +448,8 @@ def test_layer_models_are_the_presets_routed_layers():
     from moe_jax.bench.layer_model import MODELS, _config
     from moe_jax.config import MoEConfig
 
-    assert MODELS == ("v3", "v4", "v4-256")
-    v3, v4, v4_all = (_config(model=m) for m in MODELS)
+    assert MODELS == ("v3", "v4", "v4-256", "v4-w4a8", "v4-256-w4a8")
+    v3, v4, v4_all, v4_w4a8, v4_all_w4a8 = (_config(model=m) for m in MODELS)
     assert (v3.num_experts, v3.top_k, v3.hidden_size, v3.scoring) == (32, 8, 7168, "sigmoid")
     full = MoEConfig.deepseek_v4()
     for cfg, experts in ((v4, 32), (v4_all, 256)):
@@ -457,9 +458,11 @@ def test_layer_models_are_the_presets_routed_layers():
                       "routed_scaling_factor", "activation", "recipe"):
             assert getattr(cfg, field) == getattr(full, field), field
         assert cfg.gemm_recipe == "fp8_block"  # the FP4 -> FP8 expansion on Hopper
+    assert v4_w4a8 == dataclasses.replace(v4, mxfp4_sm90_form="w4a8") and v4_w4a8.gemm_recipe == "mxfp4"
+    assert v4_all_w4a8 == dataclasses.replace(v4_all, mxfp4_sm90_form="w4a8")
     small = _config(small=True, model="v4")
     assert (small.num_experts, small.hidden_size, small.scoring) == (16, 256, "sqrtsoftplus")
-    with pytest.raises(ValueError, match="model: expected one of v3, v4, v4-256, got 'v5'"):
+    with pytest.raises(ValueError, match="model: expected one of v3, v4, v4-256, v4-w4a8, v4-256-w4a8, got 'v5'"):
         _config(model="v5")
 
 

@@ -40,7 +40,7 @@ CASES = [
     # heuristic config against the models, a non-default config bit for bit against the heuristic
     "host_quant_configs", "host_permute_configs", "host_act_configs", "host_unpermute_config",
     "host_rank_config", "host_route_config", "host_dispatch_map_configs", "host_fused_input_configs",
-    "router_partials", "host_fused_input_routed", "host_w4a8_masked", "host_w4a8_contig",
+    "router_partials", "host_fused_input_routed", "host_w4a8_masked", "host_w4a8_contig", "layer_w4a8",
 ]
 
 
@@ -1483,6 +1483,26 @@ def case_host_w4a8_contig():
                                       widen="lookup")).astype(np.float64)
         _w4a8_check(d, want, bound, m_indices >= 0, f"contig {cfg}")
         assert (d[m_indices < 0] == 0).all(), f"contig {cfg}: padding rows not 0"
+
+
+def case_layer_w4a8():
+    """DeepSeek-V4's layer (scaled) with its MXFP4 experts kept 4-bit, every stage on the Triton backend
+    (the W4A8 GEMMs included), contig and masked: within bf16 rounding of the reference layer, which
+    equals the FP4 -> FP8 form bit for bit (tests/test_w4a8_gemm.py)."""
+    import jax
+    import jax.numpy as jnp
+
+    from moe_jax import MoEConfig, init_params, moe_forward, prepare_params
+
+    cfg = MoEConfig.deepseek_v4(num_experts=16, hidden_size=256, intermediate_size=512, top_k=4, n_shared_experts=0,
+                                arch=90, mxfp4_sm90_form="w4a8")
+    params = prepare_params(init_params(jax.random.key(0), cfg), cfg)
+    x = jax.random.normal(jax.random.key(1), (40, 256), jnp.bfloat16)
+    ref = np.asarray(moe_forward(x, params, cfg, backend="reference"), np.float64)
+    for layout in ("contig", "masked"):
+        got = np.asarray(moe_forward(x, params, cfg, layout=layout, backend="triton"), np.float64)
+        rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert np.isfinite(got).all() and rel < 1e-2, (layout, rel)
 
 
 def case_host_w4a8_masked():

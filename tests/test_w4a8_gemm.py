@@ -100,3 +100,51 @@ def test_backends_say_who_serves_it():
     assert static_supports(OP_CONTIG, "triton", recipe="mxfp4", **contig) == (True, "")
     ok, reason = static_supports(OP_CONTIG, "triton", recipe="mxfp4", **dict(contig, alignment=32))
     assert not ok and "alignment: the W4A8 contig kernel needs a multiple of 64, got 32" in reason
+
+
+# -- the layer -----------------------------------------------------------------------------------
+
+def _v4_small(**kw):
+    from moe_jax import MoEConfig
+
+    return MoEConfig.deepseek_v4(num_experts=16, hidden_size=256, intermediate_size=512, top_k=4,
+                                 n_shared_experts=0, arch=90, **kw)
+
+
+def test_config_says_where_w4a8_runs():
+    from moe_jax import MoEConfig
+
+    cfg = _v4_small(mxfp4_sm90_form="w4a8")
+    assert cfg.gemm_recipe == "mxfp4" and _v4_small().gemm_recipe == "fp8_block"
+    assert cfg.gemm_recipe_on(100) == "mxfp4"  # arch 100 reads MXFP4 natively
+    with pytest.raises(ValueError, match="mxfp4_sm90_form must be one of \\('fp8', 'w4a8'\\), got 'fp4'"):
+        _v4_small(mxfp4_sm90_form="fp4")
+    with pytest.raises(ValueError, match="needs recipe 'mxfp4' on arch 90, got recipe 'fp8_block' on arch 90"):
+        MoEConfig.deepseek_v3(num_experts=16, mxfp4_sm90_form="w4a8")
+    with pytest.raises(ValueError, match="got recipe 'mxfp4' on arch 100"):
+        _v4_small(mxfp4_sm90_form="w4a8").__class__(**{**cfg.__dict__, "arch": 100})
+    with pytest.raises(ValueError, match="layout='fused' runs FP8 expert weights"):
+        _v4_small(mxfp4_sm90_form="w4a8", layout="fused")
+
+
+def test_prepared_params_stay_4bit_and_the_layer_gives_the_fp8_forms_bits():
+    """prepare_params keeps the experts 4-bit (values + scale words, 0.53x the FP8 expansion's bytes);
+    the reference layer on them equals the FP4 -> FP8 form's output bit for bit, contig and masked."""
+    import jax
+
+    from moe_jax import init_params, moe_forward, prepare_params
+
+    fp8, w4a8 = _v4_small(), _v4_small(mxfp4_sm90_form="w4a8")
+    ckpt = init_params(jax.random.key(0), fp8)
+    p8, p4 = prepare_params(ckpt, fp8), prepare_params(ckpt, w4a8)
+    assert (p4.gemm_recipe, p4.gemm_arch, p4.w13.dtype, p4.w13_scale.dtype) == ("mxfp4", 90, jnp.int8, jnp.int32)
+    assert p4.w13.shape == (16, 1024, 128) and p4.w13_scale.shape == (16, 1024, 2)
+    nbytes = lambda p: sum(a.nbytes for a in (p.w13, p.w13_scale, p.w2, p.w2_scale))  # noqa: E731
+    assert nbytes(p4) / nbytes(p8) < 0.55
+    with pytest.raises(ValueError, match="prepared as 'mxfp4' for arch 90, but config.recipe='mxfp4' needs 'fp8_block'"):
+        moe_forward(jnp.zeros((4, 256), jnp.bfloat16), p4, fp8, backend="reference")
+    x = jax.random.normal(jax.random.key(1), (40, 256), jnp.bfloat16)
+    for layout in ("contig", "masked"):
+        o8 = moe_forward(x, p8, fp8, layout=layout, backend="reference")
+        o4 = moe_forward(x, p4, w4a8, layout=layout, backend="reference")
+        np.testing.assert_array_equal(np.asarray(o4).view(np.uint16), np.asarray(o8).view(np.uint16))

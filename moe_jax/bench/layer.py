@@ -6,7 +6,10 @@ the layer of `--model`: v3 (default) DeepSeek-V3's with 32 local experts (all of
 (sigmoid + correction bias, 8 groups of 4, top-4 groups), H 7168, I 2048, fp8_block weights; v4
 DeepSeek-V4-Flash's with a slice of 32 experts, top-6 (sqrtsoftplus + correction bias), swiglu_limit
 10, H 4096, I 2048, its MXFP4 experts expanded to fp8_block at load (arch 90 has no FP4 GEMM);
-v4-256 the same with all 256 experts. All on arch 90, the router gate in bf16 (as DeepSeek's
+v4-256 the same with all 256 experts; v4-w4a8 and v4-256-w4a8 those with the experts kept 4-bit
+(`MoEConfig.mxfp4_sm90_form="w4a8"`, the W4A8 grouped GEMMs; `--fused` skips them: the fused
+layout runs FP8 experts). `--model` takes a comma list, measured one after the other in one run
+(side by side). All on arch 90, the router gate in bf16 (as DeepSeek's
 checkpoints ship it), no shared expert (its dense MLP is not part of the routed path measured here).
 Backends: "auto" (Triton non-GEMM stages + DeepGEMM GEMMs on a supported GPU) and "reference" (pure
 JAX through XLA).
@@ -99,19 +102,23 @@ def run(args: argparse.Namespace) -> int:
     check_plot_available(args.plot)
     default = tuple(SHAPES) if jax.default_backend() == "gpu" else DEFAULT_SHAPES_NO_GPU
     backends, small, plan = _plan(args, default)
+    models = _models(args.model)
     error = not args.no_error
     per_backend = STEPS_PER_BACKEND + FUSED_STEPS * int(args.fused)
-    progress = Progress("layer", total=len(plan) * (1 + int(error) + per_backend * len(backends)) + 1)
+    progress = Progress("layer", total=len(models) * len(plan) * (1 + int(error) + per_backend * len(backends)) + 1)
+    # the fused layout runs FP8 experts: not measured beside the W4A8 forms
     results = [bench_shape(name, m, layout, backends, args.reps, small=small, error=error, progress=progress,
-                           fused=args.fused, model=args.model)
-               for name, m, layout in plan]
+                           fused=args.fused and not model.endswith("w4a8"), model=model)
+               for model in models for name, m, layout in plan]
     progress.step("copy bandwidth")
     bw = xla_copy_bandwidth(1 << 20 if small else 1 << 30)
     progress.close()
     device = _device()
-    print_table(results, backends, device, bw / 1e9, scaled=small, model=args.model)
+    for model in models:
+        print_table([r for r in results if r["model"] == model], backends, device, bw / 1e9, scaled=small,
+                    model=model)
     if args.json:
-        write_json(args.json, {"device": device, "jax": jax.__version__, "model": args.model, "backends": backends,
+        write_json(args.json, {"device": device, "jax": jax.__version__, "models": models, "backends": backends,
                                "copy_GBps": bw / 1e9, "scaled": small, "results": results})
     if args.plot:
         plot(args.plot, results, backends, device)
@@ -129,8 +136,11 @@ def run_shared(args: argparse.Namespace) -> int:
         raise SystemExit("--plot: the stage plot is not drawn with --shared")
     backends, small, plan = _plan(args, DEFAULT_SHAPES_NO_GPU)
     progress = Progress("layer --shared", total=len(plan) * len(backends) * len(variants) * STEPS_PER_VARIANT)
+    models = _models(args.model)
+    if len(models) > 1:
+        raise SystemExit("--shared: one --model at a time")
     results = [bench_shared(name, m, layout, variants, backends, args.reps, small=small, progress=progress,
-                            model=args.model)
+                            model=models[0])
                for name, m, layout in plan]
     progress.close()
     device = _device()
@@ -140,6 +150,14 @@ def run_shared(args: argparse.Namespace) -> int:
                                "scaled": small, "results": results})
     return exit_status([f"{r['shape']} {be} {v}" for r in results for be in backends for v in variants
                         if "error" in r[be][v]])
+
+
+def _models(arg: str) -> list[str]:
+    """--model: a comma list of `MODELS`, in the order given."""
+    models = [m for m in arg.split(",") if m]
+    if not models or set(models) - set(MODELS):
+        raise SystemExit(f"--model: expected a comma list of {', '.join(MODELS)}, got {arg!r}")
+    return models
 
 
 def _device() -> str:
@@ -182,9 +200,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", default=None,
                         help=f"comma list of {', '.join(SHAPES)} (default: all on a GPU, "
                              f"{','.join(DEFAULT_SHAPES_NO_GPU)} scaled elsewhere)")
-    parser.add_argument("--model", choices=MODELS, default="v3",
-                        help="the layer: v3 (DeepSeek-V3, 32 experts; default), v4 (DeepSeek-V4-Flash, a slice of 32 "
-                             "experts), v4-256 (V4-Flash, all 256 experts); see Shapes above")
+    parser.add_argument("--model", default="v3",
+                        help="comma list of layers, measured one after the other in this run: v3 (DeepSeek-V3, 32 "
+                             "experts; default), v4 (DeepSeek-V4-Flash, a slice of 32 experts), v4-256 (V4-Flash, all "
+                             "256 experts), v4-w4a8 / v4-256-w4a8 (those with the MXFP4 experts kept 4-bit: the W4A8 "
+                             "GEMMs); see Shapes above")
     parser.add_argument("--backends", default="auto,reference",
                         help="comma list of backend names (default: auto,reference)")
     parser.add_argument("--reps", type=int, default=4,

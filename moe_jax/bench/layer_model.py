@@ -10,8 +10,9 @@ from typing import Any
 # --model: the layer measured. "v3": DeepSeek-V3's routed layer with 32 experts (top-8 of 8 groups / top-4
 # groups, sigmoid + correction bias, H 7168, I 2048); "v4": DeepSeek-V4-Flash's with a slice of 32 experts
 # (top-6, sqrtsoftplus + correction bias, swiglu_limit 10, H 4096, I 2048, MXFP4 experts, which arch 90
-# runs as fp8_block after the load-time FP4 -> FP8 expansion); "v4-256": the same with all 256 experts.
-MODELS = ("v3", "v4", "v4-256")
+# runs as fp8_block after the load-time FP4 -> FP8 expansion); "v4-256": the same with all 256 experts;
+# "-w4a8": those V4 layers with the experts kept 4-bit (MoEConfig.mxfp4_sm90_form="w4a8").
+MODELS = ("v3", "v4", "v4-256", "v4-w4a8", "v4-256-w4a8")
 
 
 def _config(small: bool = False, model: str = "v3") -> Any:
@@ -22,8 +23,9 @@ def _config(small: bool = False, model: str = "v3") -> Any:
     if model == "v3":
         cfg = MoEConfig.deepseek_v3(num_experts=32, n_shared_experts=0, n_group=8, topk_group=4,
                                     recipe="fp8_block", arch=90)
-    elif model in ("v4", "v4-256"):
-        cfg = MoEConfig.deepseek_v4(num_experts=32 if model == "v4" else 256, n_shared_experts=0, arch=90)
+    elif model in MODELS:
+        cfg = MoEConfig.deepseek_v4(num_experts=256 if "256" in model else 32, n_shared_experts=0, arch=90,
+                                    mxfp4_sm90_form="w4a8" if model.endswith("w4a8") else "fp8")
     else:
         raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {model!r}")
     if small:  # a smoke-test size for machines without a GPU

@@ -12,7 +12,7 @@ from moe_jax.bench.layer_measure import STAGES
 PREFILL_GOAL = 1.06  # moe_forward including routing / (GEMM1 + GEMM2)
 DECODE_GOAL = 0.90  # weights-once roofline / moe_forward including routing
 # V4's smaller experts (H 4096) leave the fixed costs per layer more weight: its decode goal is lower
-DECODE_GOALS = {"v3": DECODE_GOAL, "v4": 0.85, "v4-256": 0.85}
+DECODE_GOALS = {"v3": DECODE_GOAL, "v4": 0.85, "v4-256": 0.85, "v4-w4a8": 0.85, "v4-256-w4a8": 0.85}
 SHARED_LABELS = {"bf16": "bf16 dense", "fp8": "fp8 dense", "fused": "fp8 fused"}
 
 
