@@ -148,3 +148,18 @@ def test_prepared_params_stay_4bit_and_the_layer_gives_the_fp8_forms_bits():
         o8 = moe_forward(x, p8, fp8, layout=layout, backend="reference")
         o4 = moe_forward(x, p4, w4a8, layout=layout, backend="reference")
         np.testing.assert_array_equal(np.asarray(o4).view(np.uint16), np.asarray(o8).view(np.uint16))
+
+
+def test_bench_gemm_w4a8_rows_use_one_set_of_operands():
+    """`bench gemm`'s W4A8 rows: the 4-bit form and the FP4 -> FP8 expansion of the same MXFP4 weights."""
+    import jax
+
+    from layouts.w4a8 import w4a8_to_fp8_block
+    from moe_jax.bench.gemm_w4a8 import w4a8_weights
+
+    w = jax.random.normal(jax.random.key(0), (2, 256, 512)) * 0.05
+    w4, s4, w8, s8 = w4a8_weights(w)
+    assert w4.shape == (2, 256, 256) and s4.shape == (2, 256, 4) and w8.shape == (2, 256, 512)
+    wide, sf = w4a8_to_fp8_block(w4, s4)
+    np.testing.assert_array_equal(np.asarray(wide).view(np.uint8), np.asarray(w8).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(sf), np.asarray(s8))

@@ -11,7 +11,9 @@ back-to-back asynchronous dispatch of a jitted call, divided by the number of ca
 * kernel (DeepGEMM rows): the median device duration of the kernel over one more burst, from a
   profiler trace — kernel time without dispatch, the protocol of DeepGEMM's own benchmark.
 Error: relative Frobenius norm ‖D − R‖/‖R‖ over every row, R = float32 (HIGHEST) product of the
-dequantized operands, plus the worst single row. Launch overhead: per-GEMM time of a jitted chain
+dequantized operands, plus the worst single row. W4A8 rows (`gemm_w4a8`): the same weights as MXFP4,
+kept 4-bit (Triton W4A8 kernel) beside DeepGEMM FP8 on their FP4 -> FP8 expansion; err against the
+latter. Launch overhead: per-GEMM time of a jitted chain
 of 32 small GEMMs minus the kernel's own duration (from a profiler trace).
 Needs a CUDA GPU of compute capability 9.x (H100/H200); elsewhere it exits with status 2 and says so;
 status 1 when a row failed (an exception in a DeepGEMM row stops the run with its traceback).
@@ -27,6 +29,8 @@ import datetime
 import statistics
 import sys
 import time
+
+from moe_jax.bench.gemm_w4a8 import bench_w4a8
 
 CONTIG = [(32, 1024, 4096, 7168), (32, 1024, 7168, 2048), (8, 4096, 4096, 7168), (32, 256, 4096, 7168)]
 MASKED = [(32, 256, 32, 4096, 7168), (32, 256, 32, 7168, 2048)]  # G, m_pad, expected_m, N, K
@@ -334,6 +338,8 @@ def _bench_contig(key, shp, row, *, ragged, fp8_ragged, sustained_iters, step=la
                                                   kernel="sm90_fp8_gemm_1d2d"),
         flops, err=rel_errors(out, ref))
     del ref, out
+    bench_w4a8("contig", shape, w, (qa, img, m_idx), row, _timeit, flops=flops, act_bytes=0,
+               sustained_iters=sustained_iters, step=step)
     xb = x.astype(jnp.bfloat16)
     if shp == CONTIG[0]:
         wb = w.astype(jnp.bfloat16)
@@ -399,6 +405,8 @@ def _bench_masked(key, shp, row, *, ragged, fp8_ragged, sustained_iters, step=la
                                                   sustained_iters=sustained_iters * 4,
                                                   kernel="sm90_fp8_gemm_1d2d"),
         2.0 * g * em * n * k, bytes_=bytes_, err=rel_errors(out[:, :em], ref))
+    bench_w4a8("masked", shape, w, (qa3, img, masked_m, em), row, _timeit, flops=2.0 * g * em * n * k,
+               act_bytes=g * em * k + g * em * n * 2, sustained_iters=sustained_iters, step=step)
     if ragged:
         xb = x.reshape(g, m_pad, k)[:, :em].reshape(g * em, k).astype(jnp.bfloat16)
         wt = jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16)
