@@ -696,9 +696,14 @@ def _bad_inputs():
                                                                      arch=90, backend=b),
          ValueError, "expected_m: expected a static int >= 0, got True"),
         ("m_grouped_gemm_masked", lambda b: cc.m_grouped_gemm_masked(z((1, 128, 128), bf16), z((1, 64, 128), bf16),
-                                                                     z((1,), i32), expected_m=4, recipe="mxfp4",
+                                                                     z((1,), i32), expected_m=4, recipe="mxfp8",
                                                                      arch=90, backend=b),
-         ValueError, "converted to fp8_block at load time"),
+         ValueError, r"recipe 'mxfp8': GEMM formats exist for arch \(100,\), got arch 90"),
+        ("m_grouped_gemm_masked", lambda b: cc.m_grouped_gemm_masked(
+            z((1, 128, 128), jnp.float8_e4m3fn), z((1, 64, 64), jnp.int8), z((1,), i32), expected_m=4,
+            lhs_scale=z((1, 1, 128), jnp.float32), rhs_scale=z((1, 64, 1), jnp.float32), recipe="mxfp4", arch=90,
+            backend=b),
+         TypeError, "rhs_scale: expected dtype int32, got float32"),
     ]
 
 

@@ -84,21 +84,21 @@ def test_operands_are_checked_by_name():
 
 
 def test_backends_say_who_serves_it():
-    """Triton's grouped GEMM is the W4A8 kernel and nothing else; DeepGEMM has no W4A8 family."""
+    """Backend "w4a8" runs the W4A8 form and nothing else; DeepGEMM has no W4A8 family."""
     static = dict(num_groups=4, m_pad=128, n=4096, k=7168, expected_m=8, arch=90, lhs_dtype=jnp.float8_e4m3fn,
                   rhs_dtype=jnp.int8, settings=None)
-    ok, reason = static_supports(OP_MASKED, "triton", recipe="mxfp4", **static)
+    ok, reason = static_supports(OP_MASKED, "w4a8", recipe="mxfp4", **static)
     assert ok, reason
-    ok, reason = static_supports(OP_MASKED, "triton", recipe="fp8_block", **static)
-    assert not ok and "W4A8 kernel" in reason and "'fp8_block'" in reason
-    ok, reason = static_supports(OP_MASKED, "triton", recipe="mxfp4", **dict(static, k=7200))
+    ok, reason = static_supports(OP_MASKED, "w4a8", recipe="fp8_block", **static)
+    assert not ok and "W4A8 kernels only" in reason and "'fp8_block'" in reason
+    ok, reason = static_supports(OP_MASKED, "w4a8", recipe="mxfp4", **dict(static, k=7200))
     assert not ok and "K a multiple of 128, got 7200" in reason
     ok, reason = static_supports(OP_MASKED, "deep_gemm", recipe="mxfp4", **static)
     assert not ok and "W4A8" in reason
     contig = dict(m_cap=1024, n=4096, k=7168, num_groups=4, arch=90, alignment=128, lhs_dtype=jnp.float8_e4m3fn,
                   rhs_dtype=jnp.int8, settings=None)
-    assert static_supports(OP_CONTIG, "triton", recipe="mxfp4", **contig) == (True, "")
-    ok, reason = static_supports(OP_CONTIG, "triton", recipe="mxfp4", **dict(contig, alignment=32))
+    assert static_supports(OP_CONTIG, "w4a8", recipe="mxfp4", **contig) == (True, "")
+    ok, reason = static_supports(OP_CONTIG, "w4a8", recipe="mxfp4", **dict(contig, alignment=32))
     assert not ok and "alignment: the W4A8 contig kernel needs a multiple of 64, got 32" in reason
 
 

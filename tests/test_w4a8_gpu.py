@@ -46,7 +46,7 @@ def test_w4a8_masked_on_gpu(g, m_pad, n, k, cfg):
                                            recipe="mxfp4", arch=90, backend="reference"), np.float32)
     assert np.isfinite(fast[valid]).all()
     np.testing.assert_allclose(fast[valid], ref[valid], rtol=2**-7, atol=1e-3 * np.abs(ref[valid]).max())
-    # the op through the registry ("auto" on a GPU: the Triton W4A8 kernel) is the same kernel
+    # the op through the registry ("auto" on a GPU: backend "w4a8") is the same kernel
     auto = np.asarray(m_grouped_gemm_masked(a, w, masked_m, expected_m=32, lhs_scale=sa, rhs_scale=sw,
                                             recipe="mxfp4", arch=90, backend="auto"), np.float32)
     if cfg is None:
@@ -61,7 +61,7 @@ def test_w4a8_equals_deep_gemm_on_the_fp4_to_fp8_operands():
     w, sw = mxfp4_to_w4a8(packed, sf32)
     w8, s8 = mxfp4_to_fp8_block(packed, sf32)
     kw = dict(expected_m=32, lhs_scale=sa, arch=90)
-    d4 = np.asarray(m_grouped_gemm_masked(a, w, masked_m, rhs_scale=sw, recipe="mxfp4", backend="triton", **kw),
+    d4 = np.asarray(m_grouped_gemm_masked(a, w, masked_m, rhs_scale=sw, recipe="mxfp4", backend="w4a8", **kw),
                     np.float32)
     d8 = np.asarray(m_grouped_gemm_masked(a, w8, masked_m, rhs_scale=s8, recipe="fp8_block", backend="deep_gemm",
                                           **kw), np.float32)

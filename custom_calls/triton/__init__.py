@@ -10,11 +10,12 @@ custom call beside other kernels, launched programmatically: the fused routed br
   rank_within_expert           custom_calls.triton.dispatch_kernel    dispatch slot ranks, no sort
   dispatch_map_contig/_masked  custom_calls.triton.dispatch_map_kernel  the whole dispatch map, 1-2 launches
   route_topk                   custom_calls.triton.routing_kernel     scores + grouped top-k + weights
-  m_grouped_gemm_contig/_m.    custom_calls.triton.w4a8_gemm_kernel   W4A8 only (mxfp4 kept 4-bit on arch 90)
   (quantize_activation)        custom_calls.triton.quant_kernel       x read, e4m3 + image written
   (fused_input)                custom_calls.triton.fused_input_kernel x read, the fused kernel's inputs written
   (router_partials)            custom_calls.triton.router_kernel      the router GEMM as split-K partial sums
-The last three are plain functions (the layer quantizes inside permute and activation; the fused
+The W4A8 grouped GEMMs (custom_calls.triton.w4a8_gemm_kernel, mxfp4 kept 4-bit on arch 90) are a
+backend of their own, "w4a8" (custom_calls.triton.w4a8_backend): "triton" keeps meaning the layer's
+non-GEMM stages. The last three are plain functions (the layer quantizes inside permute and activation; the fused
 MoE ops' SM90 path calls `fused_input` before its kernel, `fused_moe_routed`'s runs the router
 and the routing input kernel (`router_call`, `fused_input_routed_call`) in one call with its kernel).
 
@@ -45,8 +46,6 @@ from custom_calls.triton.support import (
     supports_rank_within_expert,
     supports_route_topk,
     supports_unpermute,
-    supports_w4a8_contig,
-    supports_w4a8_masked,
 )
 
 BACKEND = "triton"
@@ -134,35 +133,6 @@ def route_topk(logits: jax.Array, bias: jax.Array | None, *, top_k: int, scoring
                                      topk_group=topk_group, norm_topk_prob=norm_topk_prob)
 
 
-def _widen() -> str:
-    from custom_calls.triton.interpret import interpreting
-
-    # the interpreter runs no PTX: there the same bytes come from the table lookup (tests compare both)
-    return "lookup" if interpreting() else "prmt"
-
-
-def grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, *, lhs_scale: jax.Array,
-                        rhs_scale: jax.Array, recipe: str, arch: int, alignment: int, settings=None) -> jax.Array:
-    """As `custom_calls.grouped_gemm.m_grouped_gemm_contig` for the W4A8 form of mxfp4 on arch 90:
-    lhs (M_cap, K) e4m3, rhs (G, N, K/2) int8 words, rhs_scale (G, N, K/128) int32 -> (M_cap, N) bf16."""
-    del recipe, arch, settings  # one format (supports_w4a8_contig); no tuning settings of its own
-    from custom_calls.triton import w4a8_gemm_kernel
-
-    return w4a8_gemm_kernel.w4a8_contig(lhs, lhs_scale, rhs, rhs_scale, m_indices, alignment=alignment,
-                                        widen=_widen())
-
-
-def grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *, expected_m: int,
-                        lhs_scale: jax.Array, rhs_scale: jax.Array, recipe: str, arch: int, settings=None) -> jax.Array:
-    """As `custom_calls.grouped_gemm.m_grouped_gemm_masked` for the W4A8 form of mxfp4 on arch 90:
-    lhs (G, m_pad, K) e4m3, rhs (G, N, K/2) int8 words, rhs_scale (G, N, K/128) int32 -> (G, m_pad, N) bf16."""
-    del recipe, arch, settings  # one format (supports_w4a8_masked); no tuning settings of its own
-    from custom_calls.triton import w4a8_gemm_kernel
-
-    return w4a8_gemm_kernel.w4a8_masked(lhs, lhs_scale, rhs, rhs_scale, masked_m, expected_m=expected_m,
-                                        widen=_widen())
-
-
 def _register() -> None:
     # op names as the reference modules define them (package attributes may shadow the modules)
     _permute_ref = importlib.import_module("custom_calls.permute")
@@ -171,7 +141,6 @@ def _register() -> None:
     _rank_ref = importlib.import_module("custom_calls.expert_rank")
     _route_ref = importlib.import_module("custom_calls.route_topk")
     _map_ref = importlib.import_module("custom_calls.dispatch_map")
-    _gemm_ref = importlib.import_module("custom_calls.grouped_gemm")
     register(_permute_ref.OP_CONTIG, BACKEND, permute_contig, supports_permute_contig)
     register(_permute_ref.OP_MASKED, BACKEND, permute_masked, supports_permute_masked)
     register(_activation_ref.OP_CONTIG, BACKEND, activation_quant_contig, supports_activation_contig)
@@ -181,8 +150,6 @@ def _register() -> None:
     register(_route_ref.OP, BACKEND, route_topk, supports_route_topk)
     register(_map_ref.OP_CONTIG, BACKEND, dispatch_map_contig, supports_dispatch_map_contig)
     register(_map_ref.OP_MASKED, BACKEND, dispatch_map_masked, supports_dispatch_map_masked)
-    register(_gemm_ref.OP_CONTIG, BACKEND, grouped_gemm_contig, supports_w4a8_contig)
-    register(_gemm_ref.OP_MASKED, BACKEND, grouped_gemm_masked, supports_w4a8_masked)
     set_environment(BACKEND, environment)
 
 
@@ -197,8 +164,6 @@ __all__ = [
     "dispatch_map_masked",
     "dispatch_map_reason",
     "environment",
-    "grouped_gemm_contig",
-    "grouped_gemm_masked",
     "permute_contig",
     "permute_masked",
     "rank_within_expert",
@@ -213,7 +178,5 @@ __all__ = [
     "supports_rank_within_expert",
     "supports_route_topk",
     "supports_unpermute",
-    "supports_w4a8_contig",
-    "supports_w4a8_masked",
     "unpermute",
 ]

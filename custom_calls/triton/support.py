@@ -119,10 +119,10 @@ def supports_unpermute(**_static) -> tuple[bool, str]:
 
 
 def supports_w4a8_masked(*, k: int, recipe: str, arch: int, **_static) -> tuple[bool, str]:
-    """The Triton grouped GEMMs are the W4A8 kernels: recipe mxfp4 on arch 90 in its 4-bit form
-    (`layouts.w4a8`), K a multiple of 128 (one block scale word per 128 columns)."""
+    """Backend "w4a8": recipe mxfp4 on arch 90 in its 4-bit form (`layouts.w4a8`), K a multiple of 128
+    (one block scale word per 128 columns)."""
     if (recipe, arch) != ("mxfp4", 90):
-        return False, (f"the Triton grouped GEMM is the W4A8 kernel (recipe 'mxfp4' on arch 90, weights kept "
+        return False, (f"the w4a8 backend runs the W4A8 kernels only (recipe 'mxfp4' on arch 90, weights kept "
                        f"4-bit); got recipe {recipe!r} on arch {arch} (the DeepGEMM backend runs it)")
     return _answer(f"k: the W4A8 kernel needs K a multiple of 128, got {k}" if k % 128 else "")
 

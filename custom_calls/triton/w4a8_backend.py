@@ -1,0 +1,58 @@
+"""The "w4a8" backend: the W4A8 grouped GEMMs (`custom_calls.triton.w4a8_gemm_kernel`, Triton) behind
+`m_grouped_gemm_contig` / `m_grouped_gemm_masked`, for recipe mxfp4 kept 4-bit on arch 90
+(`layouts.w4a8`). A backend of its own so that "triton" keeps meaning the layer's non-GEMM stages
+(whose GEMM stage runs the reference); "auto" tries it after DeepGEMM, which has no W4A8 kernel.
+Registered when the registry first needs it; runs where the "triton" backend runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+
+from custom_calls.backends import register, set_environment
+from custom_calls.triton.support import environment, supports_w4a8_contig, supports_w4a8_masked
+
+BACKEND = "w4a8"
+
+
+def _widen() -> str:
+    from custom_calls.triton.interpret import interpreting
+
+    # the interpreter runs no PTX: there the same bytes come from the table lookup (tests compare both)
+    return "lookup" if interpreting() else "prmt"
+
+
+def grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, *, lhs_scale: jax.Array,
+                        rhs_scale: jax.Array, recipe: str, arch: int, alignment: int, settings=None) -> jax.Array:
+    """As `custom_calls.grouped_gemm.m_grouped_gemm_contig` for the W4A8 form of mxfp4 on arch 90:
+    lhs (M_cap, K) e4m3, rhs (G, N, K/2) int8 words, rhs_scale (G, N, K/128) int32 -> (M_cap, N) bf16."""
+    del recipe, arch, settings  # one format (supports_w4a8_contig); no tuning settings of its own
+    from custom_calls.triton import w4a8_gemm_kernel
+
+    return w4a8_gemm_kernel.w4a8_contig(lhs, lhs_scale, rhs, rhs_scale, m_indices, alignment=alignment,
+                                        widen=_widen())
+
+
+def grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *, expected_m: int,
+                        lhs_scale: jax.Array, rhs_scale: jax.Array, recipe: str, arch: int, settings=None) -> jax.Array:
+    """As `custom_calls.grouped_gemm.m_grouped_gemm_masked` for the W4A8 form of mxfp4 on arch 90:
+    lhs (G, m_pad, K) e4m3, rhs (G, N, K/2) int8 words, rhs_scale (G, N, K/128) int32 -> (G, m_pad, N) bf16."""
+    del recipe, arch, settings  # one format (supports_w4a8_masked); no tuning settings of its own
+    from custom_calls.triton import w4a8_gemm_kernel
+
+    return w4a8_gemm_kernel.w4a8_masked(lhs, lhs_scale, rhs, rhs_scale, masked_m, expected_m=expected_m,
+                                        widen=_widen())
+
+
+def _register() -> None:
+    gemm = importlib.import_module("custom_calls.grouped_gemm")
+    register(gemm.OP_CONTIG, BACKEND, grouped_gemm_contig, supports_w4a8_contig)
+    register(gemm.OP_MASKED, BACKEND, grouped_gemm_masked, supports_w4a8_masked)
+    set_environment(BACKEND, environment)
+
+
+_register()
+
+__all__ = ["BACKEND", "grouped_gemm_contig", "grouped_gemm_masked"]
