@@ -107,8 +107,8 @@ def test_backends_say_who_serves_it():
 def _v4_small(**kw):
     from moe_jax import MoEConfig
 
-    return MoEConfig.deepseek_v4(num_experts=16, hidden_size=256, intermediate_size=512, top_k=4,
-                                 n_shared_experts=0, arch=90, **kw)
+    return MoEConfig.deepseek_v4(**{**dict(num_experts=16, hidden_size=256, intermediate_size=512, top_k=4,
+                                           n_shared_experts=0, arch=90), **kw})
 
 
 def test_config_says_where_w4a8_runs():
@@ -163,3 +163,20 @@ def test_bench_gemm_w4a8_rows_use_one_set_of_operands():
     wide, sf = w4a8_to_fp8_block(w4, s4)
     np.testing.assert_array_equal(np.asarray(wide).view(np.uint8), np.asarray(w8).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(sf), np.asarray(s8))
+
+
+def test_flax_module_runs_the_4bit_form():
+    """`moe_jax.nn.MoE` with mxfp4_sm90_form="w4a8": 4-bit experts, the same output bits as the FP8 form
+    built from the same draws (shared expert included)."""
+    import jax
+    from flax import nnx
+
+    from moe_jax.nn import MoE
+
+    outs = {}
+    x = jax.random.normal(jax.random.key(1), (8, 256), jnp.bfloat16)
+    for form in ("fp8", "w4a8"):
+        module = MoE(_v4_small(mxfp4_sm90_form=form, n_shared_experts=1), rngs=nnx.Rngs(0))
+        assert module.gemm_recipe == ("mxfp4" if form == "w4a8" else "fp8_block")
+        outs[form] = np.asarray(module(x)).view(np.uint16)
+    np.testing.assert_array_equal(outs["w4a8"], outs["fp8"])

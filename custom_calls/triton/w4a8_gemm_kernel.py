@@ -6,10 +6,11 @@ image; W (G, N, K/2) int8 e2m1 words and (G, N, K/128) int32 scale words -> D (G
 Contig: as `m_grouped_gemm_contig`, A (M_cap, K) rows grouped by expert (m_indices).
 
 Masked, per program: one group g, BLOCK_N weight rows and BLOCK_M token rows; it computes the
-transposed tile D^T = W . A^T so the weights are the MMA's M side (64-row wgmma tiles), the few decode
-tokens its N side. Contig: a BLOCK_M x BLOCK_N tile of one expert's rows, D = A . W^T. Per 128 columns of K: load BLOCK_N x 64 weight bytes and BLOCK_N scale words, widen
-the bytes to e4m3 in registers (two byte permutes per 4 bytes from the 32-group's e4m3 table,
-`layouts.w4a8`), one FP8 MMA over the 128 columns, then the fp32 promotion
+transposed tile D^T = W . A^T so the weights are the MMA's M side (64-row wgmma tiles), the few
+decode tokens its N side. Contig: a BLOCK_M x BLOCK_N tile of one expert's rows, D = A . W^T.
+Per 128 columns of K: load BLOCK_N x 64 weight bytes and BLOCK_N scale words, widen the bytes to
+e4m3 in registers (two byte permutes per 4 bytes from the 32-group's e4m3 table, `layouts.w4a8`),
+one FP8 MMA over the 128 columns, then the fp32 promotion
 acc += partial * (weight block scale per row) * (activation scale per token): DeepGEMM's 1D2D
 recipe, on exactly the e4m3 operands the FP4 -> FP8 load path makes. widen="prmt" is that
 conversion in PTX (GPU only); "lookup" computes the same bytes with integer ops and a gathered
