@@ -256,7 +256,7 @@ def test_bad_input(mesh):
 
 
 @pytest.mark.parametrize("backend,msg", [
-    ("nonsense", r"backend: expected one of \('reference', 'auto', 'deep_gemm', 'triton'\), a \{stage: name\} "
+    ("nonsense", r"backend: expected one of \('reference', 'auto', 'deep_gemm', 'triton', 'w4a8'\), a \{stage: name\} "
                  r"dict or None, got 'nonsense'"),
     ({"gemm": "cutlass"}, r"backend\['gemm'\]: expected one of .* got 'cutlass'"),
     ({"matmul": "deep_gemm"}, r"unknown stage\(s\) \['matmul'\]; stages are \('route'"),
