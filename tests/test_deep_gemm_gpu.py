@@ -263,5 +263,5 @@ def test_registry_resolves_deep_gemm(dg):
 
     impl = custom_calls.resolve("m_grouped_gemm_contig", "auto", m_cap=256, n=256, k=256, num_groups=2,
                                 recipe="bf16", arch=90, alignment=128, lhs_dtype=jnp.bfloat16,
-                                rhs_dtype=jnp.bfloat16)
+                                rhs_dtype=jnp.bfloat16, settings=custom_calls.KernelSettings())
     assert impl.backend == "deep_gemm"

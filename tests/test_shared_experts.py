@@ -343,7 +343,7 @@ def test_gpu_fp8_shared_runs_deep_gemm_and_matches_reference():
     cfg = _cfg(hidden_size=1024, intermediate_size=512, num_experts=16, top_k=4,
                activation=ActivationSpec(kind="silu", swiglu_limit=7.0))
     p = prepare_params(init_params(jax.random.key(8), cfg, shared_recipe="fp8_block"), cfg)
-    kw = dict(m=203, lhs_dtype=jnp.float8_e4m3fn, rhs_dtype=jnp.float8_e4m3fn)
+    kw = dict(m=203, lhs_dtype=jnp.float8_e4m3fn, rhs_dtype=jnp.float8_e4m3fn, settings=KernelSettings())
     assert resolve("gemm_nt", "auto", n=1024, k=1024, recipe="fp8_block", arch=90, **kw).backend == "deep_gemm"
     x = _x(203, 1024)
     f = jax.jit(shared_experts, static_argnames=("config", "out_dtype", "backend"))

@@ -33,7 +33,7 @@ from custom_calls.triton.launch import triton_call
 
 WIDEN_MODES = ("prmt", "lookup")
 
-_PRMT_ASM = """{
+_PRMT_ASM = tl.constexpr("""{
 .reg .b32 sel, sgn;
 and.b32 sel, $2, 0x7777;
 prmt.b32 $0, $3, $7, sel;
@@ -45,7 +45,7 @@ prmt.b32 $1, $3, $7, sel;
 shl.b32 sgn, $2, 4;
 and.b32 sgn, sgn, 0x80808080;
 or.b32 $1, $1, sgn;
-}"""
+}""")
 
 
 @dataclasses.dataclass(frozen=True)
