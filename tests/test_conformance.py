@@ -610,7 +610,7 @@ def _environment(backend: str, case: Case) -> str:
     return cc.unavailable_reason(backend, arch=arch)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker, not again when the worker comes back to this module
 def interpreted():
     """Results of every Triton case under Triton's interpreter, from one subprocess."""
     pytest.importorskip("triton")

@@ -58,7 +58,7 @@ SLOW_CASES = set(CASES) - FAST_CASES
 assert FAST_CASES <= set(CASES), FAST_CASES - set(CASES)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker: a module fixture is set up again when the worker comes back to this module
 def interpreter_results(request):
     pytest.importorskip("triton")
     selected = [item.callspec.params["case"] for item in request.session.items
@@ -71,7 +71,7 @@ def interpreter_results(request):
     return json.loads(lines[-1])
 
 
-# one worker runs them all (--dist loadgroup): the fixture is one interpreter subprocess per worker
+# one worker runs them all (--dist loadgroup): the fixture is one interpreter subprocess per worker, per session
 @pytest.mark.xdist_group("triton_interpreter")
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c
                                   for c in CASES])
