@@ -33,7 +33,6 @@ from layouts.ue8m0 import ue8m0_bytes_to_fp32
 from layouts.w4a8 import mxfp4_to_w4a8
 
 
-
 def mxfp4_to_fp8_block(packed: jax.Array, sf32: jax.Array) -> tuple[jax.Array, jax.Array]:
     """MXFP4 -> FP8 with 128 x 128 block scales (path B; DeepSeek's e2m1 -> e4m3 cast).
 
