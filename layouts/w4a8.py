@@ -39,6 +39,7 @@ import numpy as np
 from layouts.checks import ceil_div, check_dtype, check_min_ndim
 from layouts.fp4 import E2M1_VALUES, MAX_OFFSET_BITS, MXFP4_GROUP, unpack_e2m1
 from layouts.fp8 import FP8_BLOCK
+from layouts.ue8m0 import ue8m0_bytes_to_fp32
 
 W4A8_BLOCK = FP8_BLOCK  # columns per scale word, rows and columns per block scale
 W4A8_WORD = 8  # e2m1 codes per 4-byte word
@@ -101,6 +102,23 @@ def unpack_w4a8_words(values: jax.Array) -> jax.Array:
     return jnp.stack(cols, axis=-1).reshape(*values.shape[:-1], 2 * kb)
 
 
+def group_tiles(sf: jax.Array) -> jax.Array:
+    """Per-32-group values (scales, exponents) of (..., N, G) weights, G = ceil(K/32), gathered by
+    128 x 128 tile: -> (..., ceil(N/128), 128, ceil(K/128), 4), zero-padded past N and G (a zero
+    never wins a tile's maximum of positive scales). `untile_groups` is the inverse."""
+    n, g = sf.shape[-2:]
+    nb, gpb = ceil_div(n, W4A8_BLOCK), W4A8_BLOCK // MXFP4_GROUP
+    kb = ceil_div(g, gpb)
+    padded = jnp.pad(sf, [(0, 0)] * (sf.ndim - 2) + [(0, nb * W4A8_BLOCK - n), (0, kb * gpb - g)])
+    return padded.reshape(*sf.shape[:-2], nb, W4A8_BLOCK, kb, gpb)
+
+
+def untile_groups(tiles: jax.Array, n: int, g: int) -> jax.Array:
+    """(..., nb, 128, kb, 4) from `group_tiles` -> (..., N, G): the padding dropped."""
+    nb, _, kb, gpb = tiles.shape[-4:]
+    return tiles.reshape(*tiles.shape[:-4], nb * W4A8_BLOCK, kb * gpb)[..., :n, :g]
+
+
 def _exponent(sf: jax.Array) -> jax.Array:
     """Biased fp32 exponent of positive powers of two (0 for 0.0): (...) f32 -> (...) int32."""
     return ((jax.lax.bitcast_convert_type(sf, jnp.uint32) >> 23) & 0xFF).astype(jnp.int32)
@@ -121,17 +139,13 @@ def mxfp4_to_w4a8(packed: jax.Array, sf32: jax.Array) -> tuple[jax.Array, jax.Ar
     if tuple(sf32.shape) != (*packed.shape[:-1], g):
         raise ValueError(f"sf32: expected shape {(*packed.shape[:-1], g)} (packed {tuple(packed.shape)}, "
                          f"K = {k}, 32-groups), got {tuple(sf32.shape)}")
-    lead = packed.shape[:-2]
-    nb, kb = ceil_div(n, W4A8_BLOCK), ceil_div(k, W4A8_BLOCK)
-    gpb = W4A8_BLOCK // MXFP4_GROUP
-    e32 = jnp.pad(_exponent(sf32), [(0, 0)] * len(lead) + [(0, nb * W4A8_BLOCK - n), (0, kb * gpb - g)])
-    tiles = e32.reshape(*lead, nb, W4A8_BLOCK, kb, gpb)
+    tiles = group_tiles(_exponent(sf32))  # (..., nb, 128, kb, gpb)
+    lead, (kb, gpb) = packed.shape[:-2], tiles.shape[-2:]
     e128 = jnp.maximum(jnp.max(tiles, axis=(-3, -1)) - MAX_OFFSET_BITS, MIN_TILE_EXPONENT)  # (..., nb, kb)
-    s = tiles - e128[..., :, None, :, None]  # (..., nb, 128, kb, gpb): exponent offsets, <= 6
+    s = tiles - e128[..., :, None, :, None]  # exponent offsets, <= 6
     t = jnp.where(tiles > 0, jnp.clip(s + TABLE_BIAS, 0, NUM_TABLES - 1), 0)
-    t = t.reshape(*lead, nb * W4A8_BLOCK, kb, gpb)[..., :n, :, :]
-    word = jnp.broadcast_to(e128[..., :, None, :], (*lead, nb, W4A8_BLOCK, kb))
-    word = word.reshape(*lead, nb * W4A8_BLOCK, kb)[..., :n, :]
+    t = untile_groups(t, n, kb * gpb).reshape(*lead, n, kb, gpb)
+    word = untile_groups(jnp.broadcast_to(e128[..., :, None, :, None], tiles.shape), n, kb * gpb)[..., ::gpb]
     for j in range(gpb):
         word = word | (t[..., j] << (8 + INDEX_BITS * j))
     return pack_w4a8_words(unpack_e2m1(packed)), word.astype(jnp.int32)
@@ -142,7 +156,7 @@ def split_w4a8_scales(scales: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     table index per 32-group (..., N, ceil(K/32)) int32)."""
     check_dtype("scales", scales, (jnp.int32,))
     u = scales.astype(jnp.uint32)
-    block = jax.lax.bitcast_convert_type((u & 0xFF) << 23, jnp.float32)
+    block = ue8m0_bytes_to_fp32((u & 0xFF).astype(jnp.uint8))
     idx = jnp.stack([(u >> (8 + INDEX_BITS * j)) & (2**INDEX_BITS - 1) for j in range(W4A8_BLOCK // MXFP4_GROUP)],
                     axis=-1)
     idx = idx.reshape(*scales.shape[:-1], -1)[..., :ceil_div(k, MXFP4_GROUP)]
@@ -170,5 +184,5 @@ def w4a8_to_fp8_block(values: jax.Array, scales: jax.Array) -> tuple[jax.Array, 
     return w, block[..., ::W4A8_BLOCK, :]
 
 
-__all__ = ["E4M3_TABLES", "NUM_TABLES", "W4A8_BLOCK", "mxfp4_to_w4a8", "pack_w4a8_words", "split_w4a8_scales",
+__all__ = ["E4M3_TABLES", "NUM_TABLES", "W4A8_BLOCK", "group_tiles", "mxfp4_to_w4a8", "untile_groups", "pack_w4a8_words", "split_w4a8_scales",
            "table_words", "unpack_w4a8_words", "w4a8_to_fp8_block", "widen_w4a8"]

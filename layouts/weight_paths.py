@@ -30,7 +30,7 @@ from layouts.fp8 import FP8_BLOCK, cast_to_e4m3, dequantize_fp8_per_block, quant
 from layouts.recipes import get_recipe
 from layouts.scale_layout import transform_sf_into_required_layout
 from layouts.ue8m0 import ue8m0_bytes_to_fp32
-from layouts.w4a8 import mxfp4_to_w4a8
+from layouts.w4a8 import group_tiles, mxfp4_to_w4a8, untile_groups
 
 
 def mxfp4_to_fp8_block(packed: jax.Array, sf32: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -60,15 +60,9 @@ def mxfp4_to_fp8_block(packed: jax.Array, sf32: jax.Array) -> tuple[jax.Array, j
             f"sf32: expected shape {expected} (packed {tuple(packed.shape)}, K = {k}, 32-groups), "
             f"got {tuple(sf32.shape)}"
         )
-    lead = packed.shape[:-2]
-    nb, kb = ceil_div(n, FP8_BLOCK), ceil_div(k, FP8_BLOCK)
-    gpb = FP8_BLOCK // MXFP4_GROUP
-    # zero-padded scales never win the tile max (scales are positive)
-    sfp = jnp.pad(sf32, [(0, 0)] * len(lead) + [(0, nb * FP8_BLOCK - n), (0, kb * gpb - g)])
-    tiles = sfp.reshape(*lead, nb, FP8_BLOCK, kb, gpb)
+    tiles = group_tiles(sf32)  # zero-padded scales never win the tile max (scales are positive)
     sf128 = jnp.max(tiles, axis=(-3, -1)) * jnp.float32(2.0**-MAX_OFFSET_BITS)
-    offset = tiles / sf128[..., :, None, :, None]  # powers of two: exact
-    offset = offset.reshape(*lead, nb * FP8_BLOCK, kb * gpb)[..., :n, :g]
+    offset = untile_groups(tiles / sf128[..., :, None, :, None], n, g)  # powers of two: exact
     values = decode_e2m1(unpack_e2m1(packed))
     w = values * jnp.repeat(offset, MXFP4_GROUP, axis=-1)[..., :k]
     return cast_to_e4m3(w), sf128
