@@ -187,7 +187,7 @@ def prepare_params(params: MoEParams, config: MoEConfig, arch: int | None = None
         return _gate_up_order(params, config)
     check_params(params, config)
     gr = config.gemm_recipe_on(arch)
-    keep_4bit = rec.weight_k_pack == 2 and gr == rec.name and arch in rec.kept_4bit_on  # W4A8
+    keep_4bit = gr == rec.name and arch in rec.kept_4bit_on  # W4A8
     w13, s13 = _prepare_weight(params.w13, params.w13_scale, config.recipe, arch, keep_4bit)
     w2, s2 = _prepare_weight(params.w2, params.w2_scale, config.recipe, arch, keep_4bit)
     out = _gate_up_order(params.replace(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, gemm_recipe=gr,

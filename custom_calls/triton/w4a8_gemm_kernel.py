@@ -111,6 +111,15 @@ def _widen_tile(w_ptrs, word, table_ptr, ok, BLOCK_N: tl.constexpr, PRMT: tl.con
 
 
 @triton.jit
+def _weight_block(w_rows, sw_rows, kb, table_ptr, n_ok, BLOCK_N: tl.constexpr, PRMT: tl.constexpr):
+    """K block kb of BLOCK_N weight rows: (e4m3 tile [BLOCK_N, 128], block scale per row [BLOCK_N] f32).
+    w_rows [BLOCK_N, 1] / sw_rows [BLOCK_N]: the rows' value and scale-word pointers."""
+    word = tl.load(sw_rows + kb, mask=n_ok, other=0)
+    w = _widen_tile(w_rows + kb * 64 + tl.arange(0, 64)[None, :], word, table_ptr, n_ok, BLOCK_N, PRMT)
+    return w, ((word & 0xFF) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def w4a8_masked_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, masked_m_ptr, table_ptr, d_ptr,
                        M_PAD: tl.constexpr, N: tl.constexpr, K: tl.constexpr, SA_LD: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRMT: tl.constexpr):
@@ -132,11 +141,9 @@ def w4a8_masked_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, masked_m_ptr, table_ptr, d_
     sa_cols = sa_ptr + g64 * KB * SA_LD + m
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for kb in range(KB):
-        word = tl.load(sw_rows + kb, mask=n_ok, other=0)
-        w = _widen_tile(w_rows + kb * 64 + tl.arange(0, 64)[None, :], word, table_ptr, n_ok, BLOCK_N, PRMT)
+        w, w_scale = _weight_block(w_rows, sw_rows, kb, table_ptr, n_ok, BLOCK_N, PRMT)
         a = tl.load(a_rows + kb * 128 + tl.arange(0, 128)[None, :], mask=m_ok[:, None], other=0.0)
         part = tl.dot(w, tl.trans(a))
-        w_scale = ((word & 0xFF) << 23).to(tl.float32, bitcast=True)
         a_scale = tl.load(sa_cols + kb * SA_LD, mask=m_ok, other=0.0)
         acc += part * w_scale[:, None] * a_scale[None, :]
     d = d_ptr + g64 * M_PAD * N + m.to(tl.int64)[None, :] * N + n[:, None]
@@ -164,11 +171,9 @@ def w4a8_contig_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, m_indices_ptr, table_ptr, d
         sw_rows = sw_ptr + e64 * N * KB + n.to(tl.int64) * KB
         a_rows = a_ptr + m.to(tl.int64)[:, None] * K
         for kb in range(KB):
-            word = tl.load(sw_rows + kb, mask=n_ok, other=0)
-            w = _widen_tile(w_rows + kb * 64 + tl.arange(0, 64)[None, :], word, table_ptr, n_ok, BLOCK_N, PRMT)
+            w, w_scale = _weight_block(w_rows, sw_rows, kb, table_ptr, n_ok, BLOCK_N, PRMT)
             a = tl.load(a_rows + kb * 128 + tl.arange(0, 128)[None, :])
             part = tl.dot(a, tl.trans(w))
-            w_scale = ((word & 0xFF) << 23).to(tl.float32, bitcast=True)
             a_scale = tl.load(sa_ptr + kb * SA_LD + m)
             acc += part * a_scale[:, None] * w_scale[None, :]
     acc = tl.where(row_ok[:, None], acc, 0.0)
