@@ -40,7 +40,8 @@ CASES = [
     # heuristic config against the models, a non-default config bit for bit against the heuristic
     "host_quant_configs", "host_permute_configs", "host_act_configs", "host_unpermute_config",
     "host_rank_config", "host_route_config", "host_dispatch_map_configs", "host_fused_input_configs",
-    "router_partials", "host_fused_input_routed", "host_w4a8_masked", "host_w4a8_contig", "layer_w4a8",
+    "router_partials", "host_fused_input_routed", "w4a8_table_words", "host_w4a8_masked", "host_w4a8_contig",
+    "layer_w4a8",
 ]
 
 
@@ -53,7 +54,7 @@ FAST_CASES = {"quant_ue8m0_image", "quant_mxfp8_partial_group", "permute_contig_
               "act_contig_silu_90", "act_masked_silu_limit_90", "act_contig_mxfp8_100", "unpermute_addend",
               "dispatch_rank_e5", "dispatch_map_contig_one_launch", "dispatch_map_masked_one_launch",
               "route_sigmoid_grouped_bias", "route_sqrtsoftplus_bias", "router_partials", "host_fused_input_routed",
-              "host_w4a8_masked", "host_w4a8_contig"}
+              "w4a8_table_words", "host_w4a8_masked", "host_w4a8_contig"}
 SLOW_CASES = set(CASES) - FAST_CASES
 assert FAST_CASES <= set(CASES), FAST_CASES - set(CASES)
 
@@ -1428,11 +1429,19 @@ def case_host_fused_input_routed():
 
 
 def model_w4a8_masked(codes, sf32, a_q, sa_rows):
-    """Float64 model of the W4A8 masked GEMM: e2m1 codes (G, N, K) times their 32-group scales sf32
-    (G, N, K/32), activations e4m3 (G, m_pad, K) times sa_rows (G, m_pad, K/128) -> (G, m_pad, N)."""
+    """Float64 model of the W4A8 masked GEMM on the operands the FP4 -> FP8 path defines: e2m1 codes
+    (G, N, K) times their 32-group scales sf32 (G, N, K/32), each 128 x 128 tile as e4m3 values
+    RNE(v * sf32 / sf128) times its block scale sf128 = max(the tile's sf32) / 2^6 (at least 2^-126);
+    activations e4m3 (G, m_pad, K) times sa_rows (G, m_pad, K/128) -> (G, m_pad, N)."""
     ml = _ml()
-    mag = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])[codes & 7] * np.where(codes & 8, -1.0, 1.0)
-    w = mag * np.repeat(sf32.astype(np.float64), 32, axis=-1)
+    g, n, k = codes.shape
+    v = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])[codes & 7] * np.where(codes & 8, -1.0, 1.0)
+    nt = -(-n // 128)
+    tiles = np.pad(sf32.astype(np.float64), ((0, 0), (0, nt * 128 - n), (0, 0))).reshape(g, nt, 128, k // 128, 4)
+    sf128 = np.maximum(tiles.max(axis=(2, 4)) / 64, 2.0**-126)  # (G, N/128, K/128)
+    sf128 = np.repeat(np.repeat(sf128, 128, axis=1)[:, :n], 128, axis=2)
+    e4m3 = (v * np.repeat(sf32.astype(np.float64), 32, axis=-1) / sf128).astype(ml.float8_e4m3fn)
+    w = e4m3.astype(np.float64) * sf128
     a = a_q.view(ml.float8_e4m3fn).astype(np.float64) * np.repeat(sa_rows.astype(np.float64), 128, axis=-1)
     return np.einsum("gmk,gnk->gmn", a, w), np.einsum("gmk,gnk->gmn", np.abs(a), np.abs(w))
 
@@ -1444,7 +1453,8 @@ def _w4a8_weights(rng, g, n, k):
     from layouts.w4a8 import mxfp4_to_w4a8
 
     codes = rng.integers(0, 16, (g, n, k), dtype=np.uint8)
-    sf32 = (2.0 ** rng.integers(-14, -2, (g, n, k // 32))).astype(np.float32)
+    # a spread of 24 exponents: every e4m3 table (subnormal and all-zero ones included) is used
+    sf32 = (2.0 ** rng.integers(-26, -2, (g, n, k // 32))).astype(np.float32)
     w, sw = mxfp4_to_w4a8(pack_e2m1(jnp.asarray(codes)), jnp.asarray(sf32))
     return codes, sf32, w, sw
 
@@ -1456,8 +1466,37 @@ def _w4a8_check(d, want, mag, valid, label):
     assert not bad.any(), f"{label}: {bad.sum()} elements off the model, first {np.argwhere(bad)[:3]}"
 
 
+def case_w4a8_table_words():
+    """The kernels compute each e4m3 table's two words from its index: all of them equal
+    `layouts.w4a8.table_words`, the RNE products."""
+    global _table_words  # the interpreter resolves a kernel's callees among this module's globals
+    import jax
+    import jax.numpy as jnp
+    import triton
+    import triton.language as tl
+
+    from custom_calls.triton.launch import triton_call
+    from custom_calls.triton.w4a8_gemm_kernel import _table_words
+    from layouts.w4a8 import NUM_TABLES, table_words
+
+    @triton.jit
+    def words_kernel(idx_ptr, lo_ptr, hi_ptr, N: tl.constexpr):
+        idx = tl.load(idx_ptr + tl.arange(0, N))
+        lo, hi = _table_words(idx)
+        tl.store(lo_ptr + tl.arange(0, N), lo)
+        tl.store(hi_ptr + tl.arange(0, N), hi)
+
+    n = 32
+    out = [jax.ShapeDtypeStruct((n,), jnp.int32)] * 2
+    lo, hi = triton_call(jnp.arange(n, dtype=jnp.int32) % NUM_TABLES, kernel=words_kernel, out_shape=out,
+                         grid=(1,), name="table_words", N=n)
+    got = np.stack([np.asarray(lo), np.asarray(hi)], axis=1).view(np.uint32)
+    want = table_words()[np.arange(n) % NUM_TABLES]
+    np.testing.assert_array_equal(got, want)
+
+
 def case_host_w4a8_contig():
-    """The W4A8 contig kernel (widen="lookup"): odd N, a partial expert block, an all-padding block, an
+    """The W4A8 contig kernel (widen="shifts"): odd N, a partial expert block, an all-padding block, an
     expert with a few rows, at 128- and 64-row tiles: expert rows against the float64 model, padding
     rows written as 0."""
     import jax.numpy as jnp
@@ -1480,7 +1519,7 @@ def case_host_w4a8_contig():
     want, bound = full[expert, np.arange(512)], mag[expert, np.arange(512)]
     for cfg in (None, wk.W4A8Config(block_n=64, block_m=64, num_warps=4)):
         d = np.asarray(wk.w4a8_contig(a, sa, w, sw, jnp.asarray(m_indices), alignment=128, config=cfg,
-                                      widen="lookup")).astype(np.float64)
+                                      widen="shifts")).astype(np.float64)
         _w4a8_check(d, want, bound, m_indices >= 0, f"contig {cfg}")
         assert (d[m_indices < 0] == 0).all(), f"contig {cfg}: padding rows not 0"
 
@@ -1506,7 +1545,7 @@ def case_layer_w4a8():
 
 
 def case_host_w4a8_masked():
-    """The W4A8 kernel (widen="lookup": the interpreter runs no PTX) at its heuristic tiling and a
+    """The W4A8 kernel (widen="shifts": the interpreter runs no PTX) at its heuristic tiling and a
     smaller one, odd N, an empty group and one spanning several token tiles: every valid row against
     the float64 model (bf16 output rounding plus fp32 accumulation), rows past masked_m untouched."""
     import jax.numpy as jnp
@@ -1525,7 +1564,7 @@ def case_host_w4a8_masked():
                                   np.asarray(from_mn_major_tma_aligned(sa, m_pad)))
     for cfg in (None, wk.W4A8Config(block_n=64, block_m=16, num_warps=2)):
         d = np.asarray(wk.w4a8_masked(a, sa, w, sw, jnp.asarray(masked_m), expected_m=32, config=cfg,
-                                      widen="lookup")).astype(np.float64)
+                                      widen="shifts")).astype(np.float64)
         valid = np.arange(m_pad)[None, :] < masked_m[:, None]
         _w4a8_check(d, want, mag, valid, f"masked {cfg}")
         assert np.isnan(d[~valid]).all(), f"{cfg}: rows past masked_m written"

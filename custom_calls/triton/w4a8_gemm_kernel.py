@@ -9,12 +9,13 @@ Masked, per program: one group g, BLOCK_N weight rows and BLOCK_M token rows; it
 transposed tile D^T = W . A^T so the weights are the MMA's M side (64-row wgmma tiles), the few
 decode tokens its N side. Contig: a BLOCK_M x BLOCK_N tile of one expert's rows, D = A . W^T.
 Per 128 columns of K: load BLOCK_N x 64 weight bytes and BLOCK_N scale words, widen the bytes to
-e4m3 in registers (two byte permutes per 4 bytes from the 32-group's e4m3 table, `layouts.w4a8`),
+e4m3 in registers (two byte permutes per 4 bytes from the 32-group's e4m3 table, `layouts.w4a8`;
+the table's two words computed from its index),
 one FP8 MMA over the 128 columns, then the fp32 promotion
 acc += partial * (weight block scale per row) * (activation scale per token): DeepGEMM's 1D2D
 recipe, on exactly the e4m3 operands the FP4 -> FP8 load path makes. widen="prmt" is that
-conversion in PTX (GPU only); "lookup" computes the same bytes with integer ops and a gathered
-table (what Triton's interpreter can run; the GPU tests compare the two).
+conversion in PTX (GPU only); "shifts" selects the same bytes from the same words with integer shifts
+(what Triton's interpreter can run; the GPU tests compare the two bit for bit).
 """
 
 from __future__ import annotations
@@ -23,15 +24,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import triton
 import triton.language as tl
 
 from layouts.checks import align, ceil_div
-from layouts.w4a8 import E4M3_TABLES, table_words
 from custom_calls.triton.launch import triton_call
 
-WIDEN_MODES = ("prmt", "lookup")
+WIDEN_MODES = ("prmt", "shifts")
 
 _PRMT_ASM = tl.constexpr("""{
 .reg .b32 sel, sgn;
@@ -73,6 +72,23 @@ def contig_config(alignment: int) -> W4A8Config:
 
 
 @triton.jit
+def _table_words(idx):
+    """idx [...] int32 table indices -> (lo, hi) [...] int32: `E4M3_TABLES[idx]` as two little-endian
+    words, computed rather than gathered so that no load's address depends on a loaded value (Triton
+    pipelines the weight loads only then). Tables 8+ (6+ for hi) hold normal e4m3 numbers: the s = 0
+    table with s added to each nonzero byte's exponent field. Below that, e4m3 subnormals rounded to
+    nearest even, spelled out (tests check every index against `layouts.w4a8.table_words`)."""
+    s = idx - 13
+    lo = 0x3C383000 + s * 0x08080800
+    hi = 0x4C484440 + s * 0x08080808
+    lo = tl.where(idx >= 8, lo, tl.where(idx == 7, 0x0C080400, tl.where(idx == 6, 0x06040200, tl.where(
+        idx == 5, 0x03020100, tl.where(idx == 4, 0x02010000, tl.where(idx == 3, 0x01000000, 0))))))
+    hi = tl.where(idx >= 6, hi, tl.where(idx == 5, 0x0C080604, tl.where(idx == 4, 0x06040302, tl.where(
+        idx == 3, 0x03020201, tl.where(idx == 2, 0x02010100, tl.where(idx == 1, 0x01000000, 0))))))
+    return lo, hi
+
+
+@triton.jit
 def _widen_prmt(wbytes, t_lo, t_hi):
     """wbytes [R, C] int8 (4 bytes = one word, C a multiple of 4), t_lo / t_hi [R, C] int32 (the
     word's table) -> (even [R, C], odd [R, C]) float8e4nv: columns 2p and 2p + 1 of stored byte p."""
@@ -81,21 +97,20 @@ def _widen_prmt(wbytes, t_lo, t_hi):
 
 
 @triton.jit
-def _widen_tile(w_ptrs, word, table_ptr, ok, BLOCK_N: tl.constexpr, PRMT: tl.constexpr):
+def _widen_tile(w_ptrs, word, ok, BLOCK_N: tl.constexpr, PRMT: tl.constexpr):
     """The [BLOCK_N, 128] e4m3 weight tile of one K block: w_ptrs [BLOCK_N, 64] byte pointers, word
     [BLOCK_N] int32 scale words, ok [BLOCK_N] rows in range (others read as +0)."""
     wbytes = tl.load(w_ptrs, mask=ok[:, None], other=0)
     # a 32-group's table index: 5 bits per group from bit 8; 16 stored bytes per group
     shifts = 8 + 5 * tl.arange(0, 4)
-    idx = (word[:, None] >> shifts[None, :]) & 31  # [BLOCK_N, 4]
+    t_lo, t_hi = _table_words((word[:, None] >> shifts[None, :]) & 31)  # [BLOCK_N, 4]
     if PRMT:
-        t_lo = tl.load(table_ptr + 2 * idx)
-        t_hi = tl.load(table_ptr + 2 * idx + 1)
         t_lo = tl.reshape(tl.broadcast_to(t_lo[:, :, None], (BLOCK_N, 4, 16)), (BLOCK_N, 64))
         t_hi = tl.reshape(tl.broadcast_to(t_hi[:, :, None], (BLOCK_N, 4, 16)), (BLOCK_N, 64))
         even, odd = _widen_prmt(wbytes, t_lo, t_hi)
         return tl.reshape(tl.join(even, odd), (BLOCK_N, 128))
     else:
+        # prmt's byte selection in integer ops, on the same words
         b = tl.reshape(wbytes.to(tl.uint8, bitcast=True).to(tl.uint32), (BLOCK_N, 16, 4))
         words = tl.sum(b << (8 * tl.arange(0, 4))[None, None, :].to(tl.uint32), axis=2)  # [BLOCK_N, 16]
         # even column 2i of a word: magnitude at bit 4i, sign at bit 8i + 7; odd 2i + 1: 16 + 4i, 8i + 3
@@ -104,23 +119,25 @@ def _widen_tile(w_ptrs, word, table_ptr, ok, BLOCK_N: tl.constexpr, PRMT: tl.con
         sign_shift = tl.where(col % 2 == 0, 8 * (col // 2) + 7, 8 * (col // 2) + 3).to(tl.uint32)
         mag = (words[:, :, None] >> mag_shift[None, None, :]) & 7  # [BLOCK_N, 16, 8]
         sign = (words[:, :, None] >> sign_shift[None, None, :]) & 1
-        grp = tl.reshape(tl.broadcast_to(idx[:, :, None], (BLOCK_N, 4, 4)), (BLOCK_N, 16))  # word -> group
-        byte = tl.load(table_ptr + 8 * grp[:, :, None] + mag.to(tl.int32))  # table_ptr: uint8 tables here
-        byte = byte | (sign << 7).to(tl.uint8)
-        return tl.reshape(byte, (BLOCK_N, 128)).to(tl.float8e4nv, bitcast=True)
+        # word -> its group's table
+        t_lo = tl.reshape(tl.broadcast_to(t_lo[:, :, None], (BLOCK_N, 4, 4)), (BLOCK_N, 16)).to(tl.uint32, bitcast=True)
+        t_hi = tl.reshape(tl.broadcast_to(t_hi[:, :, None], (BLOCK_N, 4, 4)), (BLOCK_N, 16)).to(tl.uint32, bitcast=True)
+        table = tl.where(mag < 4, t_lo[:, :, None], t_hi[:, :, None])
+        byte = ((table >> (8 * (mag & 3))) & 0xFF) | (sign << 7)
+        return tl.reshape(byte.to(tl.uint8), (BLOCK_N, 128)).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
-def _weight_block(w_rows, sw_rows, kb, table_ptr, n_ok, BLOCK_N: tl.constexpr, PRMT: tl.constexpr):
+def _weight_block(w_rows, sw_rows, kb, n_ok, BLOCK_N: tl.constexpr, PRMT: tl.constexpr):
     """K block kb of BLOCK_N weight rows: (e4m3 tile [BLOCK_N, 128], block scale per row [BLOCK_N] f32).
     w_rows [BLOCK_N, 1] / sw_rows [BLOCK_N]: the rows' value and scale-word pointers."""
     word = tl.load(sw_rows + kb, mask=n_ok, other=0)
-    w = _widen_tile(w_rows + kb * 64 + tl.arange(0, 64)[None, :], word, table_ptr, n_ok, BLOCK_N, PRMT)
+    w = _widen_tile(w_rows + kb * 64 + tl.arange(0, 64)[None, :], word, n_ok, BLOCK_N, PRMT)
     return w, ((word & 0xFF) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def w4a8_masked_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, masked_m_ptr, table_ptr, d_ptr,
+def w4a8_masked_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, masked_m_ptr, d_ptr,
                        M_PAD: tl.constexpr, N: tl.constexpr, K: tl.constexpr, SA_LD: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRMT: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -141,17 +158,18 @@ def w4a8_masked_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, masked_m_ptr, table_ptr, d_
     sa_cols = sa_ptr + g64 * KB * SA_LD + m
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for kb in range(KB):
-        w, w_scale = _weight_block(w_rows, sw_rows, kb, table_ptr, n_ok, BLOCK_N, PRMT)
+        # issued before the MMA so that its latency hides under it (Triton pipelines only the operands)
+        a_scale = tl.load(sa_cols + kb * SA_LD, mask=m_ok, other=0.0)
+        w, w_scale = _weight_block(w_rows, sw_rows, kb, n_ok, BLOCK_N, PRMT)
         a = tl.load(a_rows + kb * 128 + tl.arange(0, 128)[None, :], mask=m_ok[:, None], other=0.0)
         part = tl.dot(w, tl.trans(a))
-        a_scale = tl.load(sa_cols + kb * SA_LD, mask=m_ok, other=0.0)
         acc += part * w_scale[:, None] * a_scale[None, :]
     d = d_ptr + g64 * M_PAD * N + m.to(tl.int64)[None, :] * N + n[:, None]
     tl.store(d, acc.to(tl.bfloat16), mask=n_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit
-def w4a8_contig_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, m_indices_ptr, table_ptr, d_ptr,
+def w4a8_contig_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, m_indices_ptr, d_ptr,
                        M_CAP: tl.constexpr, N: tl.constexpr, K: tl.constexpr, SA_LD: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRMT: tl.constexpr):
     """Rows grouped by expert, BLOCK_M rows of one expert per program (BLOCK_M divides the op's
@@ -171,21 +189,14 @@ def w4a8_contig_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, m_indices_ptr, table_ptr, d
         sw_rows = sw_ptr + e64 * N * KB + n.to(tl.int64) * KB
         a_rows = a_ptr + m.to(tl.int64)[:, None] * K
         for kb in range(KB):
-            w, w_scale = _weight_block(w_rows, sw_rows, kb, table_ptr, n_ok, BLOCK_N, PRMT)
+            a_scale = tl.load(sa_ptr + kb * SA_LD + m)
+            w, w_scale = _weight_block(w_rows, sw_rows, kb, n_ok, BLOCK_N, PRMT)
             a = tl.load(a_rows + kb * 128 + tl.arange(0, 128)[None, :])
             part = tl.dot(a, tl.trans(w))
-            a_scale = tl.load(sa_ptr + kb * SA_LD + m)
             acc += part * a_scale[:, None] * w_scale[None, :]
     acc = tl.where(row_ok[:, None], acc, 0.0)
     d = d_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
     tl.store(d, acc.to(tl.bfloat16), mask=n_ok[None, :])
-
-
-def _tables(widen: str) -> jax.Array:
-    """The e4m3 tables as the kernel reads them: (lo, hi) words for "prmt", bytes for "lookup"."""
-    if widen == "prmt":
-        return jnp.asarray(table_words().view(np.int32).reshape(-1))
-    return jnp.asarray(E4M3_TABLES.reshape(-1))
 
 
 def w4a8_masked(lhs: jax.Array, lhs_scale: jax.Array, rhs: jax.Array, rhs_scale: jax.Array, masked_m: jax.Array,
@@ -200,7 +211,7 @@ def w4a8_masked(lhs: jax.Array, lhs_scale: jax.Array, rhs: jax.Array, rhs_scale:
     n = rhs.shape[1]
     cfg = config or heuristic_config(expected_m)
     grid = (ceil_div(n, cfg.block_n), ceil_div(m_pad, cfg.block_m), g)
-    (d,) = triton_call(lhs, lhs_scale, rhs, rhs_scale, masked_m, _tables(widen), kernel=w4a8_masked_kernel,
+    (d,) = triton_call(lhs, lhs_scale, rhs, rhs_scale, masked_m, kernel=w4a8_masked_kernel,
                        out_shape=[jax.ShapeDtypeStruct((g, m_pad, n), jnp.bfloat16)], grid=grid,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, name="w4a8_masked",
                        M_PAD=m_pad, N=n, K=k, SA_LD=align(m_pad, 4), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -222,7 +233,7 @@ def w4a8_contig(lhs: jax.Array, lhs_scale: jax.Array, rhs: jax.Array, rhs_scale:
     if alignment % cfg.block_m:
         raise ValueError(f"config.block_m: expected a divisor of alignment={alignment}, got {cfg.block_m}")
     grid = (ceil_div(n, cfg.block_n), m_cap // cfg.block_m)
-    (d,) = triton_call(lhs, lhs_scale, rhs, rhs_scale, m_indices, _tables(widen), kernel=w4a8_contig_kernel,
+    (d,) = triton_call(lhs, lhs_scale, rhs, rhs_scale, m_indices, kernel=w4a8_contig_kernel,
                        out_shape=[jax.ShapeDtypeStruct((m_cap, n), jnp.bfloat16)], grid=grid,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, name="w4a8_contig",
                        M_CAP=m_cap, N=n, K=k, SA_LD=align(m_cap, 4), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
