@@ -46,7 +46,8 @@ class MoEConfig:
     family's GEMM scale formats the core produces; None -> 90 unless the recipe needs 100),
     `mxfp4_sm90_form` (MXFP4 experts on arch 90: "fp8", expanded to fp8_block at load, twice the
     bytes, every GEMM backend and layout; or "w4a8", kept 4-bit, `layouts.w4a8`, the Triton W4A8
-    grouped GEMMs widen them to the same e4m3 values in registers; contig and masked layouts),
+    grouped GEMMs widen them to the same e4m3 values in registers; contig and masked layouts; half
+    the expert memory, but slower than "fp8" today, BENCHMARKS.md),
     `layout` ("auto" | "contig" | "masked" | "fused": the whole routed branch in one kernel, FP8
     block weights and SiLU only, its w13 prepared for it by `prepare_params`; never chosen by
     "auto"), contig `alignment` (rows per expert segment block),
