@@ -16,9 +16,6 @@ backend is resolved, with the argument's name. Inputs that break an op's index c
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
 import sys
 import zlib
 from typing import Callable
@@ -31,6 +28,7 @@ import jax.numpy as jnp
 
 import custom_calls as cc
 from custom_calls import ActivationSpec
+from interpreter_script import InterpreterServer, serve
 from layouts import gemm_format
 
 FORMATS = [("bf16", 90), ("fp8_block", 90), ("fp8_block", 100), ("mxfp8", 100), ("mxfp4", 100)]
@@ -584,15 +582,14 @@ def run_case(case: Case, backend: str) -> str:
 # ------------------------------------------------------------------------------ the pytest side
 
 def _implementations():
-    """(backend, case id) of every accelerated implementation; the Triton cases (all of them run by
-    Triton's interpreter in one subprocess, off a GPU) are in the slow set."""
+    """(backend, case id) of every accelerated implementation; the Triton cases (run by Triton's
+    interpreter in a subprocess, off a GPU) are in the slow set."""
     out = []
     for case in CASES.values():
         for backend in cc.backends(case.op):
             if backend != cc.REFERENCE:
                 interpreted = backend == "triton" and not _has_gpu()
-                # one worker runs the interpreted ones (--dist loadgroup): one subprocess serves them all
-                marks = (pytest.mark.slow, pytest.mark.xdist_group("triton_conformance")) if interpreted else ()
+                marks = (pytest.mark.slow,) if interpreted else ()
                 out.append(pytest.param(backend, case.id, marks=marks))
     return out
 
@@ -610,18 +607,12 @@ def _environment(backend: str, case: Case) -> str:
     return cc.unavailable_reason(backend, arch=arch)
 
 
-@pytest.fixture(scope="session")  # once per worker, not again when the worker comes back to this module
+@pytest.fixture(scope="session")  # one subprocess per worker that runs an interpreted case
 def interpreted():
-    """Results of every Triton case under Triton's interpreter, from one subprocess."""
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, "triton"], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=root)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(lines[-1])
+    """The Triton cases under Triton's interpreter, one subprocess serving them."""
+    server = InterpreterServer(__file__, "triton")
+    yield server
+    server.close()
 
 
 @pytest.mark.parametrize("backend,case_id", _implementations())
@@ -629,7 +620,7 @@ def test_implementation_matches_reference(backend, case_id, request):
     case = CASES[case_id]
     reason = _environment(backend, case)
     if reason and backend == "triton":
-        result = request.getfixturevalue("interpreted").get(case_id, "case did not run")
+        result = request.getfixturevalue("interpreted").run(case_id)
     elif reason:
         pytest.skip(f"backend {backend!r} cannot run here: {reason}")
     else:
@@ -724,12 +715,4 @@ def test_every_declared_op_has_cases():
 
 if __name__ == "__main__":
     backend = sys.argv[1]
-    results = {}
-    for case in CASES.values():
-        if backend not in cc.backends(case.op):
-            continue
-        try:
-            results[case.id] = run_case(case, backend)
-        except Exception as exc:  # reported per case on the pytest side
-            results[case.id] = f"{type(exc).__name__}: {exc}"[:2000]
-    print(json.dumps(results))
+    serve(lambda case_id: run_case(CASES[case_id], backend))

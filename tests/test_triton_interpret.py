@@ -5,22 +5,20 @@ outputs poisoned beforehand) and checks every output element against an independ
 float64 model written here. Needs `triton` (not `jax_triton`); skipped when it is absent.
 
 Triton's interpreter is selected by TRITON_INTERPRET=1 before triton is imported, so the cases run
-in one subprocess (this file executed as a script); the pytest side runs it once and reports
-each case. The interpreter's own float down-casts are not round-to-nearest-even; the subprocess
-replaces them with ml_dtypes' exact casts (the GPU's cvt.rn instructions round to nearest even).
+in a subprocess (this file executed as a script, `interpreter_script.InterpreterServer`) that each
+pytest worker starts once and asks for its own cases. The interpreter's own float down-casts are not
+round-to-nearest-even; the subprocess replaces them with ml_dtypes' exact casts (the GPU's cvt.rn
+instructions round to nearest even).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
-import subprocess
-import sys
-import traceback
 
 import numpy as np
 import pytest
+from interpreter_script import InterpreterServer, serve
 
 CASES = [
     "quant_fp32_image", "quant_ue8m0_image", "quant_mxfp8_partial_group",
@@ -59,25 +57,17 @@ SLOW_CASES = set(CASES) - FAST_CASES
 assert FAST_CASES <= set(CASES), FAST_CASES - set(CASES)
 
 
-@pytest.fixture(scope="session")  # once per worker: a module fixture is set up again when the worker comes back to this module
-def interpreter_results(request):
-    pytest.importorskip("triton")
-    selected = [item.callspec.params["case"] for item in request.session.items
-                if getattr(item, "originalname", None) == "test_kernel_under_interpreter"]
-    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__, *selected], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(lines[-1])
+@pytest.fixture(scope="session")  # one subprocess per worker that runs a case of this module
+def interpreter():
+    server = InterpreterServer(__file__)
+    yield server
+    server.close()
 
 
-# one worker runs them all (--dist loadgroup): the fixture is one interpreter subprocess per worker, per session
-@pytest.mark.xdist_group("triton_interpreter")
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c
                                   for c in CASES])
-def test_kernel_under_interpreter(interpreter_results, case):
-    assert interpreter_results.get(case) == "ok", interpreter_results.get(case, "case did not run")
+def test_kernel_under_interpreter(interpreter, case):
+    assert interpreter.run(case) == "ok"
 
 
 def _kernel_modules():
@@ -1572,20 +1562,16 @@ def case_host_w4a8_masked():
 
 def _main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    sys.path.insert(0, os.getcwd())
     _install_exact_casts()
     _record_launches()
-    results = {}
-    only = sys.argv[1:]
-    for name in CASES:
-        if only and name not in only:
-            continue
-        try:
-            globals()[f"case_{name}"]()
-            results[name] = "ok"
-        except Exception:  # reported per case by the pytest side
-            results[name] = traceback.format_exc(limit=6)[-3000:]
-    print(json.dumps(results))
+
+    def run_case(name: str) -> str:
+        if name not in CASES:
+            raise KeyError(f"no case {name!r}")
+        globals()[f"case_{name}"]()
+        return "ok"
+
+    serve(run_case)
 
 
 if __name__ == "__main__":
