@@ -27,12 +27,13 @@ def w4a8_weights(w: Any) -> tuple[Any, Any, Any, Any]:
 
 def bench_w4a8(kind: str, shape: str, w: Any, lhs: tuple, row: Callable, timeit: Callable, *, flops: float,
                act_bytes: int, sustained_iters: int, step: Callable) -> None:
-    """Two rows at one shape: "deep_gemm fp8 (FP4->FP8)" and "triton w4a8". kind: "contig" (lhs = (qa,
+    """Two rows at one shape: "deep_gemm fp8 (FP4->FP8)" and "w4a8" (the registry's W4A8 backend). kind: "contig" (lhs = (qa,
     image, m_indices)) or "masked" (lhs = (qa (G, m_pad, K), image, masked_m, expected_m)); act_bytes:
     activation and output bytes a masked call moves (None of the bytes columns for contig)."""
     import jax
 
     from custom_calls.grouped_gemm import m_grouped_gemm_contig, m_grouped_gemm_masked
+    from custom_calls.triton.w4a8_backend import BACKEND as W4A8
     from moe_jax.bench._cli import rel_errors
 
     step("w4a8 weights")
@@ -51,12 +52,12 @@ def bench_w4a8(kind: str, shape: str, w: Any, lhs: tuple, row: Callable, timeit:
                                                          recipe=recipe, arch=90, backend=backend,
                                                          assume_canonical=True))
     fp8 = gemm(w8, s8, "fp8_block", "deep_gemm")
-    w4a8 = gemm(w4, s4, "mxfp4", "triton")
+    w4a8 = gemm(w4, s4, "mxfp4", W4A8)
     step("deep_gemm fp8 on the FP4->FP8 expansion")
     want = jax.block_until_ready(fp8())
     valid = (slice(None), slice(0, lhs[3])) if kind == "masked" else (slice(None),)
     for impl, f, b, sb, needle in (("deep_gemm fp8 (FP4->FP8)", fp8, w8, s8, "sm90_fp8_gemm_1d2d"),
-                                   ("triton w4a8", w4a8, w4, s4, "w4a8")):
+                                   (W4A8, w4a8, w4, s4, "w4a8")):
         step(impl)
         out = jax.block_until_ready(f())
         iters = sustained_iters * (4 if kind == "masked" else 1)
