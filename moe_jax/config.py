@@ -47,7 +47,8 @@ class MoEConfig:
     `mxfp4_sm90_form` (MXFP4 experts on arch 90: "fp8", expanded to fp8_block at load, twice the
     bytes, every GEMM backend and layout; or "w4a8", kept 4-bit, `layouts.w4a8`, the Triton W4A8
     grouped GEMMs widen them to the same e4m3 values in registers; contig and masked layouts; half
-    the expert memory, but slower than "fp8" today, BENCHMARKS.md),
+    the expert memory; faster than "fp8" only at decode with few rows per expert, e.g. all 256
+    V4-Flash experts on one GPU; slower at prefill, BENCHMARKS.md),
     `layout` ("auto" | "contig" | "masked" | "fused": the whole routed branch in one kernel, FP8
     block weights and SiLU only, its w13 prepared for it by `prepare_params`; never chosen by
     "auto"), contig `alignment` (rows per expert segment block),
