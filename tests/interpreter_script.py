@@ -14,14 +14,19 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _interpreter_env() -> dict:
+    """The environment of a subprocess under Triton's interpreter on the CPU, the checkout on its path;
+    skips the test when triton is absent."""
+    pytest.importorskip("triton")
+    return dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu",
+                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+
+
 def run_under_interpreter(script: str, timeout: float = 600) -> dict:
     """Runs `script` (python source printing one JSON object as its last `{`-line) with
     TRITON_INTERPRET=1 on the CPU, the checkout on its path; returns that object. Skips the test
     when triton is absent."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script], env=_interpreter_env(), capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
@@ -40,13 +45,11 @@ class InterpreterServer:
     calls `serve(run_case)` (below) on its side."""
 
     def __init__(self, script: str, *args: str, timeout: float = 600):
-        pytest.importorskip("triton")
         import queue
         import tempfile
         import threading
 
-        env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu",
-                   PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+        env = _interpreter_env()
         self._stderr = tempfile.TemporaryFile(mode="w+")
         self._proc = subprocess.Popen([sys.executable, script, *args], env=env, cwd=ROOT, text=True, bufsize=1,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)

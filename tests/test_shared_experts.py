@@ -356,7 +356,8 @@ def test_gpu_fp8_shared_runs_deep_gemm_and_matches_reference():
     gpu64, ref64 = np.asarray(gpu, np.float64), np.asarray(ref, np.float64)
     rel = np.linalg.norm(gpu64 - ref64) / np.linalg.norm(ref64)
     assert rel < 1e-2, rel
-    assert _row_rel(gpu, ref).max() < 4e-2, _row_rel(gpu, ref).max()
+    worst_row = _row_rel(gpu, ref).max()
+    assert worst_row < 4e-2, worst_row
     # and the whole layer, fused vs unfused, on the accelerated backends
     cf = dataclasses.replace(cfg, fuse_shared_experts=True)
     pf = prepare_params(init_params(jax.random.key(8), cfg, shared_recipe="fp8_block"), cf)

@@ -27,9 +27,10 @@ def w4a8_weights(w: Any) -> tuple[Any, Any, Any, Any]:
 
 def bench_w4a8(kind: str, shape: str, w: Any, lhs: tuple, row: Callable, timeit: Callable, *, flops: float,
                act_bytes: int, sustained_iters: int, step: Callable) -> None:
-    """Two rows at one shape: "deep_gemm fp8 (FP4->FP8)" and "w4a8" (the registry's W4A8 backend). kind: "contig" (lhs = (qa,
-    image, m_indices)) or "masked" (lhs = (qa (G, m_pad, K), image, masked_m, expected_m)); act_bytes:
-    activation and output bytes a masked call moves (None of the bytes columns for contig)."""
+    """Two rows at one shape: "deep_gemm fp8 (FP4->FP8)" and "w4a8" (the registry's W4A8 backend).
+    kind: "contig" (lhs = (qa, image, m_indices)) or "masked" (lhs = (qa (G, m_pad, K), image, masked_m,
+    expected_m)); act_bytes: activation and output bytes a masked call moves (None of the bytes
+    columns for contig)."""
     import jax
 
     from custom_calls.grouped_gemm import m_grouped_gemm_contig, m_grouped_gemm_masked
