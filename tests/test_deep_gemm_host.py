@@ -138,7 +138,7 @@ def test_a_family_must_be_on_a_known_arch():
 
 
 def test_nvcc_targets_follow_the_archs():
-    from custom_calls.deep_gemm import compiler
+    from custom_calls.native import compiler
     from layouts import SUPPORTED_ARCHS
 
     assert [compiler.nvcc_arch(a) for a in SUPPORTED_ARCHS] == ["sm_90a", "sm_100a"]
@@ -673,7 +673,7 @@ def test_compile_sm90_and_sm100_kernels_cache_across_processes(tmp_path):
 
 @needs_nvcc
 def test_cache_key_covers_source_arch_and_flags(monkeypatch):
-    from custom_calls.deep_gemm import compiler
+    from custom_calls.native import compiler
 
     c = G.sm90_gemm_config(_p("bf16", "normal", 128, 256, 256, 1), 132)
     src = c.family.source(c, 256, 256)
@@ -684,7 +684,7 @@ def test_cache_key_covers_source_arch_and_flags(monkeypatch):
 
 
 def test_nvcc_failure_is_reported(tmp_path, monkeypatch):
-    from custom_calls.deep_gemm import compiler
+    from custom_calls.native import compiler
 
     if not _has_toolchain():
         pytest.skip("needs nvcc")

@@ -281,7 +281,7 @@ def test_schedule_options_keep_the_output_bits():
     work: the same bits as the template's defaults, at both BLOCK_Ms, and the H200 holds the rule's
     2-CTA clusters of the whole grid (at both BLOCK_Ms, the benchmark layer's sizes too)."""
     from custom_calls import fused_moe_sm90 as S
-    from custom_calls.deep_gemm import compiler
+    from custom_calls.native import compiler
     from custom_calls.deep_gemm import fused_moe as F
     from custom_calls.deep_gemm.codegen import sm90_fused_moe_source
 

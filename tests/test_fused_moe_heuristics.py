@@ -206,7 +206,7 @@ def _toolchain():
 
 
 def _flags() -> list[str]:
-    from custom_calls.deep_gemm.compiler import NVCC_FLAGS
+    from custom_calls.native.compiler import NVCC_FLAGS
 
     return ["--gpu-architecture=sm_90a", *NVCC_FLAGS]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from custom_calls.deep_gemm import compiler
+from custom_calls.native import compiler
 from custom_calls.native import launch, toolchain
 from test_deep_gemm_host import needs_nvcc
 

@@ -109,7 +109,8 @@ def test_only_three_library_modules_touch_the_environment():
 def lowered_gemm(monkeypatch):
     """The DeepGEMM masked GEMM lowered on any machine: environment accepted, a device of 132 SMs,
     compilation replaced by a fake cubin path. Returns (function, count of its traces)."""
-    from custom_calls.deep_gemm import compiler, ops
+    from custom_calls.deep_gemm import ops
+    from custom_calls.native import compiler
     from custom_calls.native import launch
 
     class FakeCubin:

@@ -27,7 +27,7 @@ from custom_calls.dense_gemm import OP as _OP_DENSE
 from custom_calls.grouped_gemm import OP_CONTIG as _OP_CONTIG, OP_MASKED as _OP_MASKED
 
 from .autotune import TuningPolicy
-from .compiler import Cubin, compile_cubin
+from custom_calls.native.compiler import Cubin, compile_cubin
 from .families import FAMILIES, family_for, gemm_problem
 from .family import GemmProblem, KernelFamily
 from .sm90_gemm import Sm90GemmConfig, sm90_gemm_config

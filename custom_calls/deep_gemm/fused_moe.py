@@ -26,7 +26,7 @@ from custom_calls.native import launch_plan as LP
 from custom_calls.native.launch import launch
 from custom_calls.native.toolchain import detected_device
 
-from . import compiler
+from custom_calls.native import compiler
 from .codegen import sm90_fused_moe_source
 from .fused_moe_config import Sm90FusedMoEConfig, sm90_fused_moe_config, sm90_fused_moe_reason
 

@@ -43,7 +43,9 @@ from custom_calls.settings import KernelSettings, resolve_settings
 from layouts import GemmFormat, SUPPORTED_ARCHS, gemm_format
 from layouts.checks import check_dtype, check_rank, check_shape, check_static_int
 
-from . import autotune, compiler
+from custom_calls.native import compiler
+
+from . import autotune
 from .families import FAMILIES, family_for, gemm_problem, unserved_reason
 from .family import CONTIG_ALIGNMENT, Kernel, instantiate
 from .sm90_prenorm import ARCH as PRENORM_ARCH, prenorm_kernel, sm90_prenorm_config

@@ -19,7 +19,9 @@ from typing import Iterable, Literal
 from custom_calls.settings import KernelSettings, resolve_settings
 from layouts import SUPPORTED_ARCHS
 
-from . import autotune, compiler
+from custom_calls.native import compiler
+
+from . import autotune
 from .ops import dense_kernel, detected_device, grouped_kernel
 from .sm90_prenorm import ARCH as PRENORM_ARCH, prenorm_kernel
 

@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from custom_calls.deep_gemm import autotune, compiler
+from custom_calls.deep_gemm import autotune
+from custom_calls.native import compiler
 from custom_calls.deep_gemm.autotune import TunedEntry, TuningKey, TuningPolicy
 from custom_calls.deep_gemm.families import gemm_problem
 from custom_calls.deep_gemm.family import GemmProblem
