@@ -409,4 +409,4 @@ def static_supports(op: str, backend: str, **static) -> tuple[bool, str]:
 register_lazy("deep_gemm", "custom_calls.fused_moe_sm90", platforms=("gpu",))
 # the CPU only under Triton's interpreter (its environment check says which)
 register_lazy("triton", "custom_calls.triton", platforms=("gpu", "cpu"))
-register_lazy("w4a8", "custom_calls.triton.w4a8_backend", platforms=("gpu", "cpu"))
+register_lazy("w4a8", "custom_calls.w4a8_backend", platforms=("gpu", "cpu"))

@@ -78,16 +78,17 @@ def test_no_two_modules_import_each_other():
     assert not pairs, f"modules importing each other: {pairs}"
 
 
-# Inside custom_calls, each module belongs to a unit: its subpackage (native, deep_gemm, triton),
-# the composition module, or "core" (every other plain module: the registry, the op declarations and
+# Inside custom_calls, each module belongs to a unit: its subpackage (native, deep_gemm, triton, cuda),
+# a composition module, or "core" (every other plain module: the registry, the op declarations and
 # their references, the contracts). A unit imports only units of a lower level: the native launcher
 # imports no other custom_calls module; core may not import a kernel family (the families load
-# lazily, through the registry); the two kernel families share a level, so neither imports the
-# other; the fused ops' SM90 composition (Triton kernels around the DeepGEMM fused kernel) is above
-# both.
+# lazily, through the registry); the kernel families share a level, so none imports another; the
+# compositions are above them: the fused ops' SM90 composition (Triton kernels around the DeepGEMM
+# fused kernel) and the W4A8 backend (the CUDA masked kernel, the Triton contig kernel).
 # settings (read by everything) < native launcher < ops and registry < kernel families < their composition
-CUSTOM_CALLS_LEVELS = {"settings": 0, "native": 1, "core": 2, "deep_gemm": 3, "triton": 3, "fused_moe_sm90": 4}
-FAMILIES = ("custom_calls.deep_gemm", "custom_calls.triton")
+CUSTOM_CALLS_LEVELS = {"settings": 0, "native": 1, "core": 2, "deep_gemm": 3, "triton": 3, "cuda": 3, "fused_moe_sm90": 4,
+                       "w4a8_backend": 4}
+FAMILIES = ("custom_calls.deep_gemm", "custom_calls.triton", "custom_calls.cuda")
 
 
 def _unit(mod: str) -> str:
@@ -108,7 +109,7 @@ def test_every_custom_calls_subpackage_has_a_level():
 def test_the_kernel_families_do_not_import_each_other():
     bad = [(a, b) for a, deps in GRAPH.items() for b in deps
            if any(_in(a, f) and _in(b, g) for f in FAMILIES for g in FAMILIES if f != g)]
-    assert not bad, f"imports between the DeepGEMM and Triton families: {bad}"
+    assert not bad, f"imports between the kernel families: {bad}"
 
 
 def test_custom_calls_units_import_only_lower_levels():

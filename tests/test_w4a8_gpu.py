@@ -47,11 +47,13 @@ def test_w4a8_masked_on_gpu(g, m_pad, n, k, cfg):
                                            recipe="mxfp4", arch=90, backend="reference"), np.float32)
     assert np.isfinite(fast[valid]).all()
     np.testing.assert_allclose(fast[valid], ref[valid], rtol=2**-7, atol=1e-3 * np.abs(ref[valid]).max())
-    # the op through the registry ("auto" on a GPU: backend "w4a8") is the same kernel
+    # the op through the registry ("auto" on a GPU: backend "w4a8") runs the CUDA masked kernel
+    from custom_calls.cuda.w4a8_gemm import w4a8_masked_cuda
+
     auto = np.asarray(m_grouped_gemm_masked(a, w, masked_m, expected_m=32, lhs_scale=sa, rhs_scale=sw,
                                             recipe="mxfp4", arch=90, backend="auto"), np.float32)
-    if cfg is None:
-        np.testing.assert_array_equal(auto[valid].view(np.uint32), fast[valid].view(np.uint32))
+    cuda = np.asarray(w4a8_masked_cuda(a, sa, w, sw, masked_m, expected_m=32), np.float32)
+    np.testing.assert_array_equal(auto[valid].view(np.uint32), cuda[valid].view(np.uint32))
 
 
 def test_w4a8_equals_deep_gemm_on_the_fp4_to_fp8_operands():

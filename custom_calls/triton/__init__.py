@@ -13,9 +13,9 @@ custom call beside other kernels, launched programmatically: the fused routed br
   (quantize_activation)        custom_calls.triton.quant_kernel       x read, e4m3 + image written
   (fused_input)                custom_calls.triton.fused_input_kernel x read, the fused kernel's inputs written
   (router_partials)            custom_calls.triton.router_kernel      the router GEMM as split-K partial sums
-The W4A8 grouped GEMMs (custom_calls.triton.w4a8_gemm_kernel, mxfp4 kept 4-bit on arch 90) are a
-backend of their own, "w4a8" (custom_calls.triton.w4a8_backend): "triton" keeps meaning the layer's
-non-GEMM stages. The last three are plain functions (the layer quantizes inside permute and activation; the fused
+The Triton W4A8 grouped GEMMs (custom_calls.triton.w4a8_gemm_kernel, mxfp4 kept 4-bit on arch 90)
+serve a backend of their own, "w4a8" (custom_calls.w4a8_backend, beside the CUDA masked kernel):
+"triton" keeps meaning the layer's non-GEMM stages. The last three are plain functions (the layer quantizes inside permute and activation; the fused
 MoE ops' SM90 path calls `fused_input` before its kernel, `fused_moe_routed`'s runs the router
 and the routing input kernel (`router_call`, `fused_input_routed_call`) in one call with its kernel).
 

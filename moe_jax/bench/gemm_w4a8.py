@@ -1,5 +1,6 @@
-"""`bench gemm`'s W4A8 rows: MXFP4 weights kept 4-bit (the Triton W4A8 kernels) beside DeepGEMM's FP8
-kernel on the FP4 -> FP8 expansion of the same weights, at each contig and masked shape.
+"""`bench gemm`'s W4A8 rows: MXFP4 weights kept 4-bit (backend "w4a8": the CUDA masked kernel, the Triton
+contig kernel) beside DeepGEMM's FP8 kernel on the FP4 -> FP8 expansion of the same weights, at each
+contig and masked shape.
 
 The weights are the FP8 rows' random weights quantized to MXFP4; both rows compute on the same
 e4m3 operands and block scales (`layouts.w4a8`), so "err" is each row's difference to the FP8
@@ -34,7 +35,7 @@ def bench_w4a8(kind: str, shape: str, w: Any, lhs: tuple, row: Callable, timeit:
     import jax
 
     from custom_calls.grouped_gemm import m_grouped_gemm_contig, m_grouped_gemm_masked
-    from custom_calls.triton.w4a8_backend import BACKEND as W4A8
+    from custom_calls.w4a8_backend import BACKEND as W4A8
     from moe_jax.bench._cli import rel_errors
 
     step("w4a8 weights")

@@ -1,0 +1,1 @@
+"""CUDA kernels of this package (compiled by nvcc, run by the native launcher)."""

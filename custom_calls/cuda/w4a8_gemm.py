@@ -1,0 +1,132 @@
+"""The W4A8 masked grouped GEMM as a CUDA kernel of this package (``w4a8_masked_sm90.cuh``), compiled
+by nvcc into the kernel cache and run by the native launcher: MXFP4 weights kept 4-bit
+(`layouts.w4a8`), widened to e4m3 in registers and fed to the tensor core as the MMA's register
+operand (no shared-memory round trip: what bounds the Triton kernel of the same op).
+
+Operands as `custom_calls.triton.w4a8_gemm_kernel.w4a8_masked`: lhs (G, m_pad, K) e4m3, lhs_scale
+(G, K/128, align(m_pad, 4)) f32, rhs (G, N, K/2) int8 words, rhs_scale (G, N, K/128) int32,
+masked_m (G,) int32 -> (G, m_pad, N) bf16, rows >= masked_m[g] unwritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from custom_calls.native.launch_plan import ARG_PTR, KernelArg, LaunchPlan
+from layouts.checks import align, ceil_div
+
+KERNEL_SOURCE = Path(__file__).parent / "w4a8_masked_sm90.cuh"  # package data of the wheel
+SYMBOL = "moe_jax_w4a8_masked_sm90"
+MAX_GRID_YZ = (1 << 16) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class W4A8CudaConfig:
+    """Tiling of the CUDA W4A8 masked kernel.
+
+    token_tiles: 8-token tiles per block, the wgmma's N / 8 (a block covers 8 * token_tiles rows of
+    one group; more rows take more blocks, each reading the weights again); warpgroups: per block,
+    64 weight rows each; stages: K blocks each thread holds in registers ahead of use (2 or 4);
+    min_blocks: blocks per SM the register allocation is bounded for.
+    """
+
+    token_tiles: int = 4
+    warpgroups: int = 1
+    stages: int = 4
+    min_blocks: int = 3
+
+    def __post_init__(self) -> None:
+        for name, lo, hi in (("token_tiles", 1, 8), ("warpgroups", 1, 4), ("stages", 2, 4), ("min_blocks", 1, 16)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"W4A8CudaConfig.{name}: expected an int in [{lo}, {hi}], got {v!r}")
+        if self.stages == 3:
+            raise ValueError("W4A8CudaConfig.stages: expected 2 or 4 (the loop unrolled by it alternates "
+                             "two token buffers), got 3")
+
+    @property
+    def block_rows(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def block_tokens(self) -> int:
+        return 8 * self.token_tiles
+
+
+def heuristic_config(expected_m: int) -> W4A8CudaConfig:
+    """The token tile: 1, 2 or 4 tiles of 8, the fewest covering 1.5 x ``expected_m`` (real counts
+    scatter around the mean; a group past the tile makes a second block read its weights again), at most
+    4: wider tiles cost registers and shared memory, fewer blocks per SM."""
+    want = ceil_div(3 * max(expected_m, 1), 2)
+    tiles = 1
+    while tiles < 4 and 8 * tiles < want:
+        tiles *= 2
+    return W4A8CudaConfig(token_tiles=tiles)
+
+
+def source(cfg: W4A8CudaConfig, *, n: int, k: int, m_pad: int) -> str:
+    """The translation unit: the shapes and tiling as macros, then the kernel text."""
+    if k % 128:
+        raise ValueError(f"k: the W4A8 kernel needs a multiple of 128, got {k}")
+    defines = dict(W4A8_N=n, W4A8_K=k, W4A8_M_PAD=m_pad, W4A8_SA_LD=align(m_pad, 4),
+                   W4A8_TOKEN_TILES=cfg.token_tiles, W4A8_WARPGROUPS=cfg.warpgroups,
+                   W4A8_STAGES=cfg.stages, W4A8_MIN_BLOCKS=cfg.min_blocks)
+    head = "".join(f"#define {name} {value}\n" for name, value in defines.items())
+    return "#include <cstdint>\n" + head + _wgmma_function(8 * cfg.token_tiles) + KERNEL_SOURCE.read_text()
+
+
+def _wgmma_function(n: int) -> str:
+    """wgmma_m64k32(d, a, desc, accumulate): one m64nNk32 e4m3 MMA, A (the weights) from registers, B
+    (the tokens) from shared memory, fp32 D += / = A . B."""
+    d = ", ".join(f"%{i}" for i in range(n // 2))
+    a = ", ".join(f"%{n // 2 + i}" for i in range(4))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(n // 2))
+    return (f"__device__ __forceinline__ void wgmma_m64k32(float (&d)[{n // 2}], const uint32_t (&a)[4], "
+            f"uint64_t desc, bool accumulate) {{\n"
+            f"  asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{n // 2 + 5}, 0;\\n"
+            f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{d}}}, {{{a}}}, %{n // 2 + 4}, p, 1, 1;\\n}}\\n\"\n"
+            f"      : {outs}\n"
+            f"      : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"r\"(int(accumulate)));\n}}\n")
+
+
+def kernel_name(cfg: W4A8CudaConfig, *, n: int, k: int, m_pad: int) -> str:
+    return (f"w4a8_masked_sm90_n{n}_k{k}_m{m_pad}_t{cfg.token_tiles}wg{cfg.warpgroups}"
+            f"s{cfg.stages}b{cfg.min_blocks}")
+
+
+def grid(cfg: W4A8CudaConfig, *, g: int, m_pad: int, n: int) -> tuple[int, int, int]:
+    """(weight-row blocks, token blocks, groups)."""
+    gy = ceil_div(m_pad, cfg.block_tokens)
+    if gy > MAX_GRID_YZ or g > MAX_GRID_YZ:
+        raise ValueError(f"m_pad {m_pad} / {cfg.block_tokens} rows per block = {gy} token blocks and {g} groups: "
+                         f"each must be at most {MAX_GRID_YZ}")
+    return ceil_div(n, cfg.block_rows), gy, g
+
+
+def plan(cfg: W4A8CudaConfig, cubin: str, *, g: int, m_pad: int, n: int) -> LaunchPlan:
+    """Operands 0 lhs, 1 lhs_scale, 2 rhs, 3 rhs_scale, 4 masked_m, 5 the output D."""
+    gx, gy, gz = grid(cfg, g=g, m_pad=m_pad, n=n)
+    args = tuple(KernelArg(ARG_PTR, i) for i in range(6))
+    return LaunchPlan(SYMBOL, cubin, gx, 128 * cfg.warpgroups, 1, 0, args, (), grid_yz=(gy, gz))
+
+
+def w4a8_masked_cuda(lhs: jax.Array, lhs_scale: jax.Array, rhs: jax.Array, rhs_scale: jax.Array,
+                     masked_m: jax.Array, *, expected_m: int, config: W4A8CudaConfig | None = None) -> jax.Array:
+    """lhs (G, m_pad, K) e4m3, lhs_scale (G, K/128, align(m_pad, 4)) f32, rhs (G, N, K/2) int8,
+    rhs_scale (G, N, K/128) int32, masked_m (G,) int32 in [0, m_pad] -> (G, m_pad, N) bf16 (rows >=
+    masked_m[g] unwritten). Operands already checked (`m_grouped_gemm_masked`); K a multiple of 128.
+    Compiles on first use for sm_90a."""
+    from custom_calls.native.compiler import compile_cubin
+    from custom_calls.native.launch import launch
+
+    g, m_pad, k = lhs.shape
+    n = rhs.shape[1]
+    cfg = config or heuristic_config(expected_m)
+    cubin = compile_cubin(kernel_name(cfg, n=n, k=k, m_pad=m_pad), source(cfg, n=n, k=k, m_pad=m_pad), 90)
+    (d,) = launch(plan(cfg, str(cubin.path), g=g, m_pad=m_pad, n=n), [lhs, lhs_scale, rhs, rhs_scale, masked_m],
+                  [jax.ShapeDtypeStruct((g, m_pad, n), jnp.bfloat16)])
+    return d

@@ -1,0 +1,79 @@
+"""The CUDA W4A8 masked kernel (`custom_calls.cuda.w4a8_gemm`) on an SM90 GPU: against the XLA reference,
+against the Triton W4A8 kernel and DeepGEMM's FP8 kernel on the FP4 -> FP8 path's operands (the same
+e4m3 values and block scales: equal within accumulation order); odd N, K not a multiple of 512, m_pad
+not a multiple of the token tile, empty and full groups, every tiling the config allows."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from custom_calls.cuda.w4a8_gemm import W4A8CudaConfig, w4a8_masked_cuda
+from custom_calls.grouped_gemm import m_grouped_gemm_masked
+from custom_calls.triton.w4a8_gemm_kernel import w4a8_masked
+from layouts.w4a8 import mxfp4_to_w4a8
+from layouts.weight_paths import mxfp4_to_fp8_block
+from test_w4a8_gpu import _operands
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("g,m_pad,n,k,cfg", [
+    (4, 128, 200, 384, None),
+    (8, 256, 4096, 1024, W4A8CudaConfig(token_tiles=4, stages=4)),
+    (3, 128, 584, 2048, W4A8CudaConfig(token_tiles=3, warpgroups=2, stages=2)),
+    (2, 128, 136, 640, W4A8CudaConfig(token_tiles=1, warpgroups=2, stages=4)),
+    (5, 384, 72, 128, W4A8CudaConfig(token_tiles=8, stages=2, min_blocks=1)),
+])
+def test_w4a8_cuda_masked(g, m_pad, n, k, cfg):
+    packed, sf32, a, sa, masked_m = _operands(g * n + k + 1, g, m_pad, n, k)
+    w, sw = mxfp4_to_w4a8(packed, sf32)
+    valid = np.arange(m_pad)[None, :] < np.asarray(masked_m)[:, None]
+    out = np.asarray(jax.jit(lambda: w4a8_masked_cuda(a, sa, w, sw, masked_m, expected_m=24, config=cfg))(),
+                     np.float32)
+    assert np.isfinite(out[valid]).all()
+    ref = np.asarray(m_grouped_gemm_masked(a, w, masked_m, expected_m=24, lhs_scale=sa, rhs_scale=sw,
+                                           recipe="mxfp4", arch=90, backend="reference"), np.float32)
+    np.testing.assert_allclose(out[valid], ref[valid], rtol=2**-7, atol=1e-3 * np.abs(ref[valid]).max())
+    others = [("Triton W4A8", np.asarray(w4a8_masked(a, sa, w, sw, masked_m, expected_m=24), np.float32))]
+    if n % 64 == 0:  # DeepGEMM's N granularity
+        w8, s8 = mxfp4_to_fp8_block(packed, sf32)
+        others.append(("DeepGEMM FP8", np.asarray(m_grouped_gemm_masked(
+            a, w8, masked_m, expected_m=24, lhs_scale=sa, rhs_scale=s8, recipe="fp8_block", arch=90,
+            backend="deep_gemm"), np.float32)))
+    scale = np.abs(ref[valid]).max()
+    for name, other in others:
+        diff = np.abs(out[valid] - other[valid])
+        print(f"CUDA W4A8 vs {name}: max |diff| {diff.max():.3e} (max |out| {scale:.3e}), "
+              f"{np.mean(diff == 0) * 100:.1f} % identical")
+        assert diff.max() <= 2**-7 * scale
+
+
+@pytest.mark.parametrize("m_pad,cfg", [(48, W4A8CudaConfig()),
+                                       (77, W4A8CudaConfig(token_tiles=3, warpgroups=2, stages=2))])
+def test_w4a8_cuda_writes_exactly_the_rows_below_masked_m(m_pad, cfg):
+    """Every row below masked_m is written and no other: an output filled with NaN beforehand keeps its
+    other rows; m_pad not a multiple of the token tile (the op itself takes multiples of 128: here the
+    kernel runs on the first m_pad rows of 128-row operands, and agrees with the reference on them)."""
+    from custom_calls.native.launch import launch
+    from custom_calls.cuda import w4a8_gemm as cw
+    from custom_calls.native.compiler import compile_cubin
+    import jax.numpy as jnp
+
+    g, n, k = 3, 136, 256
+    packed, sf32, a128, sa128, mm128 = _operands(7 + m_pad, g, 128, n, k)
+    w, sw = mxfp4_to_w4a8(packed, sf32)
+    masked_m = jnp.minimum(mm128, m_pad).at[1].set(m_pad)
+    a, sa = a128[:, :m_pad], sa128[:, :, :-(-m_pad // 4) * 4]
+    cubin = compile_cubin(cw.kernel_name(cfg, n=n, k=k, m_pad=m_pad), cw.source(cfg, n=n, k=k, m_pad=m_pad), 90)
+    plan = cw.plan(cfg, str(cubin.path), g=g, m_pad=m_pad, n=n)
+    fill = jnp.full((g, m_pad, n), jnp.nan, jnp.bfloat16)
+    run = jax.jit(lambda fill: launch(plan, [a, sa, w, sw, masked_m, fill],
+                                      [jax.ShapeDtypeStruct(fill.shape, fill.dtype)], {5: 0})[0])
+    out = np.asarray(run(fill), np.float32)
+    valid = np.arange(m_pad)[None, :] < np.asarray(masked_m)[:, None]
+    assert np.isfinite(out[valid]).all() and np.isnan(out[~valid]).all()
+    ref = np.asarray(m_grouped_gemm_masked(a128, w, masked_m, expected_m=24, lhs_scale=sa128, rhs_scale=sw,
+                                           recipe="mxfp4", arch=90, backend="reference"), np.float32)[:, :m_pad]
+    np.testing.assert_allclose(out[valid], ref[valid], rtol=2**-7, atol=1e-3 * np.abs(ref[valid]).max())
