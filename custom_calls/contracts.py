@@ -268,7 +268,8 @@ def checked(fn: Callable, *, throw: bool = True) -> Callable:
     def wrapper(*args: Any, **kwargs: Any):
         _, arrays, run = split_arrays(fn, args, kwargs,
                                       lambda v: isinstance(v, jax.Array) or hasattr(v, "__array__"))
-        err, out = checkify.checkify(run, errors=checkify.user_checks)(*arrays)
+        # compiled, not op by op: a layer's checks then cost one compile instead of one dispatch per op
+        err, out = jax.jit(checkify.checkify(run, errors=checkify.user_checks))(*arrays)
         if throw:
             err.throw()
             return out
