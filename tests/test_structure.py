@@ -86,8 +86,8 @@ def test_no_two_modules_import_each_other():
 # compositions are above them: the fused ops' SM90 composition (Triton kernels around the DeepGEMM
 # fused kernel) and the W4A8 backend (the CUDA masked kernel, the Triton contig kernel).
 # settings (read by everything) < native launcher < ops and registry < kernel families < their composition
-CUSTOM_CALLS_LEVELS = {"settings": 0, "native": 1, "core": 2, "deep_gemm": 3, "triton": 3, "cuda": 3, "fused_moe_sm90": 4,
-                       "w4a8_backend": 4}
+CUSTOM_CALLS_LEVELS = {"settings": 0, "native": 1, "core": 2, "deep_gemm": 3, "triton": 3, "cuda": 3,
+                       "fused_moe_sm90": 4, "w4a8_backend": 4}
 FAMILIES = ("custom_calls.deep_gemm", "custom_calls.triton", "custom_calls.cuda")
 
 

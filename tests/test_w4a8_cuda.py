@@ -27,7 +27,8 @@ def _prmt(a: np.ndarray, b: np.ndarray, sel: np.ndarray) -> np.ndarray:
     out = np.zeros(np.broadcast(a, b, sel).shape, np.uint32)
     for i in range(4):
         pick = (sel >> (4 * i)) & 7
-        out |= np.take_along_axis(pool, np.broadcast_to(pick, out.shape)[..., None].astype(np.int64), -1)[..., 0] << (8 * i)
+        byte = np.take_along_axis(pool, np.broadcast_to(pick, out.shape)[..., None].astype(np.int64), -1)[..., 0]
+        out |= byte << (8 * i)
     return out
 
 

@@ -88,7 +88,8 @@ def _wgmma_function(n: int) -> str:
     return (f"__device__ __forceinline__ void wgmma_m64k32(float (&d)[{n // 2}], const uint32_t (&a)[4], "
             f"uint64_t desc, bool accumulate) {{\n"
             f"  asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{n // 2 + 5}, 0;\\n"
-            f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{d}}}, {{{a}}}, %{n // 2 + 4}, p, 1, 1;\\n}}\\n\"\n"
+            f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{d}}}, {{{a}}}, %{n // 2 + 4}, p, 1, 1;"
+            f"\\n}}\\n\"\n"
             f"      : {outs}\n"
             f"      : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"r\"(int(accumulate)));\n}}\n")
 
