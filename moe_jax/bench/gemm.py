@@ -12,7 +12,7 @@ back-to-back asynchronous dispatch of a jitted call, divided by the number of ca
   profiler trace — kernel time without dispatch, the protocol of DeepGEMM's own benchmark.
 Error: relative Frobenius norm ‖D − R‖/‖R‖ over every row, R = float32 (HIGHEST) product of the
 dequantized operands, plus the worst single row. W4A8 rows (`gemm_w4a8`): the same weights as MXFP4,
-kept 4-bit (Triton W4A8 kernel) beside DeepGEMM FP8 on their FP4 -> FP8 expansion; err against the
+kept 4-bit (backend "w4a8") beside DeepGEMM FP8 on their FP4 -> FP8 expansion; err against the
 latter. Launch overhead: per-GEMM time of a jitted chain
 of 32 small GEMMs minus the kernel's own duration (from a profiler trace).
 Needs a CUDA GPU of compute capability 9.x (H100/H200); elsewhere it exits with status 2 and says so;
