@@ -10,8 +10,8 @@ family instead of branching on its name.
 A `GemmProblem` is one GEMM call's static shape with the family decided for its format
 (`families.gemm_problem`); `instantiate` turns it into (name, source, plan_fn).
 
-Also here: the hardware facts the families share (the contiguous layout's segment alignment, TMA
-swizzles, persistent launches; the shared-memory capacities come from the launch plans).
+Also here: the hardware facts the families share (shared-memory capacities, the contiguous
+layout's segment alignment, TMA swizzles, persistent launches).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Literal
 
-from custom_calls.native.launch_plan import SM90_SMEM_CAPACITY, SM100_SMEM_CAPACITY, LaunchPlan  # noqa: F401
+from custom_calls.native.launch_plan import LaunchPlan
 from layouts import GemmFormat
 from layouts.archs import check_arch
 
@@ -28,6 +28,8 @@ GemmKind = Literal["normal", "contig", "masked"]
 GEMM_KINDS = ("normal", "contig", "masked")
 CdDtype = Literal["bf16", "f32"]
 
+SM90_SMEM_CAPACITY = 232448
+SM100_SMEM_CAPACITY = 232448
 # The contiguous layout pads every expert segment to this many rows; it is BLOCK_M of the kernels.
 CONTIG_ALIGNMENT = 128
 

@@ -13,10 +13,6 @@ import dataclasses
 
 import numpy as np
 
-# The most shared memory one block may opt into (bytes), what every kernel's plan must fit.
-SM90_SMEM_CAPACITY = 232448
-SM100_SMEM_CAPACITY = 232448
-
 # CUtensorMapDataType values (cuda.h).
 TMA_UINT8 = 0
 TMA_INT32 = 3
