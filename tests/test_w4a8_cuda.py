@@ -140,6 +140,28 @@ def test_launch_plan_geometry():
         cw.grid(cw.W4A8CudaConfig(token_tiles=1), g=2, m_pad=600_000, n=64)
 
 
+@needs_nvcc
+def test_kernel_table_words_are_the_layout_tables(tmp_path):
+    """The kernel's `table_words` (the e4m3 tables as arithmetic, not a lookup) equals
+    `layouts.w4a8.table_words` for every index the scale words can hold: the kernel's translation unit
+    compiled by nvcc with a host `main` that prints them. (The numpy model above widens with the
+    layout's tables; this closes the gap to the kernel's own.)"""
+    from custom_calls.native.toolchain import find_nvcc
+    from layouts.w4a8 import NUM_TABLES, table_words
+
+    src = cw.source(cw.W4A8CudaConfig(), n=64, k=128, m_pad=32) + (
+        "\n#include <cstdio>\nint main() {\n  for (uint32_t i = 0; i < %d; ++i) {\n    uint32_t lo, hi;\n"
+        "    moe_jax_w4a8::table_words(i, lo, hi);\n    std::printf(\"%%u %%u\\n\", lo, hi);\n  }\n}\n" % NUM_TABLES)
+    (tmp_path / "tables.cu").write_text(src)
+    exe = tmp_path / "tables"
+    build = subprocess.run([str(find_nvcc()), str(tmp_path / "tables.cu"), "-o", str(exe),
+                            "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17"], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+    got = np.array([[int(v) for v in line.split()] for line in out.splitlines()], np.uint32)
+    np.testing.assert_array_equal(got, table_words())
+
+
 def _resources(cubin) -> dict:
     import os
     import triton

@@ -45,8 +45,8 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 
 // A 32-group's e4m3 table E4M3_TABLES[idx] (layouts/w4a8.py) as two little-endian words: tables 8+
 // (6+ for hi) are the s = 0 table with s added to each nonzero byte's exponent; below, e4m3
-// subnormals rounded to nearest even.
-__device__ __forceinline__ void table_words(uint32_t idx, uint32_t& lo, uint32_t& hi) {
+// subnormals rounded to nearest even. Host-callable so that a CPU test checks it against the tables.
+__host__ __device__ __forceinline__ void table_words(uint32_t idx, uint32_t& lo, uint32_t& hi) {
   const uint32_t s = idx - 13u;  // wraps for idx < 13, as the two's complement products below expect
   lo = 0x3C383000u + s * 0x08080800u;
   hi = 0x4C484440u + s * 0x08080808u;
