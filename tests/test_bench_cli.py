@@ -596,3 +596,16 @@ def test_progress_says_why_its_total_shrinks(capsys):
     err = capsys.readouterr().err
     assert "4 steps fewer (triton: the reference row's code): 6 in all" in err
     assert "[layer 2/6" in err
+
+
+def test_layer_kernel_time_counts_every_gemm_kernel_as_a_gemm():
+    """The layer's GPU-time split: DeepGEMM's kernels and both W4A8 GEMMs (the CUDA masked kernel, the
+    Triton kernels, whose names also end in "_kernel") are GEMMs; other Triton kernels are Triton; the
+    rest (XLA fusions) other; the parts sum to the total."""
+    from moe_jax.bench.layer_measure import kernel_families
+
+    per = {"void deep_gemm::sm90_fp8_gemm_1d2d_impl<0u, 4096u>(...)": 100e-6, "moe_jax_w4a8_masked_sm90": 50e-6,
+           "w4a8_contig_kernel": 20e-6, "permute_masked_kernel": 7e-6, "loop_convert_fusion_3": 2e-6}
+    fam = kernel_families(per)
+    assert fam["gemms"] == pytest.approx(170.0) and fam["triton"] == pytest.approx(7.0)
+    assert fam["other"] == pytest.approx(2.0) and fam["total"] == pytest.approx(179.0)

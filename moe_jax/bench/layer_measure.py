@@ -146,21 +146,32 @@ def _implementations(backend: str, backends: list[str], forward: Callable, *args
     return row
 
 
+GEMM_KERNEL_MARKERS = ("deep_gemm", "w4a8")  # DeepGEMM's kernels; the W4A8 GEMMs (CUDA and Triton)
+
+
+def kernel_families(per_kernel: dict[str, float]) -> dict[str, float]:
+    """Seconds per kernel name -> us per family: total; gemms (names holding a `GEMM_KERNEL_MARKERS`
+    entry: DeepGEMM's and the W4A8 GEMMs, whichever language); triton (the other names ending in
+    "_kernel", as every kernel of custom_calls.triton does); other (XLA fusions, memsets)."""
+    total = sum(per_kernel.values())
+    gemm = sum(v for n, v in per_kernel.items() if any(m in n for m in GEMM_KERNEL_MARKERS))
+    triton = sum(v for n, v in per_kernel.items()
+                 if n.endswith("_kernel") and not any(m in n for m in GEMM_KERNEL_MARKERS))
+    return {"total": total * 1e6, "gemms": gemm * 1e6, "triton": triton * 1e6,
+            "other": (total - gemm - triton) * 1e6}
+
+
 def _kernel_time_by_family(fn: Callable, arg_sets: list[tuple]) -> dict:
-    """GPU time per call of fn (profiler trace), in us: total, DeepGEMM GEMMs (kernel names holding
-    "deep_gemm"), Triton kernels (names ending in "_kernel", as every kernel of custom_calls.triton
-    does), other (XLA fusions, memsets). {"error": why} where the profiler is unavailable."""
+    """GPU time per call of fn (profiler trace) by `kernel_families`, in us. {"error": why} where the
+    profiler is unavailable."""
     try:
         per = device_time(fn, arg_sets)
     except Exception as exc:  # noqa: BLE001  the profiler is optional: say why the column is missing
         return {"error": f"{type(exc).__name__}: {exc}"}
-    total = per.pop("total")
-    if not total:
+    per.pop("total")
+    if not sum(per.values()):
         return {"error": "no GPU kernel in the profiler trace"}
-    gemm = sum(v for n, v in per.items() if "deep_gemm" in n)
-    triton = sum(v for n, v in per.items() if n.endswith("_kernel"))
-    return {"total": total * 1e6, "gemms": gemm * 1e6, "triton": triton * 1e6,
-            "other": (total - gemm - triton) * 1e6}
+    return kernel_families(per)
 
 
 def _stream_fields(key: str, st: StreamTime) -> dict:
