@@ -98,7 +98,9 @@ def test_layer_without_flags_on_cpu_runs_scaled_shapes_quickly_and_honestly(tmp_
                                           ("load", ["--json", "--small", "--dir", "--keep", "--ep"]),
                                           ("fused", ["--json", "--tokens", "--all", "--grids", "--steady", "--iters",
                                                      "--only", "--top", "--trace"]),
-                                          ("timeline", ["--json", "--tokens", "--layout", "--reps", "--chain"])])
+                                          ("timeline", ["--json", "--tokens", "--layout", "--reps", "--chain"]),
+                                          ("w4a8", ["--json", "--configs", "--rows", "--tokens", "--passes",
+                                                    "--iters"])])
 def test_subcommand_help(capsys, sub, options):
     with pytest.raises(SystemExit) as e:
         main([sub, "--help"])
@@ -112,10 +114,10 @@ def test_top_level_help_lists_subcommands(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and all(sub in out for sub in ("gemm", "layer", "triton", "parallel", "load", "fused",
-                                                                  "timeline"))
+                                                                  "timeline", "w4a8"))
 
 
-@pytest.mark.parametrize("sub", ["gemm", "triton", "fused", "timeline"])
+@pytest.mark.parametrize("sub", ["gemm", "triton", "fused", "timeline", "w4a8"])
 def test_gpu_subcommand_without_gpu_exits_with_a_message_not_a_traceback(tmp_path, sub):
     _no_gpu()
     j = tmp_path / f"{sub}.json"
@@ -609,3 +611,20 @@ def test_layer_kernel_time_counts_every_gemm_kernel_as_a_gemm():
     fam = kernel_families(per)
     assert fam["gemms"] == pytest.approx(170.0) and fam["triton"] == pytest.approx(7.0)
     assert fam["other"] == pytest.approx(2.0) and fam["total"] == pytest.approx(179.0)
+
+
+def test_w4a8_configs_and_rows():
+    """`bench w4a8`: --configs parses into the kernel's configs and names the flag when it cannot (exit 2,
+    before any GPU check); the uniform rows are one draw of tokens x top-k routes over the 32 experts."""
+    from custom_calls.cuda.w4a8_gemm import W4A8CudaConfig
+    from moe_jax.bench.w4a8 import NUM_EXPERTS, parse_configs, uniform_rows
+
+    assert parse_configs(" 4,1,4,3 ; 2,2,2,4;") == [W4A8CudaConfig(4, 1, 4, 3), W4A8CudaConfig(2, 2, 2, 4)]
+    for bad, match in (("4,1,4", "token_tiles,warpgroups,stages,min_blocks"), (";", "at least one config"),
+                       ("4,1,3,3", "W4A8CudaConfig.stages")):
+        with pytest.raises(ValueError, match=match):
+            parse_configs(bad)
+    assert main(["w4a8", "--configs", "4,x,4,3"]) == 2
+    rows = uniform_rows(128, 6)
+    assert rows.shape == (NUM_EXPERTS,) and rows.sum() == 768 and rows.min() >= 0
+    assert (uniform_rows(128, 6) == rows).all() and (uniform_rows(128, 6, seed=1) != rows).any()

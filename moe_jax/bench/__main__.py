@@ -7,7 +7,9 @@ tiling configs; needs a CUDA GPU), ``parallel`` (the shard_map patterns on whate
 sees), ``load`` (writes full-size synthetic V3/V4 layers and loads them: seconds, GB/s, peak host
 RSS; ``--small`` for a scaled run), ``fused`` (the fused MoE kernel's template options side by side,
 kernel time; needs an SM90 GPU), ``timeline`` (a steady stream of the layer kernel by kernel:
-durations, the idle gaps between them, start-up; needs an SM90 GPU). The table goes to stdout, progress to stderr. Exit status: 0
+durations, the idle gaps between them, start-up; needs an SM90 GPU), ``w4a8`` (the W4A8 masked GEMM's
+CUDA kernel tilings beside DeepGEMM FP8 and the Triton kernel at V4's slice, with the layer's own rows per
+expert; needs an SM90 GPU). The table goes to stdout, progress to stderr. Exit status: 0
 when every requested row ran, 1 when one failed, 2 when the machine cannot run the subcommand.
 ``python -m moe_jax.bench <subcommand> --help`` for the options.
 """
@@ -25,6 +27,7 @@ SUBCOMMANDS = {  # name: (module, help)
     "load": ("load", "checkpoint loading: seconds, GB/s from disk, peak host RSS"),
     "fused": ("fused", "the fused MoE kernel's template options side by side (kernel time)"),
     "timeline": ("timeline", "a steady stream of the layer, kernel by kernel: durations and idle gaps"),
+    "w4a8": ("w4a8", "the W4A8 masked GEMM's CUDA tilings beside DeepGEMM FP8 and Triton at V4's slice"),
 }
 
 

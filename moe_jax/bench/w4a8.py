@@ -1,0 +1,194 @@
+"""``python -m moe_jax.bench w4a8``: the W4A8 masked GEMM (MXFP4 experts kept 4-bit) at DeepSeek-V4-Flash's
+32-expert slice, the CUDA kernel's tilings side by side with DeepGEMM's FP8 kernel on the FP4 -> FP8
+expansion of the same weights and with the Triton W4A8 kernel.
+
+Shapes: GEMM1 (N = 2 I, K = H) and GEMM2 (N = H, K = I) of the V4 config, 32 experts, m_pad 128,
+expected_m = tokens x top-k / 32. Rows per expert (``--rows``): ``layer``, the benchmark layer's own
+routing of its decode inputs (`layer_measure.layer_inputs`, one timed row set per input set; what
+``bench layer --model v4-w4a8 --shapes decode`` runs), or ``uniform``, one multinomial draw of tokens x
+top-k routes over the experts (seed 0). Random MXFP4 weights (codes uniform, 32-group scales 2^-10..2^-5)
+and tokens (standard normal, quantized 1 x 128). Kernel time (profiler trace), median of ``--iters``
+calls, in ``--passes`` passes over every kernel; TB/s on the weight bytes each form stores (values +
+scales); "x FP8" is DeepGEMM's time over the row's, pass by pass; "diff" the largest difference to
+DeepGEMM's output over the rows below masked_m (accumulation order only: both compute on the same e4m3
+values and block scales).
+
+Needs an SM90 GPU (exits with status 2 elsewhere). Table on stdout, progress on stderr; ``--json PATH``
+writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+
+NUM_EXPERTS, M_PAD = 32, 128
+
+
+def parse_configs(text: str) -> list:
+    """``"4,1,4,3;4,1,2,4"`` -> W4A8CudaConfig(token_tiles, warpgroups, stages, min_blocks) per item."""
+    from custom_calls.cuda.w4a8_gemm import W4A8CudaConfig
+
+    configs = []
+    for item in (t.strip() for t in text.split(";") if t.strip()):
+        try:
+            t, wg, s, b = (int(v) for v in item.split(","))
+        except ValueError:
+            raise ValueError(f"--configs: expected 'token_tiles,warpgroups,stages,min_blocks' items separated by "
+                             f"';', got {item!r}") from None
+        configs.append(W4A8CudaConfig(token_tiles=t, warpgroups=wg, stages=s, min_blocks=b))
+    if not configs:
+        raise ValueError(f"--configs: expected at least one config, got {text!r}")
+    return configs
+
+
+def uniform_rows(tokens: int, top_k: int, seed: int = 0):
+    """(NUM_EXPERTS,) int32 rows per expert: one multinomial draw of tokens x top_k routes, capped at M_PAD."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return np.minimum(rng.multinomial(tokens * top_k, np.full(NUM_EXPERTS, 1 / NUM_EXPERTS)), M_PAD).astype(np.int32)
+
+
+def layer_rows(tokens: int) -> list:
+    """Rows per expert of each of the benchmark layer's decode input sets (its own router), capped at M_PAD."""
+    import numpy as np
+
+    from moe_jax.bench.layer_measure import layer_inputs
+
+    inputs = layer_inputs(tokens, "masked", 4, False, "v4-w4a8")
+    return [np.minimum(np.bincount(np.asarray(ids).ravel(), minlength=NUM_EXPERTS), M_PAD).astype(np.int32)
+            for ids, _ in inputs.routed]
+
+
+def _operands(n: int, k: int, seed: int):
+    """Random MXFP4 weights in both forms and quantized tokens: (a, sa, w4, s4, w8, s8)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from layouts import gemm_format, mxfp4_to_fp8_block
+    from layouts.fp4 import pack_e2m1
+    from layouts.w4a8 import mxfp4_to_w4a8
+
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 16, (NUM_EXPERTS, n, k), dtype=np.uint8)
+    sf32 = jnp.asarray((2.0 ** rng.integers(-10, -4, (NUM_EXPERTS, n, k // 32))).astype(np.float32))
+    packed = pack_e2m1(jnp.asarray(codes))
+    x = rng.standard_normal((NUM_EXPERTS, M_PAD, k)).astype(np.float32)
+    a, sa = gemm_format("mxfp4", 90).quantize_lhs(jnp.asarray(x))
+    return (a, sa, *mxfp4_to_w4a8(packed, sf32), *mxfp4_to_fp8_block(packed, sf32))
+
+
+def _kernels(configs: list, expected_m: int) -> dict:
+    """label -> (fn(a, sa, w, s, masked_m), weight form "fp8" | "w4a8")."""
+    from custom_calls.cuda.w4a8_gemm import w4a8_masked_cuda
+    from custom_calls.grouped_gemm import m_grouped_gemm_masked
+    from custom_calls.triton.w4a8_gemm_kernel import w4a8_masked
+
+    def fp8(a, sa, w, s, mm):
+        return m_grouped_gemm_masked(a, w, mm, expected_m=expected_m, lhs_scale=sa, rhs_scale=s, recipe="fp8_block",
+                                     arch=90, backend="deep_gemm")
+
+    def cuda(cfg):
+        return lambda a, sa, w, s, mm: w4a8_masked_cuda(a, sa, w, s, mm, expected_m=expected_m, config=cfg)
+
+    out = {"deep_gemm fp8 (FP4->FP8)": (fp8, "fp8"),
+           "triton w4a8": (lambda a, sa, w, s, mm: w4a8_masked(a, sa, w, s, mm, expected_m=expected_m), "w4a8")}
+    for cfg in configs:
+        out[f"cuda t{cfg.token_tiles} wg{cfg.warpgroups} s{cfg.stages} b{cfg.min_blocks}"] = (cuda(cfg), "w4a8")
+    return out
+
+
+def sweep(name: str, n: int, k: int, rows: list, configs: list, expected_m: int, *, passes: int, iters: int,
+          log) -> list[dict]:
+    """Rows of one GEMM shape: every kernel on every row set, `passes` passes."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from moe_jax.bench._timing import device_time
+
+    a, sa, w4, s4, w8, s8 = _operands(n, k, n + k)
+    weights = {"fp8": (w8, s8), "w4a8": (w4, s4)}
+    kernels = _kernels(configs, expected_m)
+    by_form = {form: [(a, sa, *weights[form], jnp.asarray(mm)) for mm in rows] for form in weights}
+    valid = [np.arange(M_PAD)[None, :] < mm[:, None] for mm in rows]
+    want = [np.asarray(jax.jit(kernels["deep_gemm fp8 (FP4->FP8)"][0])(*s), np.float32) for s in by_form["fp8"]]
+    diffs = {}
+    for label, (fn, form) in kernels.items():
+        log(f"{name}: {label}: output")
+        outs = [np.asarray(jax.jit(fn)(*s), np.float32) for s in by_form[form]]
+        diffs[label] = max(float(np.abs(o[v] - w_[v]).max()) for o, w_, v in zip(outs, want, valid))
+    times: dict[str, list[float]] = {label: [] for label in kernels}
+    for p in range(passes):
+        for label, (fn, form) in kernels.items():
+            log(f"{name}: {label}: pass {p + 1}")
+            times[label].append(device_time(fn, by_form[form], rounds=iters)["total"])
+    fp8 = times["deep_gemm fp8 (FP4->FP8)"]
+    out = []
+    for label, (_, form) in kernels.items():
+        wbytes = sum(x.nbytes for x in weights[form])
+        out.append(dict(gemm=name, n=n, k=k, kernel=label, us=[t * 1e6 for t in times[label]],
+                        tb_s=[wbytes / t / 1e12 for t in times[label]],
+                        x_fp8=[f / t for f, t in zip(fp8, times[label])], max_diff=diffs[label]))
+    return out
+
+
+def print_table(rows: list[dict], row_sets: list) -> None:
+    print("rows per expert: " + " | ".join(f"{int(r.min())}-{int(r.max())} (mean {r.mean():.1f}, "
+                                           f"{int((r > 32).sum())} past 32)" for r in row_sets))
+    print(f"{'GEMM':6s} {'kernel':28s} {'us per pass':>22s} {'TB/s':>12s} {'x FP8':>12s} {'diff':>9s}")
+    for r in rows:
+        print(f"{r['gemm']:6s} {r['kernel']:28s} {' / '.join(f'{v:.1f}' for v in r['us']):>22s} "
+              f"{' / '.join(f'{v:.2f}' for v in r['tb_s']):>12s} {' / '.join(f'{v:.3f}' for v in r['x_fp8']):>12s} "
+              f"{r['max_diff']:9.2e}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__.split("\n\n")[0] if __doc__ else None
+    p.add_argument("--configs", default="4,1,4,3;4,1,2,4", metavar="LIST",
+                   help="CUDA kernel tilings, 'token_tiles,warpgroups,stages,min_blocks' separated by ';' "
+                        "(default '4,1,4,3;4,1,2,4': the default and the 2-stage variant)")
+    p.add_argument("--rows", choices=("layer", "uniform"), default="layer",
+                   help="rows per expert: the benchmark layer's own routing (default) or one uniform draw")
+    p.add_argument("--tokens", type=int, default=128, help="decode tokens (default 128)")
+    p.add_argument("--passes", type=int, default=2, help="passes over every kernel (default 2)")
+    p.add_argument("--iters", type=int, default=20, help="calls per kernel and pass (default 20)")
+    p.add_argument("--json", metavar="PATH", help="write every row as JSON here")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from moe_jax.bench._cli import cannot_run, log, write_json
+    from moe_jax.bench.gemm import gpu_reason
+
+    try:
+        configs = parse_configs(args.configs)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    if cannot_run("moe_jax.bench w4a8", gpu_reason()):
+        return 2
+    import jax
+
+    from moe_jax.bench.layer_model import _config
+
+    t0 = time.perf_counter()
+    cfg = _config(False, "v4-w4a8")
+    row_sets = layer_rows(args.tokens) if args.rows == "layer" else [uniform_rows(args.tokens, cfg.top_k)]
+    expected_m = max(1, round(args.tokens * cfg.top_k / NUM_EXPERTS))
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    rows = []
+    for name, n, k in (("GEMM1", 2 * inter, h), ("GEMM2", h, inter)):
+        rows += sweep(name, n, k, row_sets, configs, expected_m, passes=args.passes, iters=args.iters, log=log)
+    print_table(rows, row_sets)
+    log(f"# done in {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        write_json(args.json, dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind),
+                                   rows_per_expert=[r.tolist() for r in row_sets], expected_m=expected_m,
+                                   median_us={r["kernel"] + " " + r["gemm"]: statistics.median(r["us"]) for r in rows},
+                                   rows=rows))
+    return 0
