@@ -628,3 +628,30 @@ def test_w4a8_configs_and_rows():
     rows = uniform_rows(128, 6)
     assert rows.shape == (NUM_EXPERTS,) and rows.sum() == 768 and rows.min() >= 0
     assert (uniform_rows(128, 6) == rows).all() and (uniform_rows(128, 6, seed=1) != rows).any()
+
+
+def test_w4a8_sweep_rows_on_the_reference(monkeypatch):
+    """`bench w4a8`'s sweep end to end on the CPU with the reference GEMMs standing in for the kernels and a
+    fixed kernel time per weight form: every kernel gets a row per GEMM, its TB/s is its weight bytes over
+    its time, "x FP8" DeepGEMM's time over its own, and the two weight forms it builds are the same weights
+    (the reference computes both on the same e4m3 values and block scales: equal over the rows below masked_m)."""
+    import moe_jax.bench._timing as timing
+    from custom_calls.grouped_gemm import m_grouped_gemm_masked
+    from moe_jax.bench import w4a8 as bench
+
+    def ref(recipe):
+        return lambda a, sa, w, s, mm: m_grouped_gemm_masked(a, w, mm, expected_m=4, lhs_scale=sa, rhs_scale=s,
+                                                             recipe=recipe, arch=90, backend="reference")
+
+    monkeypatch.setattr(bench, "_kernels", lambda configs, em: {"deep_gemm fp8 (FP4->FP8)": (ref("fp8_block"), "fp8"),
+                                                                "w4a8 a": (ref("mxfp4"), "w4a8")})
+    monkeypatch.setattr(timing, "device_time", lambda fn, sets, rounds: {"total": 2e-6 if sets[0][2].dtype == "int8"
+                                                                         else 3e-6})
+    rows = bench.uniform_rows(8, 2)
+    out = bench.sweep("GEMM1", 64, 256, [rows], [], 4, passes=2, iters=1, log=lambda *a: None)
+    assert [r["kernel"] for r in out] == ["deep_gemm fp8 (FP4->FP8)", "w4a8 a"]
+    fp8, w4 = out
+    assert fp8["us"] == [3.0, 3.0] and w4["us"] == [2.0, 2.0] and w4["x_fp8"] == [1.5, 1.5]
+    w4_bytes = 32 * 64 * 128 + 32 * 64 * 2 * 4  # values (K/2 bytes per row) + one int32 per row and 128 columns
+    assert w4["tb_s"][0] == pytest.approx(w4_bytes / 2e-6 / 1e12)
+    assert fp8["max_diff"] == 0.0 and w4["max_diff"] == 0.0  # the reference: both forms' sums bit for bit
