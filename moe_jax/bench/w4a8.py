@@ -7,8 +7,8 @@ expected_m = tokens x top-k / 32. Rows per expert (``--rows``): ``layer``, the b
 routing of its decode inputs (`layer_measure.layer_inputs`, one timed row set per input set; what
 ``bench layer --model v4-w4a8 --shapes decode`` runs), or ``uniform``, one multinomial draw of tokens x
 top-k routes over the experts (seed 0). Random MXFP4 weights (codes uniform, 32-group scales 2^-10..2^-5)
-and tokens (standard normal, quantized 1 x 128). Kernel time (profiler trace), median of ``--iters``
-calls, in ``--passes`` passes over every kernel; TB/s on the weight bytes each form stores (values +
+and tokens (standard normal, quantized 1 x 128). Kernel time (profiler trace): the mean over ``--iters``
+calls on each row set, in ``--passes`` passes over every kernel; TB/s on the weight bytes each form stores (values +
 scales); "x FP8" is DeepGEMM's time over the row's, pass by pass; "diff" the largest difference to
 DeepGEMM's output over the rows below masked_m (accumulation order only: both compute on the same e4m3
 values and block scales).
@@ -156,7 +156,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rows per expert: the benchmark layer's own routing (default) or one uniform draw")
     p.add_argument("--tokens", type=int, default=128, help="decode tokens (default 128)")
     p.add_argument("--passes", type=int, default=2, help="passes over every kernel (default 2)")
-    p.add_argument("--iters", type=int, default=20, help="calls per kernel and pass (default 20)")
+    p.add_argument("--iters", type=int, default=20, help="calls per kernel, row set and pass (default 20)")
     p.add_argument("--json", metavar="PATH", help="write every row as JSON here")
     p.set_defaults(func=run)
 
