@@ -61,6 +61,7 @@ def test_layer_without_flags_on_cpu_runs_scaled_shapes_quickly_and_honestly(tmp_
     assert "no GPU" in proc.stderr and "--full" in proc.stderr and "[layer 1/" in proc.stderr
     # the table on stdout, progress on stderr
     assert "== prefill" in proc.stdout and "== decode" in proc.stdout and "GEMM1" in proc.stdout
+    assert "rows per expert" in proc.stdout
     assert "shapes scaled down" in proc.stdout
     assert "float32 model" in proc.stderr and "float32 model" not in proc.stdout
     assert proc.stdout.count("auto (every op fell back to the reference: no accelerated implementation on 'cpu')"
@@ -73,6 +74,8 @@ def test_layer_without_flags_on_cpu_runs_scaled_shapes_quickly_and_honestly(tmp_
     for shape, layout, other in (("prefill", "contig", "masked"), ("decode", "masked", "contig")):
         res = by_shape[shape]
         assert res["layout"] == layout and res["tokens"] in (64, 16) and _positive(res["weights_GB"])
+        rows = res["rows_per_expert"]  # every route lands on one expert: each set's counts sum to M x top_k
+        assert len({sum(c) for c in rows["sets"]}) == 1 and rows["min"] <= rows["mean"] <= rows["max"]
         auto = res["auto"]
         assert auto["fell_back"] is True and auto["same_as"] == "reference" and "end_to_end_us" not in auto
         assert set(auto["implementations"]) == {"route_topk", f"dispatch_map_{layout}", f"permute_{layout}",
@@ -655,3 +658,14 @@ def test_w4a8_sweep_rows_on_the_reference(monkeypatch):
     w4_bytes = 32 * 64 * 128 + 32 * 64 * 2 * 4  # values (K/2 bytes per row) + one int32 per row and 128 columns
     assert w4["tb_s"][0] == pytest.approx(w4_bytes / 2e-6 / 1e12)
     assert fp8["max_diff"] == 0.0 and w4["max_diff"] == 0.0  # the reference: both forms' sums bit for bit
+
+
+def test_layer_rows_per_expert():
+    """The layer row's rows per expert: counts per set over every expert (unrouted ones 0), and the min,
+    mean and max over all sets."""
+    import numpy as np
+
+    from moe_jax.bench.layer_measure import rows_per_expert
+
+    sets = [np.array([[0, 1], [1, 2]]), np.array([[3, 1], [1, 0]])]
+    assert rows_per_expert(sets, 5) == {"min": 0, "mean": 0.8, "max": 2, "sets": [[1, 2, 1, 0, 0], [1, 2, 0, 1, 0]]}

@@ -125,6 +125,18 @@ def layer_inputs(m: int, layout: str, reps: int, small: bool, model: str = "v3")
     return LayerInputs(cfg, params, layout, xs, [route(x, params, cfg) for x in xs])
 
 
+def rows_per_expert(topk_ids: list, num_experts: int) -> dict:
+    """The grouped GEMMs' rows per expert over the input sets' routes (topk_ids (M, top_k) each): min,
+    mean, max and each set's counts. At decode the spread decides how often an expert outgrows a
+    masked kernel's token tile."""
+    import numpy as np
+
+    counts = [np.bincount(np.asarray(ids).ravel(), minlength=num_experts) for ids in topk_ids]
+    flat = np.concatenate(counts)
+    return {"min": int(flat.min()), "mean": float(flat.mean()), "max": int(flat.max()),
+            "sets": [c.tolist() for c in counts]}
+
+
 def _errors(out: Any, ref: Any) -> dict:
     rel, worst = rel_errors(out, ref)
     return {"rel_err": rel, "worst_row": worst}
@@ -196,7 +208,8 @@ def bench_shape(name: str, m: int, layout: str, backends: list[str], reps: int, 
     progress.step(f"{name}: parameters")
     inputs = layer_inputs(m, layout, reps, small, model)
     result = {"shape": name, "model": model, "tokens": m, "layout": layout, "weights_GB": _weight_bytes(inputs.params) / 1e9,
-              "platform": jax.default_backend()}
+              "platform": jax.default_backend(),
+              "rows_per_expert": rows_per_expert([ids for ids, _ in inputs.routed], inputs.cfg.num_experts)}
     ref32 = _reference_output(inputs, name, progress) if error else None
     for be in backends:
         row = _bench_backend(inputs, name, be, backends, reps, ref32, progress, fused)

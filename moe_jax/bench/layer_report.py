@@ -140,7 +140,9 @@ def print_table(results: list[dict], backends: list[str], device: str, copy_gbps
     print_goals(goals(results, copy_gbps))
     for res in results:
         platform = res.get("platform", "?")
-        print(f"\n== {res['shape']}: {res['tokens']} tokens, {res['layout']}, weights {res['weights_GB']:.2f} GB")
+        rows = res.get("rows_per_expert")
+        print(f"\n== {res['shape']}: {res['tokens']} tokens, {res['layout']}, weights {res['weights_GB']:.2f} GB"
+              + (f", rows per expert {rows['min']}-{rows['max']} (mean {rows['mean']:.1f})" if rows else ""))
         for be in backends:
             for line in _row_lines(res.get(be, {}), be, platform):
                 print(line)
