@@ -57,11 +57,11 @@ def layer_rows(tokens: int) -> list:
     """Rows per expert of each of the benchmark layer's decode input sets (its own router), capped at M_PAD."""
     import numpy as np
 
-    from moe_jax.bench.layer_measure import layer_inputs
+    from moe_jax.bench.layer_measure import layer_inputs, rows_per_expert
 
     inputs = layer_inputs(tokens, "masked", 4, False, "v4-w4a8")
-    return [np.minimum(np.bincount(np.asarray(ids).ravel(), minlength=NUM_EXPERTS), M_PAD).astype(np.int32)
-            for ids, _ in inputs.routed]
+    sets = rows_per_expert([ids for ids, _ in inputs.routed], NUM_EXPERTS)["sets"]
+    return [np.minimum(np.asarray(c), M_PAD).astype(np.int32) for c in sets]
 
 
 def _operands(n: int, k: int, seed: int):
