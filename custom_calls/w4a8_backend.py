@@ -7,8 +7,8 @@ Kernels: on an SM90 GPU, masked (decode) runs the CUDA kernel (`custom_calls.cud
 weights go from registers into the tensor core) and contig (prefill) the Triton kernel
 (`custom_calls.triton.w4a8_gemm_kernel`). Under Triton's interpreter (CPU tests) both run the Triton
 kernels, which read the same weight format and compute the same sums; the GPU tests compare the two
-masked kernels. The GPU needs what "triton" needs and, for the CUDA kernel, what "deep_gemm" needs
-(nvcc, the launcher, an SM90 device).
+masked kernels. The GPU needs what "triton" needs and, for the CUDA masked kernel, what "deep_gemm"
+needs (nvcc, the launcher, an SM90 device).
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ def _widen() -> str:
 
 def environment(platform: str, *, settings=None, **static) -> str:
     """The registry's environment check: Triton's (the contig kernel; the interpreter on the CPU) and on a
-    GPU the native toolchain and an SM90 device (the CUDA masked kernel)."""
+    GPU, unless the contig op asks (its static arguments hold m_cap), the native toolchain and an SM90
+    device (the CUDA masked kernel): a GPU without nvcc still runs W4A8 prefill, and `unavailable_reason`
+    without an op answers for both."""
     reason = triton_environment(platform, **static)
-    if reason or platform != "gpu":
+    if reason or platform != "gpu" or "m_cap" in static:
         return reason
     from custom_calls.deep_gemm.ops import environment as native_environment
 

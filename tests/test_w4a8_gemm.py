@@ -180,3 +180,21 @@ def test_flax_module_runs_the_4bit_form():
         assert module.gemm_recipe == ("mxfp4" if form == "w4a8" else "fp8_block")
         outs[form] = np.asarray(module(x)).view(np.uint16)
     np.testing.assert_array_equal(outs["w4a8"], outs["fp8"])
+
+
+def test_gpu_environment_asks_for_nvcc_only_where_the_cuda_kernel_runs(monkeypatch):
+    """On a GPU the masked op runs the CUDA kernel (nvcc, the launcher, SM90) and the contig op the Triton
+    kernel alone: without the native toolchain, contig is still available and masked says why not, as does
+    the backend asked without an op."""
+    import custom_calls.deep_gemm.ops as native
+    import custom_calls.w4a8_backend as w4a8
+
+    monkeypatch.setattr(w4a8, "triton_environment", lambda platform, **static: "")
+    monkeypatch.setattr(native, "environment", lambda platform, arch, settings=None: "nvcc: not found")
+    contig = dict(m_cap=256, n=64, k=128, num_groups=2, recipe="mxfp4", arch=90, alignment=64)
+    masked = dict(num_groups=2, m_pad=128, n=64, k=128, expected_m=8, recipe="mxfp4", arch=90)
+    assert w4a8.environment("gpu", **contig) == ""
+    for static in (masked, {"arch": 90}):
+        assert w4a8.environment("gpu", **static) == "the CUDA W4A8 masked kernel: nvcc: not found"
+    monkeypatch.setattr(w4a8, "triton_environment", lambda platform, **static: "triton: not installed")
+    assert w4a8.environment("gpu", **contig) == "triton: not installed"
