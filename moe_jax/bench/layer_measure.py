@@ -165,12 +165,13 @@ def kernel_families(per_kernel: dict[str, float]) -> dict[str, float]:
     """Seconds per kernel name -> us per family: total; gemms (names holding a `GEMM_KERNEL_MARKERS`
     entry: DeepGEMM's and the W4A8 GEMMs, whichever language); triton (the other names ending in
     "_kernel", as every kernel of custom_calls.triton does); other (XLA fusions, memsets)."""
-    total = sum(per_kernel.values())
-    gemm = sum(v for n, v in per_kernel.items() if any(m in n for m in GEMM_KERNEL_MARKERS))
-    triton = sum(v for n, v in per_kernel.items()
-                 if n.endswith("_kernel") and not any(m in n for m in GEMM_KERNEL_MARKERS))
-    return {"total": total * 1e6, "gemms": gemm * 1e6, "triton": triton * 1e6,
-            "other": (total - gemm - triton) * 1e6}
+    us = {"total": 0.0, "gemms": 0.0, "triton": 0.0, "other": 0.0}
+    for name, seconds in per_kernel.items():
+        family = ("gemms" if any(m in name for m in GEMM_KERNEL_MARKERS)
+                  else "triton" if name.endswith("_kernel") else "other")
+        us[family] += seconds * 1e6
+        us["total"] += seconds * 1e6
+    return us
 
 
 def _kernel_time_by_family(fn: Callable, arg_sets: list[tuple]) -> dict:
@@ -180,8 +181,7 @@ def _kernel_time_by_family(fn: Callable, arg_sets: list[tuple]) -> dict:
         per = device_time(fn, arg_sets)
     except Exception as exc:  # noqa: BLE001  the profiler is optional: say why the column is missing
         return {"error": f"{type(exc).__name__}: {exc}"}
-    per.pop("total")
-    if not sum(per.values()):
+    if not per.pop("total"):
         return {"error": "no GPU kernel in the profiler trace"}
     return kernel_families(per)
 
