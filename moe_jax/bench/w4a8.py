@@ -137,9 +137,10 @@ def sweep(name: str, n: int, k: int, rows: list, configs: list, expected_m: int,
     return out
 
 
-def print_table(rows: list[dict], row_sets: list) -> None:
+def print_table(rows: list[dict], row_sets: list, tile: int) -> None:
+    """tile: the token rows of one block of the kernel's heuristic config (an expert past it is read twice)."""
     print("rows per expert: " + " | ".join(f"{int(r.min())}-{int(r.max())} (mean {r.mean():.1f}, "
-                                           f"{int((r > 32).sum())} past 32)" for r in row_sets))
+                                           f"{int((r > tile).sum())} past {tile})" for r in row_sets))
     print(f"{'GEMM':6s} {'kernel':28s} {'us per pass':>22s} {'TB/s':>12s} {'x FP8':>12s} {'diff':>9s}")
     for r in rows:
         print(f"{r['gemm']:6s} {r['kernel']:28s} {' / '.join(f'{v:.1f}' for v in r['us']):>22s} "
@@ -174,6 +175,7 @@ def run(args) -> int:
         return 2
     import jax
 
+    from custom_calls.cuda.w4a8_gemm import heuristic_config
     from moe_jax.bench.layer_model import _config
 
     t0 = time.perf_counter()
@@ -184,7 +186,7 @@ def run(args) -> int:
     rows = []
     for name, n, k in (("GEMM1", 2 * inter, h), ("GEMM2", h, inter)):
         rows += sweep(name, n, k, row_sets, configs, expected_m, passes=args.passes, iters=args.iters, log=log)
-    print_table(rows, row_sets)
+    print_table(rows, row_sets, heuristic_config(expected_m).block_tokens)
     log(f"# done in {time.perf_counter() - t0:.0f} s")
     if args.json:
         write_json(args.json, dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind),
