@@ -47,8 +47,8 @@ class MoEConfig:
     `mxfp4_sm90_form` (MXFP4 experts on arch 90: "fp8", expanded to fp8_block at load, twice the
     bytes, every GEMM backend and layout; or "w4a8", kept 4-bit, `layouts.w4a8`, the W4A8 grouped
     GEMMs (backend "w4a8") widen them to the same e4m3 values in registers; contig and masked layouts; half
-    the expert memory; faster than "fp8" only at decode with few rows per expert, e.g. all 256
-    V4-Flash experts on one GPU; slower at prefill, BENCHMARKS.md),
+    the expert memory; on an H100 faster than "fp8" only at decode with few rows per expert, e.g. all
+    256 V4-Flash experts on one GPU; on an H200 not faster at decode; slower at prefill, BENCHMARKS.md),
     `layout` ("auto" | "contig" | "masked" | "fused": the whole routed branch in one kernel, FP8
     block weights and SiLU only, its w13 prepared for it by `prepare_params`; never chosen by
     "auto"), contig `alignment` (rows per expert segment block),
