@@ -83,7 +83,7 @@ class Implementation:
 class _Backend:
     module: str | None = None  # imported on first need; registers the backend's ops
     platforms: tuple[str, ...] | None = None  # None: any platform
-    environment: EnvironmentFn | None = None  # (platform, **static) -> "" or why it cannot run here
+    environment: EnvironmentFn | None = None  # (platform, *, op, **static) -> "" or why it cannot run here
     load_error: str | None = None
 
 
@@ -218,8 +218,10 @@ def register_lazy(backend: str, module: str, platforms: tuple[str, ...] = ("gpu"
 
 
 def set_environment(backend: str, environment: EnvironmentFn) -> None:
-    """`environment(platform, **static) -> reason` ("" when `backend` can run here): packages,
-    device, compiler. Asked before any of the backend's `supports`."""
+    """`environment(platform, *, op, **static) -> reason` ("" when `backend` can run here): packages,
+    device, compiler. `op` is the op being resolved (None when the backend is asked as a whole, by
+    `unavailable_reason`), for a backend whose ops need different tools. Asked before any of the
+    backend's `supports`."""
     with _LOCK:
         _BACKENDS.setdefault(backend, _Backend()).environment = environment
 
@@ -332,9 +334,9 @@ def _platform_reason(backend: str, platform: str) -> str:
     return f"is unavailable: {err}" if err is not None else ""
 
 
-def _environment_reason(backend: str, platform: str, static: dict) -> str:
+def _environment_reason(backend: str, platform: str, static: dict, op: str | None = None) -> str:
     env = _BACKENDS[backend].environment
-    return env(platform, **static) if env is not None else ""
+    return env(platform, op=op, **static) if env is not None else ""
 
 
 def unavailable_reason(backend: str, *, platform: str | None = None, **static) -> str:
@@ -370,7 +372,7 @@ def resolve(op: str, backend: str | None = None, **static) -> Implementation:
                 continue
             impl = _IMPLS[op].get(name)
             if (impl is not None and impl.supports(**static)[0]
-                    and not _environment_reason(name, platform, static)):
+                    and not _environment_reason(name, platform, static, op)):
                 return _returned(op, impl)
         backend = REFERENCE
     if backend == REFERENCE:
@@ -383,7 +385,7 @@ def resolve(op: str, backend: str | None = None, **static) -> Implementation:
         raise ValueError(f"backend {backend!r} for op {op!r}: {reason}")
     impl = _lookup(op, backend)
     ok, reason = impl.supports(**static)  # what the call asks for first, then whether this machine can
-    reason = reason if not ok else _environment_reason(backend, platform, static)
+    reason = reason if not ok else _environment_reason(backend, platform, static, op)
     if reason:
         raise ValueError(f"backend {backend!r} cannot run op {op!r}: {reason}")
     return _returned(op, impl)

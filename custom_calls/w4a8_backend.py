@@ -35,13 +35,12 @@ def _widen() -> str:
     return "shifts" if _interpreting() else "prmt"
 
 
-def environment(platform: str, *, settings=None, **static) -> str:
+def environment(platform: str, *, op: str | None = None, settings=None, **static) -> str:
     """The registry's environment check: Triton's (the contig kernel; the interpreter on the CPU) and on a
-    GPU, unless the contig op asks (its static arguments hold m_cap), the native toolchain and an SM90
-    device (the CUDA masked kernel): a GPU without nvcc still runs W4A8 prefill, and `unavailable_reason`
-    without an op answers for both."""
+    GPU, unless the contig op asks, the native toolchain and an SM90 device (the CUDA masked kernel): a
+    GPU without nvcc still runs W4A8 prefill, and the backend asked without an op answers for both."""
     reason = triton_environment(platform, **static)
-    if reason or platform != "gpu" or "m_cap" in static:
+    if reason or platform != "gpu" or op == importlib.import_module("custom_calls.grouped_gemm").OP_CONTIG:
         return reason
     from custom_calls.deep_gemm.ops import environment as native_environment
 

@@ -184,17 +184,25 @@ def test_flax_module_runs_the_4bit_form():
 
 def test_gpu_environment_asks_for_nvcc_only_where_the_cuda_kernel_runs(monkeypatch):
     """On a GPU the masked op runs the CUDA kernel (nvcc, the launcher, SM90) and the contig op the Triton
-    kernel alone: without the native toolchain, contig is still available and masked says why not, as does
-    the backend asked without an op."""
+    kernel alone: without the native toolchain, the registry still resolves contig and refuses masked
+    saying why, and so does the backend asked without an op (the registry tells the check which op asks)."""
     import custom_calls.deep_gemm.ops as native
     import custom_calls.w4a8_backend as w4a8
+    from custom_calls.backends import resolve, unavailable_reason
+    from custom_calls.grouped_gemm import OP_CONTIG, OP_MASKED
 
     monkeypatch.setattr(w4a8, "triton_environment", lambda platform, **static: "")
     monkeypatch.setattr(native, "environment", lambda platform, arch, settings=None: "nvcc: not found")
-    contig = dict(m_cap=256, n=64, k=128, num_groups=2, recipe="mxfp4", arch=90, alignment=64)
-    masked = dict(num_groups=2, m_pad=128, n=64, k=128, expected_m=8, recipe="mxfp4", arch=90)
-    assert w4a8.environment("gpu", **contig) == ""
-    for static in (masked, {"arch": 90}):
-        assert w4a8.environment("gpu", **static) == "the CUDA W4A8 masked kernel: nvcc: not found"
+    dtypes = dict(lhs_dtype=jnp.float8_e4m3fn, rhs_dtype=jnp.int8, settings=None)
+    contig = dict(m_cap=256, n=64, k=128, num_groups=2, recipe="mxfp4", arch=90, alignment=64, **dtypes)
+    masked = dict(num_groups=2, m_pad=128, n=64, k=128, expected_m=8, recipe="mxfp4", arch=90, **dtypes)
+    assert resolve(OP_CONTIG, "w4a8", platform="gpu", **contig).backend == "w4a8"
+    with pytest.raises(ValueError, match="backend 'w4a8' cannot run op .*: the CUDA W4A8 masked kernel: nvcc: not "
+                                         "found"):
+        resolve(OP_MASKED, "w4a8", platform="gpu", **masked)
+    assert resolve(OP_MASKED, "auto", platform="gpu", **masked).backend != "w4a8"
+    assert unavailable_reason("w4a8", platform="gpu") == "the CUDA W4A8 masked kernel: nvcc: not found"
+    # the op decides, not which static arguments came along
+    assert w4a8.environment("gpu", op=OP_MASKED, **contig) == "the CUDA W4A8 masked kernel: nvcc: not found"
     monkeypatch.setattr(w4a8, "triton_environment", lambda platform, **static: "triton: not installed")
-    assert w4a8.environment("gpu", **contig) == "triton: not installed"
+    assert w4a8.environment("gpu", op=OP_CONTIG, **contig) == "triton: not installed"
