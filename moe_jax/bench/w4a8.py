@@ -3,8 +3,8 @@
 expansion of the same weights and with the Triton W4A8 kernel.
 
 Shapes: GEMM1 (N = 2 I, K = H) and GEMM2 (N = H, K = I) of the V4 config, 32 experts, m_pad 128,
-expected_m = tokens x top-k / 32. Rows per expert (``--rows``): ``layer``, the benchmark layer's own
-routing of its decode inputs (`layer_measure.layer_inputs`, one timed row set per input set; what
+expected_m = tokens x top-k / 32 rounded up (`moe_jax.dispatch.expected_m`, the layer's own hint).
+Rows per expert (``--rows``): ``layer``, the benchmark layer's own routing of its decode inputs (`layer_measure.layer_inputs`, one timed row set per input set; what
 ``bench layer --model v4-w4a8 --shapes decode`` runs), or ``uniform``, one multinomial draw of tokens x
 top-k routes over the experts (seed 0). Random MXFP4 weights (codes uniform, 32-group scales 2^-10..2^-5)
 and tokens (standard normal, quantized 1 x 128). Kernel time (profiler trace): the mean over ``--iters``
@@ -177,11 +177,12 @@ def run(args) -> int:
 
     from custom_calls.cuda.w4a8_gemm import heuristic_config
     from moe_jax.bench.layer_model import _config
+    from moe_jax.dispatch import expected_m as dispatch_expected_m
 
     t0 = time.perf_counter()
     cfg = _config(False, "v4-w4a8")
     row_sets = layer_rows(args.tokens) if args.rows == "layer" else [uniform_rows(args.tokens, cfg.top_k)]
-    expected_m = max(1, round(args.tokens * cfg.top_k / NUM_EXPERTS))
+    expected_m = dispatch_expected_m(args.tokens, cfg.top_k, NUM_EXPERTS)
     h, inter = cfg.hidden_size, cfg.intermediate_size
     rows = []
     for name, n, k in (("GEMM1", 2 * inter, h), ("GEMM2", h, inter)):
