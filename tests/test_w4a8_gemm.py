@@ -144,9 +144,10 @@ def test_prepared_params_stay_4bit_and_the_layer_gives_the_fp8_forms_bits():
     with pytest.raises(ValueError, match="prepared as 'mxfp4' for arch 90, but config.recipe='mxfp4' needs 'fp8_block'"):
         moe_forward(jnp.zeros((4, 256), jnp.bfloat16), p4, fp8, backend="reference")
     x = jax.random.normal(jax.random.key(1), (40, 256), jnp.bfloat16)
+    forward = jax.jit(moe_forward, static_argnames=("config", "layout", "backend"))
     for layout in ("contig", "masked"):
-        o8 = moe_forward(x, p8, fp8, layout=layout, backend="reference")
-        o4 = moe_forward(x, p4, w4a8, layout=layout, backend="reference")
+        o8 = forward(x, p8, fp8, layout=layout, backend="reference")
+        o4 = forward(x, p4, w4a8, layout=layout, backend="reference")
         np.testing.assert_array_equal(np.asarray(o4).view(np.uint16), np.asarray(o8).view(np.uint16))
 
 

@@ -24,11 +24,21 @@ from layouts.w4a8 import (
 from layouts.weight_paths import mxfp4_to_fp8_block
 
 
+# The conversions run under jit, as at load: op-by-op dispatch would spend most of the tests' time.
+_pack_e2m1 = jax.jit(pack_e2m1)
+_to_w4a8 = jax.jit(mxfp4_to_w4a8)
+_to_fp8_block = jax.jit(w4a8_to_fp8_block)
+_fp4_to_fp8_block = jax.jit(mxfp4_to_fp8_block)
+_unpack = jax.jit(unpack_w4a8_words)
+_widen = jax.jit(widen_w4a8)
+_split = jax.jit(split_w4a8_scales, static_argnums=1)
+
+
 def _checkpoint(rng, lead, n, k, spread, base=100):
     """Random MXFP4 weights: every code, 32-group exponents spread over `spread` binades."""
     codes = rng.integers(0, 16, (*lead, n, k), dtype=np.uint8)
     e = rng.integers(base, base + spread + 1, (*lead, n, -(-k // 32)))
-    return pack_e2m1(jnp.asarray(codes)), jnp.asarray((2.0 ** (e - 127)).astype(np.float32)), codes
+    return _pack_e2m1(jnp.asarray(codes)), jnp.asarray((2.0 ** (e - 127)).astype(np.float32)), codes
 
 
 def _bytes(w) -> np.ndarray:
@@ -41,14 +51,14 @@ def test_widened_weights_equal_the_fp4_to_fp8_path_bit_for_bit(lead, n, k, sprea
     """Every e4m3 byte and block scale as `mxfp4_to_fp8_block` makes them: exact offsets (spread <= 14),
     subnormal products and the rounded ones of groups 15+ binades below their tile (spread 20, 40)."""
     packed, sf32, codes = _checkpoint(np.random.default_rng(spread + n), lead, n, k, spread)
-    values, scales = mxfp4_to_w4a8(packed, sf32)
+    values, scales = _to_w4a8(packed, sf32)
     assert values.shape == (*lead, n, k // 2) and values.dtype == jnp.int8
     assert scales.shape == (*lead, n, -(-k // 128)) and scales.dtype == jnp.int32
-    w, sf = w4a8_to_fp8_block(values, scales)
-    w_ref, sf_ref = mxfp4_to_fp8_block(packed, sf32)
+    w, sf = _to_fp8_block(values, scales)
+    w_ref, sf_ref = _fp4_to_fp8_block(packed, sf32)
     np.testing.assert_array_equal(_bytes(w), _bytes(w_ref))
     np.testing.assert_array_equal(np.asarray(sf), np.asarray(sf_ref))
-    np.testing.assert_array_equal(np.asarray(unpack_w4a8_words(values)), codes)
+    np.testing.assert_array_equal(np.asarray(_unpack(values)), codes)
 
 
 def test_tables_are_the_nearest_e4m3_to_each_product():
@@ -81,9 +91,9 @@ def test_two_byte_permutes_widen_a_word_as_the_kernels_do():
     """The kernels' widening of one word (two prmt with the group's table, sign bits OR-ed in place) gives
     `widen_w4a8`'s e4m3 bytes, stored byte p of a row widening to columns 2p and 2p + 1."""
     packed, sf32, _ = _checkpoint(np.random.default_rng(7), (2,), 64, 256, 16)
-    values, scales = mxfp4_to_w4a8(packed, sf32)
-    want = _bytes(widen_w4a8(values, scales)[0])
-    _, idx = split_w4a8_scales(scales, 256)
+    values, scales = _to_w4a8(packed, sf32)
+    want = _bytes(_widen(values, scales)[0])
+    _, idx = _split(scales, 256)
     words = np.asarray(jax.lax.bitcast_convert_type(values.reshape(2, 64, 32, 4), jnp.uint32))  # (2, 64, K/8)
     tables = table_words()[np.asarray(idx).repeat(4, axis=-1)]  # a word's group: column // 32 = word // 4
     lo, hi = tables[..., 0], tables[..., 1]
@@ -97,8 +107,8 @@ def test_memory_is_under_0_55_of_the_fp8_expansion():
     """Values + scale words against the e4m3 weights + f32 block scales of the FP4 -> FP8 path, at a
     V4-Flash expert's K (4096)."""
     packed, sf32, _ = _checkpoint(np.random.default_rng(1), (1,), 512, 4096, 4)
-    values, scales = mxfp4_to_w4a8(packed, sf32)
-    w, sf = mxfp4_to_fp8_block(packed, sf32)
+    values, scales = _to_w4a8(packed, sf32)
+    w, sf = _fp4_to_fp8_block(packed, sf32)
     ratio = (values.nbytes + scales.nbytes) / (w.nbytes + sf.nbytes)
     assert ratio <= 0.55 and ratio == pytest.approx(0.53125, abs=1e-3)
 
@@ -110,9 +120,9 @@ def test_tiny_tiles_take_the_smallest_block_scale():
     step of the float64 products, and every other tile is bit-exact."""
     packed, sf32, codes = _checkpoint(np.random.default_rng(3), (1,), 256, 128, 2)
     sf32 = sf32.at[:, :128].set(2.0**-124)  # first tile: groups at 2^-124 -> block scale 2^-130 < 2^-126
-    values, scales = mxfp4_to_w4a8(packed, sf32)
-    w, sf = w4a8_to_fp8_block(values, scales)
-    w_ref, sf_ref = mxfp4_to_fp8_block(packed, sf32)
+    values, scales = _to_w4a8(packed, sf32)
+    w, sf = _to_fp8_block(values, scales)
+    w_ref, sf_ref = _fp4_to_fp8_block(packed, sf32)
     assert float(sf[0, 0, 0]) == 2.0**-126 and float(sf_ref[0, 0, 0]) in (0.0, 2.0**-130)
     np.testing.assert_array_equal(_bytes(w)[:, 128:], _bytes(w_ref)[:, 128:])
     mags = np.array(E2M1_VALUES)[codes[:, :128] & 7] * np.where(codes[:, :128] & 8, -1.0, 1.0)
