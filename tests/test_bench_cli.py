@@ -633,6 +633,20 @@ def test_w4a8_configs_and_rows():
     assert (uniform_rows(128, 6) == rows).all() and (uniform_rows(128, 6, seed=1) != rows).any()
 
 
+def test_w4a8_layer_rows_route_without_the_experts():
+    """`bench w4a8 --rows layer` routes with the router fields alone (`layer_routes`: one expert drawn,
+    not prepared): the same ids and weights, bit for bit, as `layer_inputs` with every expert built."""
+    from moe_jax.bench.layer_measure import layer_inputs, layer_routes
+
+    light = layer_routes(16, 2, True, "v4-w4a8")
+    full = layer_inputs(16, "masked", 2, True, "v4-w4a8").routed
+    assert len(light) == len(full) == 2
+    for (ids, weights), (ids_full, weights_full) in zip(light, full):
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_full))
+        np.testing.assert_array_equal(np.asarray(weights).view(np.uint32), np.asarray(weights_full).view(np.uint32))
+    assert len(np.unique(np.concatenate([np.asarray(i).ravel() for i, _ in light]))) > 4  # real routes
+
+
 def test_w4a8_sweep_rows_on_the_reference(monkeypatch):
     """`bench w4a8`'s sweep end to end on the CPU with the reference GEMMs standing in for the kernels and a
     fixed kernel time per weight form: every kernel gets a row per GEMM, its TB/s is its weight bytes over

@@ -109,20 +109,37 @@ class LayerInputs:
         return [(self.params, x) for x in self.xs]
 
 
+def _input_sets(cfg: Any, m: int, reps: int) -> list:
+    """The benchmark layer's `reps` random input sets of m tokens: (m, H) bf16 each."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.PRNGKey(1), reps)
+    return [jax.random.normal(kk, (m, cfg.hidden_size), jnp.bfloat16) for kk in keys]
+
+
 def layer_inputs(m: int, layout: str, reps: int, small: bool, model: str = "v3") -> LayerInputs:
     """The benchmark layer's params (built and on the device) and `reps` random input sets of m
     tokens, routed by the layer's own router."""
     import jax
-    import jax.numpy as jnp
 
     from moe_jax.routing import route
 
     cfg = _config(small, model)
     params = _bench_params(cfg)
     jax.block_until_ready(params.w13)
-    keys = jax.random.split(jax.random.PRNGKey(1), reps)
-    xs = [jax.random.normal(kk, (m, cfg.hidden_size), jnp.bfloat16) for kk in keys]
+    xs = _input_sets(cfg, m, reps)
     return LayerInputs(cfg, params, layout, xs, [route(x, params, cfg) for x in xs])
+
+
+def layer_routes(m: int, reps: int, small: bool, model: str = "v3") -> list:
+    """`layer_inputs(m, ..., reps, small, model).routed` without building the experts' weights:
+    (topk_ids, topk_weights) per input set."""
+    from moe_jax.routing import route
+
+    cfg = _config(small, model)
+    params = _bench_params(cfg, router_only=True)
+    return [route(x, params, cfg) for x in _input_sets(cfg, m, reps)]
 
 
 def rows_per_expert(topk_ids: list, num_experts: int) -> dict:

@@ -33,15 +33,21 @@ def _config(small: bool = False, model: str = "v3") -> Any:
     return cfg
 
 
-def _bench_params(config: Any, shared_recipe: str = "bf16") -> Any:
+def _bench_params(config: Any, shared_recipe: str = "bf16", *, router_only: bool = False) -> Any:
     """GEMM-form params of the benchmark layer (the same random draws for every call), with the
-    router gate in bf16 as DeepSeek's checkpoints ship it: the router GEMM runs bf16 x bf16 -> f32."""
+    router gate in bf16 as DeepSeek's checkpoints ship it: the router GEMM runs bf16 x bf16 -> f32.
+    router_only: the same router fields with one expert of checkpoint-form weights instead of all of
+    them (`init_params` draws every other field independently of the experts drawn): enough to route."""
     import jax
     import jax.numpy as jnp
 
     from moe_jax.params import init_params, prepare_params
 
-    params = prepare_params(init_params(jax.random.PRNGKey(0), config, shared_recipe=shared_recipe), config)
+    key = jax.random.PRNGKey(0)
+    if router_only:
+        params = init_params(key, config, num_local_experts=1, shared_recipe=shared_recipe)
+    else:
+        params = prepare_params(init_params(key, config, shared_recipe=shared_recipe), config)
     return dataclasses.replace(params, gate_weight=params.gate_weight.astype(jnp.bfloat16))
 
 

@@ -5,8 +5,8 @@ expansion of the same weights and with the Triton W4A8 kernel.
 Shapes: GEMM1 (N = 2 I, K = H) and GEMM2 (N = H, K = I) of the V4 config, 32 experts, m_pad 128,
 expected_m = tokens x top-k / 32 rounded up (`moe_jax.dispatch.expected_m`, the layer's own hint).
 Rows per expert (``--rows``): ``layer``, the benchmark layer's own routing of its decode inputs
-(`layer_measure.layer_inputs`, one timed row set per input set; what ``bench layer --model v4-w4a8
---shapes decode`` runs), or ``uniform``, one multinomial draw of tokens x top-k routes over the
+(`layer_measure.layer_routes`: `layer_inputs`' routes without building the experts; one timed row
+set per input set; what ``bench layer --model v4-w4a8 --shapes decode`` runs), or ``uniform``, one multinomial draw of tokens x top-k routes over the
 experts (seed 0). Random MXFP4 weights (codes uniform, 32-group scales 2^-10..2^-5) and tokens
 (standard normal, quantized 1 x 128). Kernel time (profiler trace): the mean over ``--iters`` calls
 on each row set, in ``--passes`` passes over every kernel; TB/s on the weight bytes each form stores
@@ -58,10 +58,10 @@ def layer_rows(tokens: int) -> list:
     """Rows per expert of each of the benchmark layer's decode input sets (its own router), capped at M_PAD."""
     import numpy as np
 
-    from moe_jax.bench.layer_measure import layer_inputs, rows_per_expert
+    from moe_jax.bench.layer_measure import layer_routes, rows_per_expert
 
-    inputs = layer_inputs(tokens, "masked", 4, False, "v4-w4a8")
-    sets = rows_per_expert([ids for ids, _ in inputs.routed], NUM_EXPERTS)["sets"]
+    routes = layer_routes(tokens, 4, False, "v4-w4a8")
+    sets = rows_per_expert([ids for ids, _ in routes], NUM_EXPERTS)["sets"]
     return [np.minimum(np.asarray(c), M_PAD).astype(np.int32) for c in sets]
 
 
