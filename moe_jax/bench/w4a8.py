@@ -5,14 +5,14 @@ expansion of the same weights and with the Triton W4A8 kernel.
 Shapes: GEMM1 (N = 2 I, K = H) and GEMM2 (N = H, K = I) of the V4 config, 32 experts, m_pad 128,
 expected_m = tokens x top-k / 32 rounded up (`moe_jax.dispatch.expected_m`, the layer's own hint).
 Rows per expert (``--rows``): ``layer``, the benchmark layer's own routing of its decode inputs
-(`layer_measure.layer_routes`: `layer_inputs`' routes without building the experts; one timed row
-set per input set; what ``bench layer --model v4-w4a8 --shapes decode`` runs), or ``uniform``, one multinomial draw of tokens x top-k routes over the
-experts (seed 0). Random MXFP4 weights (codes uniform, 32-group scales 2^-10..2^-5) and tokens
-(standard normal, quantized 1 x 128). Kernel time (profiler trace): the mean over ``--iters`` calls
-on each row set, in ``--passes`` passes over every kernel; TB/s on the weight bytes each form stores
-(values + scales); "x FP8" is DeepGEMM's time over the row's, pass by pass; "diff" the largest
-difference to DeepGEMM's output over the rows below masked_m (accumulation order only: both compute
-on the same e4m3 values and block scales).
+(`layer_measure.layer_routes`: `layer_inputs`' routes without building the experts; one timed row set per
+input set; what ``bench layer --model v4-w4a8 --shapes decode`` runs), or ``uniform``, one multinomial draw
+of tokens x top-k routes over the experts (seed 0). Random MXFP4 weights (codes uniform, 32-group scales
+2^-10..2^-5) and tokens (standard normal, quantized 1 x 128). Kernel time (profiler trace): the mean over
+``--iters`` calls on each row set, in ``--passes`` passes over every kernel; TB/s on the weight bytes each
+form stores (values + scales); "x FP8" is DeepGEMM's time over the row's, pass by pass; "diff" the largest
+difference to DeepGEMM's output over the rows below masked_m (accumulation order only: both compute on the
+same e4m3 values and block scales).
 
 Needs an SM90 GPU (exits with status 2 elsewhere). Table on stdout, progress on stderr; ``--json PATH``
 writes the rows.
