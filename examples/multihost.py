@@ -40,8 +40,11 @@ def _free_port() -> int:
 def launch_local(n: int, devices_per_process: int, extra: list[str], timeout: float) -> int:
     """Start n CPU processes of this script on 127.0.0.1; returns the worst exit code."""
     port = _free_port()
+    # the caller's other XLA flags stay (the processes compile as the caller does); the device count is ours
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+               XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={devices_per_process}"]))
     procs = [subprocess.Popen([sys.executable, __file__, "--coordinator", f"127.0.0.1:{port}",
                                "--num-processes", str(n), "--process-id", str(i), "--cpu", *extra],
                               env=env) for i in range(n)]
