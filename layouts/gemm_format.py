@@ -17,8 +17,8 @@ Operands, "nt": lhs (A) is (rows, K) K-major, rhs (B) is (G, N, K) K-major, D = 
   mxfp8, 100      ue8m0   e4m3, 1x32         e4m3, 1x32                   as above with 32-groups       as above with 32-groups
   mxfp4, 100      ue8m0   e4m3, 1x128        int8 e2m1 pairs (G, N, K/2), as fp8_block, 100             as mxfp8, 100
                                              1x32
-  mxfp4, 90       w4a8    e4m3, 1x128        int8 e2m1 words (G, N, K/2)  as fp8_block, 90              (G, N, ceil(K/128)) int32
-  (W4A8)                                     (layouts.w4a8)                                             scale words (layouts.w4a8)
+  mxfp4, 90       w4a8    e4m3, 1x128,       int8 e2m1 words (G, N, K/2)  as fp8_block, 90              (G, N, ceil(K/128)) int32
+  (W4A8)                  W4A8 column order  (layouts.w4a8)                                             scale words (layouts.w4a8)
 
 An image's leading (batch) axes stay outermost; images are described in `layouts.scale_layout`.
 A recipe that an arch cannot consume directly is converted at load time (`QuantRecipe.gemm_recipe`:
@@ -26,7 +26,10 @@ mxfp4 on 90 becomes fp8_block); GEMM ops are always called with the consumed rec
 format `layouts.gemm_format(recipe, arch)` returns. mxfp4 on 90 also has a 4-bit form, W4A8
 (`QuantRecipe.kept_4bit_on`): the weights stay e2m1 and the GEMM widens them to the e4m3 values of
 the FP4 -> FP8 conversion in registers; its scale words carry the 128 x 128 block scale of that
-conversion per row and 128 columns, with the 32-groups' exponent offsets.
+conversion per row and 128 columns, with the 32-groups' exponent offsets. Its lhs holds the same
+bytes as fp8_block's, each 128-column block permuted (`layouts.w4a8.LHS_ORDER`): `quantize_lhs` writes
+that order and `dequantize_lhs` reads it, so an fp8_block lhs passed to a W4A8 GEMM is a wrong input
+the operand checks cannot see (same shapes and dtypes).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from layouts.archs import ARCHS, SCALE_UE8M0, check_arch
-from layouts.w4a8 import W4A8_BLOCK, widen_w4a8
+from layouts.w4a8 import W4A8_BLOCK, from_w4a8_lhs_order, to_w4a8_lhs_order, widen_w4a8
 from layouts.checks import FLOAT_DTYPES, align, ceil_div, check_dtype, check_rank, check_shape
 from layouts.fp4 import dequantize_mxfp4
 from layouts.fp8 import quantize_fp8_per_token_group
@@ -167,21 +170,26 @@ class GemmFormat:
     # -- numerics (the reference's definition of each operand) ----------------------------------
     def quantize_lhs(self, x: jax.Array) -> tuple[jax.Array, Optional[jax.Array]]:
         """x: (..., rows, K) float -> (q, lhs scale image (..., *lhs_scale_shape)) of this format;
-        bf16: (x as bf16, None). Power-of-two scales round up, so x / sf never exceeds 448."""
+        bf16: (x as bf16, None). Power-of-two scales round up, so x / sf never exceeds 448. W4A8: q in
+        the W4A8 column order (the scales are per 128 columns, so the same as in column order)."""
         if not self.is_quantized:
             return store_as(x, jnp.bfloat16), None
         if x.ndim < 2:
             raise ValueError(f"x: expected rank >= 2 (..., rows, K), got shape {tuple(x.shape)}")
         q, sf = quantize_fp8_per_token_group(x, group_size=self.act_group, ue8m0=self.ue8m0)
+        if self.w4a8:
+            q = to_w4a8_lhs_order(q)
         if self.ue8m0:
             # scales computed here are powers of two by construction (rounded up)
             return q, pack_ue8m0_mn_major_tma_aligned(sf, check=False)
         return q, to_mn_major_tma_aligned(sf)
 
     def dequantize_lhs(self, lhs: jax.Array, lhs_scale: Optional[jax.Array]) -> jax.Array:
-        """lhs (..., rows, K) + its scale image -> (..., rows, K) f32."""
+        """lhs (..., rows, K) + its scale image -> (..., rows, K) f32, in column order."""
         if not self.is_quantized:
             return lhs.astype(jnp.float32)
+        if self.w4a8:
+            lhs = from_w4a8_lhs_order(lhs)
         rows, k = lhs.shape[-2:]
         gk = self.act_group
         if self.ue8m0:

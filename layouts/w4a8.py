@@ -27,6 +27,15 @@ two uint32 of 4 bytes each:
   odd bytes  = prmt(lo, hi, (w >> 16) & 0x7777) | ((w << 4) & 0x80808080)  -> columns 8q + 2i + 1
 and byte i of `even`, `odd` interleaved is column 8q + 2i, 8q + 2i + 1 (stored byte p of a row
 widens to columns 2p and 2p + 1).
+
+Activations (the GEMMs' lhs) in the W4A8 column order: e4m3 with fp32 1 x 128 scales as fp8_block on
+SM90, but each whole 128-column block stored permuted, byte 32s + 16e + 4c + i holding column
+32c + 8s + 2i + e (`LHS_ORDER`; a trailing partial block stays in column order). A kernel thread c
+widens words 4c..4c+3 of a row's block, all in 32-group c (one table), and word 4c + s feeds k32 step
+s of the MMA as its even (e = 0) and odd (e = 1) columns; in this order a K block's bytes already sit
+where the MMA reads step s, so the tokens go to shared memory by one TMA copy, unchanged. The layer's
+producers (pre-permute, activation + quantization) write this order directly; `to_w4a8_lhs_order` /
+`from_w4a8_lhs_order` convert, and `layouts.gemm_format("mxfp4", 90).quantize_lhs` gives it.
 """
 
 from __future__ import annotations
@@ -47,6 +56,39 @@ TABLE_BIAS = 13  # table index = s + TABLE_BIAS
 NUM_TABLES = 20  # s in [-12, 6] and the all-zero table
 INDEX_BITS = 5
 MIN_TILE_EXPONENT = 1  # UE8M0 byte of the smallest block scale, 2^-126
+
+
+def _lhs_order() -> np.ndarray:
+    """(128,) int: the column stored at each byte of a 128-column block (module docstring)."""
+    s, e, c, i = np.meshgrid(np.arange(4), np.arange(2), np.arange(4), np.arange(4), indexing="ij")
+    return (32 * c + 8 * s + 2 * i + e).reshape(-1)
+
+
+LHS_ORDER = _lhs_order()
+LHS_POSITION = np.argsort(LHS_ORDER)  # the stored byte of each column
+
+
+def _permute_blocks(x: jax.Array, index: np.ndarray) -> jax.Array:
+    """x (..., K): each whole 128-column block gathered by `index`, a partial last block as is."""
+    k = x.shape[-1]
+    full = k - k % W4A8_BLOCK
+    if full == 0:
+        return x
+    blocks = x[..., :full].reshape(*x.shape[:-1], full // W4A8_BLOCK, W4A8_BLOCK)
+    out = jnp.take(blocks, jnp.asarray(index, jnp.int32), axis=-1).reshape(*x.shape[:-1], full)
+    return jnp.concatenate([out, x[..., full:]], axis=-1) if full < k else out
+
+
+def to_w4a8_lhs_order(x: jax.Array) -> jax.Array:
+    """x (..., K) in column order -> the same values in the W4A8 column order (module docstring)."""
+    check_min_ndim("x", x, 1, "(..., K)")
+    return _permute_blocks(x, LHS_ORDER)
+
+
+def from_w4a8_lhs_order(x: jax.Array) -> jax.Array:
+    """x (..., K) in the W4A8 column order -> column order (inverse of `to_w4a8_lhs_order`)."""
+    check_min_ndim("x", x, 1, "(..., K)")
+    return _permute_blocks(x, LHS_POSITION)
 
 
 def _e4m3_tables() -> np.ndarray:
@@ -184,5 +226,6 @@ def w4a8_to_fp8_block(values: jax.Array, scales: jax.Array) -> tuple[jax.Array, 
     return w, block[..., ::W4A8_BLOCK, :]
 
 
-__all__ = ["E4M3_TABLES", "NUM_TABLES", "W4A8_BLOCK", "group_tiles", "mxfp4_to_w4a8", "untile_groups", "pack_w4a8_words", "split_w4a8_scales",
-           "table_words", "unpack_w4a8_words", "w4a8_to_fp8_block", "widen_w4a8"]
+__all__ = ["E4M3_TABLES", "LHS_ORDER", "LHS_POSITION", "NUM_TABLES", "W4A8_BLOCK", "from_w4a8_lhs_order", "group_tiles",
+           "mxfp4_to_w4a8", "pack_w4a8_words", "split_w4a8_scales", "table_words", "to_w4a8_lhs_order",
+           "unpack_w4a8_words", "untile_groups", "w4a8_to_fp8_block", "widen_w4a8"]

@@ -624,7 +624,7 @@ def test_w4a8_configs_and_rows():
 
     assert parse_configs(" 4,1,4,3 ; 2,2,2,4;") == [W4A8CudaConfig(4, 1, 4, 3), W4A8CudaConfig(2, 2, 2, 4)]
     for bad, match in (("4,1,4", "token_tiles,warpgroups,stages,min_blocks"), (";", "at least one config"),
-                       ("4,1,3,3", "W4A8CudaConfig.stages")):
+                       ("4,1,9,3", "W4A8CudaConfig.stages")):
         with pytest.raises(ValueError, match=match):
             parse_configs(bad)
     assert main(["w4a8", "--configs", "4,x,4,3"]) == 2

@@ -20,8 +20,17 @@ from test_triton_interpret import model_activation, model_group_scales, model_qu
 pytestmark = pytest.mark.gpu
 backends = importlib.import_module("custom_calls.backends")
 
-RECIPE_ARCHS = [("fp8_block", 90), ("fp8_block", 100), ("mxfp8", 100), ("mxfp4", 100), ("bf16", 90)]
+# ("mxfp4", 90): its W4A8 form, the lhs in the W4A8 column order (`_plain` undoes it before the models)
+RECIPE_ARCHS = [("fp8_block", 90), ("fp8_block", 100), ("mxfp8", 100), ("mxfp4", 100), ("mxfp4", 90), ("bf16", 90)]
 GROUP = {"fp8_block": 128, "mxfp8": 32, "mxfp4": 128}
+
+
+def _plain(q, recipe, arch):
+    """An lhs of `gemm_format(recipe, arch)` in column order."""
+    from layouts import gemm_format
+    from layouts.w4a8 import from_w4a8_lhs_order
+
+    return from_w4a8_lhs_order(jnp.asarray(q)) if recipe != "bf16" and gemm_format(recipe, arch).w4a8 else q
 
 
 def _routes(key, m, k, e, drop=0.1):
@@ -88,7 +97,7 @@ def test_permute_contig(recipe, arch):
     if recipe == "bf16":
         assert img is None and np.array_equal(_np(lhs).astype(np.float32), placed)
         return
-    _check_quantized_rows(lhs, img, placed, GROUP[recipe], arch, "permute_contig")
+    _check_quantized_rows(_plain(lhs, recipe, arch), img, placed, GROUP[recipe], arch, "permute_contig")
     # agrees with the reference op (fp32 scales may differ by one ulp: XLA divides as x * (1/448))
     _agrees_with_reference(lhs, ref_lhs, 0.995 if arch == 90 else 1.0)
     if arch == 90:
@@ -148,7 +157,8 @@ def test_permute_masked(recipe, arch):
     if recipe == "bf16":
         assert np.array_equal(got, placed)
         return
-    _check_quantized_rows(got.astype(_np(lhs).dtype), img, placed, GROUP[recipe], arch, "permute_masked")
+    _check_quantized_rows(_plain(got.astype(_np(lhs).dtype), recipe, arch), img, placed, GROUP[recipe], arch,
+                          "permute_masked")
     ref_lhs, _ = run(x, disp.src2dst, "reference")
     _agrees_with_reference(_np(lhs)[routed], _np(ref_lhs)[routed], 0.995 if arch == 90 else 1.0)
 
@@ -181,8 +191,9 @@ def _check_act(a, img, y64, group, arch, sel):
     assert np.where(sel[..., None], ok, True).all()
 
 
-@pytest.mark.parametrize("variant", list(ACTS))
-@pytest.mark.parametrize("recipe,arch", [("fp8_block", 90), ("fp8_block", 100), ("mxfp8", 100)])
+@pytest.mark.parametrize("variant,recipe,arch",
+                         [(v, r, a) for r, a in [("fp8_block", 90), ("fp8_block", 100), ("mxfp8", 100)] for v in ACTS]
+                         + [(v, "mxfp4", 90) for v in ACTS if not ACTS[v].keep_fp32])  # keep_fp32: FP8 weights only
 def test_activation_contig(variant, recipe, arch):
     rows, inter = 389, 1536  # rows % 4 == 1: image padding columns
     gateup = (jax.random.normal(jax.random.PRNGKey(3), (rows, 2 * inter)) * 3).astype(jnp.bfloat16)
@@ -191,16 +202,17 @@ def test_activation_contig(variant, recipe, arch):
                   static_argnums=1)
     a, img = run(gateup, "triton")
     ref_a, ref_img = run(gateup, "reference")
-    _check_act(a, img, _y64(gateup, variant), GROUP[recipe], arch, np.ones(rows, bool))
+    _check_act(_plain(a, recipe, arch), img, _y64(gateup, variant), GROUP[recipe], arch, np.ones(rows, bool))
     _agrees_with_reference(a, ref_a, 0.99)  # + sigmoid/tanh ulps may move a bf16 rounding
     ri, ti = _np(ref_img), _np(img)
     assert ri.shape == ti.shape and (ri[..., rows:] == ti[..., rows:]).all()
 
 
-@pytest.mark.parametrize("variant", ["silu", "silu_limit", "oai", "situ"])
-def test_activation_masked(variant):
+@pytest.mark.parametrize("variant,recipe", [("silu", "fp8_block"), ("silu_limit", "fp8_block"), ("oai", "fp8_block"),
+                                            ("situ", "fp8_block"), ("silu_limit", "mxfp4")])
+def test_activation_masked(variant, recipe):
     e, m_pad, inter = 5, 256, 1024
-    recipe, arch = "fp8_block", 90
+    arch = 90
     key = jax.random.PRNGKey(4)
     gateup = (jax.random.normal(key, (e, m_pad, 2 * inter)) * 3).astype(jnp.bfloat16)
     masked_m = jnp.array([0, 1, 129, 256, 37], jnp.int32)
@@ -210,7 +222,7 @@ def test_activation_masked(variant):
     a, img = run(gateup, masked_m, "triton")
     ref_a, _ = run(gateup, masked_m, "reference")
     sel = np.arange(m_pad)[None, :] < _np(masked_m)[:, None]
-    _check_act(a, img, _y64(gateup, variant), 128, arch, sel)
+    _check_act(_plain(a, recipe, arch), img, _y64(gateup, variant), 128, arch, sel)
     _agrees_with_reference(_np(a)[sel], _np(ref_a)[sel], 0.99)
 
 
@@ -234,13 +246,14 @@ def test_unpermute(out_dtype):
     assert (np.abs(out - ref) <= 2 * rel * mag + 1e-6).all()
 
 
-@pytest.mark.parametrize("recipe,arch", [("fp8_block", 90), ("fp8_block", 100), ("mxfp8", 100)])
+@pytest.mark.parametrize("recipe,arch", [("fp8_block", 90), ("fp8_block", 100), ("mxfp8", 100), ("mxfp4", 90)])
 def test_quantize_activation(recipe, arch):
     from custom_calls.triton.quant_kernel import quantize_activation as tq
 
     x = _x(jax.random.PRNGKey(6), (3, 131, 2176))
     q, img = jax.jit(lambda x: tq(x, recipe, arch))(x)
-    _check_quantized_rows(q, img, _np(x).astype(np.float32), GROUP[recipe], arch, "quantize_activation")
+    _check_quantized_rows(_plain(q, recipe, arch), img, _np(x).astype(np.float32), GROUP[recipe], arch,
+                          "quantize_activation")
     rq, rimg = jax.jit(lambda x: quantize_activation(x, recipe, arch))(x)
     _agrees_with_reference(q, rq, 0.995 if arch == 90 else 1.0)
 

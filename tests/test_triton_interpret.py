@@ -24,10 +24,11 @@ CASES = [
     "quant_fp32_image", "quant_ue8m0_image", "quant_mxfp8_partial_group",
     "permute_contig_fp8_90", "permute_contig_fp8_100", "permute_contig_mxfp8_100", "permute_contig_bf16",
     "permute_masked_fp8_90", "permute_masked_fp8_100", "permute_masked_odd_pad_stray_90",
-    "permute_masked_odd_pad_100",
+    "permute_masked_odd_pad_100", "quant_w4a8_order", "permute_contig_w4a8_order", "permute_masked_w4a8_order",
     "act_contig_silu_90", "act_contig_silu_limit_100", "act_contig_oai_90", "act_contig_situ_100",
     "act_contig_keep_fp32_90", "act_contig_mxfp8_100", "act_contig_bf16",
     "act_masked_silu_limit_90", "act_masked_situ_100", "act_masked_oai_100", "act_masked_count_over_m_pad",
+    "act_masked_w4a8_order", "act_contig_w4a8_order",
     "unpermute_bf16", "unpermute_f32_out", "unpermute_row_past_end", "unpermute_addend", "dispatch_rank_e32", "dispatch_rank_e5",
     "dispatch_map_contig_one_launch", "dispatch_map_contig_two_launches", "dispatch_map_masked_one_launch",
     "dispatch_map_masked_two_launches",
@@ -52,7 +53,8 @@ FAST_CASES = {"quant_ue8m0_image", "quant_mxfp8_partial_group", "permute_contig_
               "act_contig_silu_90", "act_masked_silu_limit_90", "act_contig_mxfp8_100", "unpermute_addend",
               "dispatch_rank_e5", "dispatch_map_contig_one_launch", "dispatch_map_masked_one_launch",
               "route_sigmoid_grouped_bias", "route_sqrtsoftplus_bias", "router_partials", "host_fused_input_routed",
-              "w4a8_table_words", "host_w4a8_masked", "host_w4a8_contig"}
+              "w4a8_table_words", "host_w4a8_masked", "host_w4a8_contig", "permute_masked_w4a8_order",
+              "act_masked_w4a8_order"}
 SLOW_CASES = set(CASES) - FAST_CASES
 assert FAST_CASES <= set(CASES), FAST_CASES - set(CASES)
 
@@ -366,7 +368,16 @@ def _check_quant(q, img, x32, group, ue8m0, label):
         assert image_tail_bytes_zero(img, g), f"{label}: packed padding bytes not 0"
 
 
-def _quant_case(seed, lead, mn, k, group, ue8m0, in_dtype):
+def _from_w4a8_order(q):
+    """(..., K) stored in the W4A8 column order (`layouts.w4a8.LHS_ORDER`) -> column order."""
+    from layouts.w4a8 import LHS_POSITION
+
+    full = q.shape[-1] // 128 * 128
+    blocks = q[..., :full].reshape(*q.shape[:-1], -1, 128)[..., LHS_POSITION].reshape(*q.shape[:-1], full)
+    return np.concatenate([blocks, q[..., full:]], axis=-1)
+
+
+def _quant_case(seed, lead, mn, k, group, ue8m0, in_dtype, w4a8=False):
     from custom_calls.triton.quant_kernel import per_token_group_quant_kernel
 
     rng = _rng(seed)
@@ -381,8 +392,8 @@ def _quant_case(seed, lead, mn, k, group, ue8m0, in_dtype):
     row_blocks = s * ceil_div(ld, block_m)
     _launch(per_token_group_quant_kernel, (row_blocks * ceil_div(g, groups),), x, q, img,
             MN=mn, K=k, G=g, IMG_LD=ld, IMG_SLAB=img_shape[-2] * ld, GROUP=group, UE8M0=ue8m0,
-            BLOCK_M=block_m, GROUPS=groups, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=seed % 2 == 0)
-    _check_quant(q, img, x.astype(np.float32), group, ue8m0, "quant")
+            W4A8_ORDER=w4a8, BLOCK_M=block_m, GROUPS=groups, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=seed % 2 == 0)
+    _check_quant(_from_w4a8_order(q) if w4a8 else q, img, x.astype(np.float32), group, ue8m0, "quant")
 
 
 def case_quant_fp32_image():
@@ -395,6 +406,10 @@ def case_quant_ue8m0_image():
 
 def case_quant_mxfp8_partial_group():
     _quant_case(3, (3,), 6, 200, 32, True, np.float32)  # K % 32 = 8
+
+
+def case_quant_w4a8_order():
+    _quant_case(4, (2,), 9, 448, 128, False, _ml().bfloat16, w4a8=True)  # K % 128 = 64: a partial block
 
 
 def _routes(rng, m, k, e):
@@ -441,7 +456,9 @@ def _inverse(src2dst, rows):
 
 
 def _permute_case(seed, *, masked, recipe, arch, m_pad=12, stray=False, tokens=4):
-    """stray: one dropped route instead points past the buffer (row R + 5); it must be dropped.
+    """recipe "mxfp4" on arch 90: its W4A8 form, lhs in the W4A8 column order."""
+    """
+    stray: one dropped route instead points past the buffer (row R + 5); it must be dropped.
     M = 13 tokens: the last token program of `tokens` > 1 is partly past M."""
     from custom_calls.triton.permute_kernel import row_source_kernel, scale_image_kernel, scatter_quant_kernel
 
@@ -463,8 +480,9 @@ def _permute_case(seed, *, masked, recipe, arch, m_pad=12, stray=False, tokens=4
         t0, j0 = np.argwhere(src2dst < 0)[0]
         src2dst[t0, j0] = rows + 5
     quant = recipe != "bf16"
-    group = {"fp8_block": 128, "mxfp8": 32, "bf16": 128}[recipe]
+    group = {"fp8_block": 128, "mxfp8": 32, "bf16": 128, "mxfp4": 128}[recipe]
     ue8m0 = arch == 100
+    w4a8 = recipe == "mxfp4" and arch == 90
     g = ceil_div(h, group)
     lhs = _poison((rows, h), ml.float8_e4m3fn if quant else ml.bfloat16)
     sf = _poison((m, g) if quant else (1,), np.float32)
@@ -479,7 +497,7 @@ def _permute_case(seed, *, masked, recipe, arch, m_pad=12, stray=False, tokens=4
     zero_programs = 0 if masked else ceil_div(rows, zero_rows)  # masked: empty rows stay unwritten
     _launch(scatter_quant_kernel, ((zero_programs + ceil_div(m, tokens)) * ceil_div(g, groups),),
             x, src2dst, src1 if not src1_out else np.zeros(1, np.int32), lhs, sf, written, M=m, H=h, TOPK=k,
-            TOPK_P2=4, R=rows, G=g, GROUP=group, QUANT=quant, UE8M0=ue8m0, GROUPS=groups, TOKENS=tokens,
+            TOPK_P2=4, R=rows, G=g, GROUP=group, QUANT=quant, UE8M0=ue8m0, W4A8_ORDER=w4a8, GROUPS=groups, TOKENS=tokens,
             ZERO_FILL=not masked, ZERO_ROWS=zero_rows, ZERO_SUB=4, CHUNKS_FASTEST=seed % 2 == 0,
             ROW_SOURCE_OUT=src1_out)
     if src1_out:
@@ -492,6 +510,8 @@ def _permute_case(seed, *, masked, recipe, arch, m_pad=12, stray=False, tokens=4
         row_blocks = slabs * ceil_div(ld, img_rows)
         _launch(scale_image_kernel, (row_blocks * ceil_div(g, groups),), src1, sf, img, MN=mn, G=g, IMG_LD=ld,
                 IMG_SLAB=img_shape[-2] * ld, UE8M0=ue8m0, ROWS=img_rows, GROUPS=groups, ROW_BLOCKS=row_blocks)
+    if w4a8:
+        lhs = _from_w4a8_order(lhs)
     # model: each row holds its token's x, or zeros
     placed = np.zeros((rows, h), np.float32)
     for r in range(rows):
@@ -544,6 +564,14 @@ def case_permute_masked_odd_pad_100():
     _permute_case(17, masked=True, recipe="mxfp8", arch=100, m_pad=13)  # m_pad % 4 == 1
 
 
+def case_permute_masked_w4a8_order():
+    _permute_case(18, masked=True, recipe="mxfp4", arch=90)
+
+
+def case_permute_contig_w4a8_order():
+    _permute_case(19, masked=False, recipe="mxfp4", arch=90, tokens=2)
+
+
 
 def _check_act(a, img, y64, group, ue8m0, label, rows_ok=None):
     """Tolerance check of dequantized a against the float64 model y64 (..., mn, I):
@@ -579,7 +607,8 @@ _KIND = {"silu": 0, "swiglu_oai": 1, "situ": 2}
 
 
 def _act_case(seed, *, variant, recipe, arch, keep_fp32=False, masked=False, mn=None, counts=(5, 0, 12)):
-    """counts: masked_m per slab (masked only); a count above mn covers the whole slab, no more."""
+    """counts: masked_m per slab (masked only); a count above mn covers the whole slab, no more.
+    recipe "mxfp4" on arch 90: its W4A8 form, the output in the W4A8 column order."""
     from custom_calls.triton.activation_kernel import act_quant_kernel
 
     ml = _ml()
@@ -590,8 +619,9 @@ def _act_case(seed, *, variant, recipe, arch, keep_fp32=False, masked=False, mn=
     gateup = (rng.standard_normal((slabs, mn, 2 * inter)) * 4).astype(ml.bfloat16)
     masked_m = np.array(counts, np.int32) if masked else np.zeros(1, np.int32)
     quant = recipe != "bf16"
-    group = {"fp8_block": 128, "mxfp8": 32, "bf16": 128}[recipe]
+    group = {"fp8_block": 128, "mxfp8": 32, "bf16": 128, "mxfp4": 128}[recipe]
     ue8m0 = arch == 100
+    w4a8 = recipe == "mxfp4" and arch == 90
     g = ceil_div(inter, group)
     img_shape = _image_shape(mn, inter, group, ue8m0, (slabs,))
     img = _poison(img_shape, np.int32 if ue8m0 else np.float32) if quant else _poison((1,), np.int32)
@@ -602,12 +632,14 @@ def _act_case(seed, *, variant, recipe, arch, keep_fp32=False, masked=False, mn=
     row_blocks = slabs * ceil_div(covered, block_m)
     _launch(act_quant_kernel, (row_blocks * ceil_div(g, groups),), gateup, masked_m, a, img,
             MN=mn, I=inter, G=g, IMG_LD=ld, IMG_SLAB=img_shape[-2] * ld, GROUP=group, QUANT=quant,
-            UE8M0=ue8m0, MASKED=masked, KIND=_KIND[spec["kind"]], HAS_LIMIT="limit" in spec,
+            UE8M0=ue8m0, W4A8_ORDER=w4a8, MASKED=masked, KIND=_KIND[spec["kind"]], HAS_LIMIT="limit" in spec,
             LIMIT=spec.get("limit", 0.0), ALPHA=spec.get("alpha", 1.0), BETA_S=spec.get("bs", 1.0),
             BETA_L=spec.get("bl", 1.0), KEEP_FP32=keep_fp32, BLOCK_M=block_m, GROUPS=groups,
             ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=seed % 2 == 0)
     y64 = model_activation(gateup, spec["kind"], spec.get("limit"), spec.get("alpha"),
                            spec.get("bs", 1.0), spec.get("bl", 1.0))
+    if w4a8:
+        a = _from_w4a8_order(a)
     rows_ok = (np.arange(mn)[None, :] < np.minimum(masked_m, mn)[:, None]) if masked else np.ones((1, mn), bool)
     if masked:  # rows past masked_m are never touched
         untouched = np.isnan(a.astype(np.float32)[~rows_ok]).all()
@@ -645,6 +677,8 @@ ACT_CASES = {
     # m_pad 10 is not a multiple of BLOCK_M 4: slab 0's count 40 must not spill into slab 1 (count 0)
     "act_masked_count_over_m_pad": dict(seed=32, variant="silu", recipe="fp8_block", arch=90, masked=True, mn=10,
                                         counts=(40, 0, 7, 11)),
+    "act_masked_w4a8_order": dict(seed=33, variant="silu_limit", recipe="mxfp4", arch=90, masked=True),
+    "act_contig_w4a8_order": dict(seed=34, variant="silu", recipe="mxfp4", arch=90),
 }
 for _name, _kw in ACT_CASES.items():
     globals()[f"case_{_name}"] = functools.partial(_act_case, **_kw)
@@ -1422,7 +1456,7 @@ def model_w4a8_masked(codes, sf32, a_q, sa_rows):
     """Float64 model of the W4A8 masked GEMM on the operands the FP4 -> FP8 path defines: e2m1 codes
     (G, N, K) times their 32-group scales sf32 (G, N, K/32), each 128 x 128 tile as e4m3 values
     RNE(v * sf32 / sf128) times its block scale sf128 = max(the tile's sf32) / 2^6 (at least 2^-126);
-    activations e4m3 (G, m_pad, K) times sa_rows (G, m_pad, K/128) -> (G, m_pad, N)."""
+    activations e4m3 (G, m_pad, K, column order) times sa_rows (G, m_pad, K/128) -> (G, m_pad, N)."""
     ml = _ml()
     g, n, k = codes.shape
     v = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])[codes & 7] * np.where(codes & 8, -1.0, 1.0)
@@ -1503,7 +1537,7 @@ def case_host_w4a8_contig():
     x = rng.standard_normal((512, k)) * (m_indices >= 0)[:, None]
     a, sa = gemm_format("mxfp4", 90).quantize_lhs(jnp.asarray(x.astype(np.float32)))
     rows = np.asarray(from_mn_major_tma_aligned(sa, 512))
-    full, mag = model_w4a8_masked(codes, sf32, np.broadcast_to(np.asarray(a).view(np.uint8), (g, 512, k)),
+    full, mag = model_w4a8_masked(codes, sf32, np.broadcast_to(_from_w4a8_order(np.asarray(a).view(np.uint8)), (g, 512, k)),
                                   np.broadcast_to(rows, (g, 512, k // 128)))
     expert = np.maximum(m_indices, 0)
     want, bound = full[expert, np.arange(512)], mag[expert, np.arange(512)]
@@ -1550,7 +1584,7 @@ def case_host_w4a8_masked():
     x = rng.standard_normal((g, m_pad, k)) * rng.uniform(0.1, 10, (g, m_pad, 1))
     a, sa = gemm_format("mxfp4", 90).quantize_lhs(jnp.asarray(x.astype(np.float32)))
     masked_m = np.array([5, 0, 77], np.int32)
-    want, mag = model_w4a8_masked(codes, sf32, np.asarray(a).view(np.uint8),
+    want, mag = model_w4a8_masked(codes, sf32, _from_w4a8_order(np.asarray(a).view(np.uint8)),
                                   np.asarray(from_mn_major_tma_aligned(sa, m_pad)))
     for cfg in (None, wk.W4A8Config(block_n=64, block_m=16, num_warps=2)):
         d = np.asarray(wk.w4a8_masked(a, sa, w, sw, jnp.asarray(masked_m), expected_m=32, config=cfg,

@@ -38,50 +38,45 @@ def _e4m3(byte_words: np.ndarray) -> np.ndarray:
     return b.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
 
 
+def _swizzle128(addr: np.ndarray) -> np.ndarray:
+    """The 128-byte swizzle of shared-memory addresses (TMA writes it, the wgmma descriptor reads it): the
+    16-byte chunk within each 128-byte row XOR the row's index within its 1024-byte atom."""
+    return addr ^ (((addr >> 7) & 7) << 4)
+
+
 def _kernel_model(a, sa, values, scales, masked_m, token_tiles):
-    """What the kernel computes, following its data movement: per 128-column K block, thread column c
-    widens word 4c + s of each row (k32 step s) with its 32-group's table into a0|a1 (even columns) and
-    a2|a3 (odd); the tokens are staged into the no-swizzle K-major layout (core matrices of 8 tokens x
-    16 bytes, LBO = the odd core column, SBO = 128) and read back through the descriptor's addressing;
-    the MMA sums over the wgmma's k = 0..31 of each step. Rows >= masked_m are NaN."""
+    """What the kernel computes, following its data movement: per 128-column K block, TMA copies the
+    block's token rows (stored in the W4A8 column order) into the ring slot with the 128-byte swizzle,
+    and the wgmma reads k32 step s of token t through its descriptor (start + 32 s, rows of 128 bytes,
+    SBO 1024) at the same swizzle; thread column c widens word 4c + s of each row (k32 step s) with its
+    32-group's table into a0|a1 (k = 4c..4c+3: even columns) and a2|a3 (k = 16 + 4c..: odd). The MMA
+    sums over the wgmma's k = 0..31 of each step. Rows >= masked_m are NaN."""
     g_count, m_pad, k = a.shape
     n = values.shape[1]
     kb_count, tokens = k // 128, 8 * token_tiles
-    a_bytes = np.asarray(a).view(np.uint8).astype(np.uint32)
-    a_words = a_bytes.reshape(g_count, m_pad, k // 4, 4)
-    a_words = (a_words << (8 * np.arange(4, dtype=np.uint32))).sum(-1, dtype=np.uint32)  # (G, M, K/4)
+    a_bytes = np.asarray(a).view(np.uint8)  # (G, M, K), the W4A8 column order
     w_words = np.asarray(values).view(np.uint8).reshape(g_count, n, k // 8, 4).astype(np.uint32)
     w_words = (w_words << (8 * np.arange(4, dtype=np.uint32))).sum(-1, dtype=np.uint32)  # (G, N, K/8)
     s_words = np.asarray(scales).view(np.uint32)
     token_scales = np.asarray(from_mn_major_tma_aligned(sa, m_pad)).astype(np.float64)  # (G, M, K/128)
     tables = E4M3_TABLES.view("<u4").reshape(-1, 2).astype(np.uint32)
     out = np.full((g_count, m_pad, n), np.nan)
-    step_bytes = 2 * tokens * 16
+    t_idx, x_idx = np.meshgrid(np.arange(tokens), np.arange(128), indexing="ij")
     for g in range(g_count):
         for mb in range(0, int(masked_m[g]), tokens):
-            m = np.minimum(mb + np.arange(tokens), m_pad - 1)
             live = mb + np.arange(tokens) < masked_m[g]
+            m = np.minimum(mb + np.arange(tokens), m_pad - 1)  # the box's rows (those past m_pad: not written out)
             acc = np.zeros((n, tokens))
             for kb in range(kb_count):
-                # staging: item (token t, column slice c) writes b0/b1 of each step into the shared image
-                smem = np.zeros(4 * step_bytes, np.uint8)
-                x = a_words[g, m, kb * 32:(kb + 1) * 32].reshape(tokens, 4, 8) * live[:, None, None]
-                for s in range(4):
-                    b0 = _prmt(x[:, :, 2 * s], x[:, :, 2 * s + 1], 0x6420)  # (tokens, 4)
-                    b1 = _prmt(x[:, :, 2 * s], x[:, :, 2 * s + 1], 0x7531)
-                    for t in range(tokens):
-                        for c in range(4):
-                            at = s * step_bytes + (t // 8) * 128 + (t % 8) * 16 + 4 * c
-                            smem[at:at + 4] = np.array([b0[t, c]], "<u4").view(np.uint8)
-                            smem[at + tokens * 16:at + tokens * 16 + 4] = np.array([b1[t, c]], "<u4").view(np.uint8)
+                smem = np.zeros(tokens * 128, np.uint8)
+                smem[_swizzle128(128 * t_idx + x_idx)] = a_bytes[g, m, kb * 128:(kb + 1) * 128]  # the TMA copy
                 sw = s_words[g, :, kb]
                 block_scale = np.ldexp(1.0, (sw & 0xFF).astype(np.int64) - 127)
                 part = np.zeros((n, tokens))
                 for s in range(4):
-                    # B through the descriptor: token t, k at LBO * (k // 16) + SBO * (t // 8) + 16 * (t % 8) + k % 16
                     kk, tt = np.meshgrid(np.arange(32), np.arange(tokens))
-                    addr = s * step_bytes + tokens * 16 * (kk // 16) + 128 * (tt // 8) + 16 * (tt % 8) + kk % 16
-                    b_mat = smem[addr].view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # (tokens, 32)
+                    addr = 1024 * (tt // 8) + 128 * (tt % 8) + 32 * s + kk  # the descriptor's K-major rows
+                    b_mat = smem[_swizzle128(addr)].view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # (tokens, 32)
                     a_mat = np.zeros((n, 32))
                     for c in range(4):
                         word = w_words[g, :, kb * 16 + 4 * c + s]
@@ -99,8 +94,9 @@ def _kernel_model(a, sa, values, scales, masked_m, token_tiles):
 
 @pytest.mark.parametrize("token_tiles,m_pad,n,k", [(4, 128, 72, 256), (3, 128, 40, 384), (1, 128, 24, 128)])
 def test_kernel_model_matches_the_float64_model(token_tiles, m_pad, n, k):
-    """The permutations the kernel relies on (weights widened per thread column, tokens staged to match)
-    compute the GEMM: within fp32 accumulation of the float64 model, on random codes across 12 exponents."""
+    """The permutations the kernel relies on (weights widened per thread column, tokens in the W4A8 column
+    order copied with the swizzle the descriptor reads) compute the GEMM: within fp32 accumulation of the
+    float64 model, on random codes across 12 exponents."""
     codes, sf32, packed, a, sa = _operands(token_tiles * 7 + n, g=2, m_pad=m_pad, n=n, k=k)
     values, scales = mxfp4_to_w4a8(packed, jnp.asarray(sf32))
     masked_m = np.array([37, 8 * token_tiles])
@@ -115,10 +111,8 @@ def test_kernel_model_matches_the_float64_model(token_tiles, m_pad, n, k):
 def test_config_checks_name_the_field():
     with pytest.raises(ValueError, match=r"W4A8CudaConfig.token_tiles: expected an int in \[1, 8\], got 9"):
         cw.W4A8CudaConfig(token_tiles=9)
-    with pytest.raises(ValueError, match=r"W4A8CudaConfig.stages: expected an int in \[2, 4\], got 1"):
+    with pytest.raises(ValueError, match=r"W4A8CudaConfig.stages: expected an int in \[2, 8\], got 1"):
         cw.W4A8CudaConfig(stages=1)
-    with pytest.raises(ValueError, match=r"W4A8CudaConfig.stages: expected 2 or 4 .*, got 3"):
-        cw.W4A8CudaConfig(stages=3)
     with pytest.raises(ValueError, match=r"W4A8CudaConfig.warpgroups: expected an int in \[1, 4\], got True"):
         cw.W4A8CudaConfig(warpgroups=True)
     with pytest.raises(ValueError, match=r"k: the W4A8 kernel needs a multiple of 128, got 200"):
@@ -130,12 +124,26 @@ def test_heuristic_covers_one_and_a_half_times_the_expected_rows_up_to_32():
 
 
 def test_launch_plan_geometry():
+    from custom_calls.native.launch_plan import ARG_PTR, ARG_TMAP
+
     cfg = cw.W4A8CudaConfig(token_tiles=3, warpgroups=2, stages=2)
-    plan = cw.plan(cfg, "/x.cubin", g=7, m_pad=100, n=200)
+    g, m_pad, n, k = 7, 100, 200, 384
+    plan = cw.plan(cfg, "/x.cubin", g=g, m_pad=m_pad, n=n, k=k)
     assert (plan.grid, plan.grid_yz) == (2, (5, 7))  # ceil(200 / 128) row blocks, ceil(100 / 24) token blocks
-    assert plan.block == 256 and plan.cluster == 1 and plan.smem == 0 and plan.tmaps == ()  # static smem only
-    assert [a.value for a in plan.args] == list(range(6))
+    assert plan.block == 256 and plan.cluster == 1
+    # two slots of 24 tokens x 128 B + 128 rows x 64 B + 96 B of scales (-> 128), each rounded to 1024, + 1024
+    assert plan.smem == cw.smem_bytes(cfg) == 2 * 12288 + 1024
+    assert [(a.kind, a.value) for a in plan.args] == [(ARG_TMAP, 0), (ARG_TMAP, 1), (ARG_TMAP, 2),
+                                                      (ARG_PTR, 3), (ARG_PTR, 4), (ARG_PTR, 5)]
+    tokens, scales, weights = plan.tmaps
+    assert (tokens.operand, tokens.dims, tokens.box, tokens.swizzle) == (0, (k, g * m_pad), (128, 24), 128)
+    assert (scales.operand, scales.dims, scales.box, scales.strides) == (1, (100, g * 3), (24, 1), (400,))
+    assert (weights.operand, weights.dims, weights.box, weights.swizzle) == (2, (k // 2, g * n), (64, 128), 0)
     plan.check()
+    # the maps span exactly the operands: lhs, lhs_scale, rhs, rhs_scale, masked_m, D
+    plan.check_operands((g * m_pad * k, g * 3 * 100 * 4, g * n * k // 2, g * n * 3 * 4, 4 * g, 2 * g * m_pad * n))
+    # the largest tiling the config allows still fits an SM90 block's shared memory
+    assert cw.smem_bytes(cw.W4A8CudaConfig(token_tiles=8, warpgroups=4, stages=8)) <= cw.MAX_SMEM
     with pytest.raises(ValueError, match=r"m_pad 600000 / 8 rows per block = 75000 token blocks"):
         cw.grid(cw.W4A8CudaConfig(token_tiles=1), g=2, m_pad=600_000, n=64)
 
@@ -175,7 +183,7 @@ def _resources(cubin) -> dict:
 
 @needs_nvcc
 @pytest.mark.parametrize("cfg", [cw.W4A8CudaConfig(), cw.W4A8CudaConfig(token_tiles=8, stages=2, min_blocks=2),
-                                 cw.W4A8CudaConfig(token_tiles=2, stages=2, min_blocks=4)])
+                                 cw.W4A8CudaConfig(token_tiles=2, warpgroups=2, stages=3, min_blocks=3)])
 def test_compiles_for_sm90a_without_spills(cfg, tmp_path, monkeypatch):
     """nvcc compiles each tiling for sm_90a: FP8 wgmma (QGMMA; no HMMA emulation), no local memory, within
     the register bound of `min_blocks` blocks per SM."""

@@ -12,7 +12,7 @@ import pytest
 from custom_calls.cuda.w4a8_gemm import W4A8CudaConfig, w4a8_masked_cuda
 from custom_calls.grouped_gemm import m_grouped_gemm_masked
 from custom_calls.triton.w4a8_gemm_kernel import w4a8_masked
-from layouts.w4a8 import mxfp4_to_w4a8
+from layouts.w4a8 import from_w4a8_lhs_order, mxfp4_to_w4a8
 from layouts.weight_paths import mxfp4_to_fp8_block
 from test_w4a8_gpu import _operands
 
@@ -21,8 +21,9 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("g,m_pad,n,k,cfg", [
     (4, 128, 200, 384, None),
-    (8, 256, 4096, 1024, W4A8CudaConfig(token_tiles=4, stages=4)),
+    (8, 256, 4096, 1024, W4A8CudaConfig(token_tiles=4, stages=3, min_blocks=5)),
     (3, 128, 584, 2048, W4A8CudaConfig(token_tiles=3, warpgroups=2, stages=2)),
+    (3, 128, 264, 1152, W4A8CudaConfig(token_tiles=4, warpgroups=2, stages=6, min_blocks=2)),
     (2, 128, 136, 640, W4A8CudaConfig(token_tiles=1, warpgroups=2, stages=4)),
     (5, 384, 72, 128, W4A8CudaConfig(token_tiles=8, stages=2, min_blocks=1)),
 ])
@@ -40,7 +41,7 @@ def test_w4a8_cuda_masked(g, m_pad, n, k, cfg):
     if n % 64 == 0:  # DeepGEMM's N granularity
         w8, s8 = mxfp4_to_fp8_block(packed, sf32)
         others.append(("DeepGEMM FP8", np.asarray(m_grouped_gemm_masked(
-            a, w8, masked_m, expected_m=24, lhs_scale=sa, rhs_scale=s8, recipe="fp8_block", arch=90,
+            from_w4a8_lhs_order(a), w8, masked_m, expected_m=24, lhs_scale=sa, rhs_scale=s8, recipe="fp8_block", arch=90,
             backend="deep_gemm"), np.float32)))
     scale = np.abs(ref[valid]).max()
     for name, other in others:
@@ -67,7 +68,7 @@ def test_w4a8_cuda_writes_exactly_the_rows_below_masked_m(m_pad, cfg):
     masked_m = jnp.minimum(mm128, m_pad).at[1].set(m_pad)
     a, sa = a128[:, :m_pad], sa128[:, :, :-(-m_pad // 4) * 4]
     cubin = compile_cubin(cw.kernel_name(cfg, n=n, k=k, m_pad=m_pad), cw.source(cfg, n=n, k=k, m_pad=m_pad), 90)
-    plan = cw.plan(cfg, str(cubin.path), g=g, m_pad=m_pad, n=n)
+    plan = cw.plan(cfg, str(cubin.path), g=g, m_pad=m_pad, n=n, k=k)
     fill = jnp.full((g, m_pad, n), jnp.nan, jnp.bfloat16)
     run = jax.jit(lambda fill: launch(plan, [a, sa, w, sw, masked_m, fill],
                                       [jax.ShapeDtypeStruct(fill.shape, fill.dtype)], {5: 0})[0])

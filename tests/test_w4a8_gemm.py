@@ -4,6 +4,7 @@ against the FP4 -> FP8 path, the operand checks, and which backend serves it."""
 from __future__ import annotations
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -12,7 +13,7 @@ from custom_calls.grouped_gemm import OP_CONTIG, OP_MASKED, m_grouped_gemm_maske
 from layouts import gemm_format
 from layouts.fp4 import E2M1_VALUES, pack_e2m1
 from layouts.scale_layout import from_mn_major_tma_aligned
-from layouts.w4a8 import mxfp4_to_w4a8
+from layouts.w4a8 import LHS_ORDER, from_w4a8_lhs_order, mxfp4_to_w4a8, to_w4a8_lhs_order
 from layouts.weight_paths import mxfp4_to_fp8_block
 
 W4A8 = gemm_format("mxfp4", 90)
@@ -29,11 +30,14 @@ def _operands(seed, g=3, m_pad=128, n=72, k=256, spread=12):
 
 
 def _model(codes, sf32, a, sa):
-    """Float64: e2m1 values times their 32-group scales, e4m3 activations times their 1x128 scales."""
+    """Float64: e2m1 values times their 32-group scales, e4m3 activations (stored in the W4A8 column order)
+    times their 1x128 scales."""
     mag = np.array(E2M1_VALUES)[codes & 7] * np.where(codes & 8, -1.0, 1.0)
     w = mag * np.repeat(sf32.astype(np.float64), 32, axis=-1)
     rows = np.asarray(from_mn_major_tma_aligned(sa, a.shape[1])).astype(np.float64)
-    x = np.asarray(a.astype(jnp.float32)).astype(np.float64) * np.repeat(rows, 128, axis=-1)
+    plain = np.asarray(a).view(np.uint8).reshape(*a.shape[:-1], -1, 128)[..., np.argsort(LHS_ORDER)]
+    plain = plain.reshape(a.shape).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    x = plain * np.repeat(rows, 128, axis=-1)
     return np.einsum("gmk,gnk->gmn", x, w), np.einsum("gmk,gnk->gmn", np.abs(x), np.abs(w))
 
 
@@ -66,8 +70,31 @@ def test_reference_equals_the_fp4_to_fp8_path_bit_for_bit():
     masked_m = jnp.array([7, 100, 1], jnp.int32)
     kw = dict(expected_m=32, lhs_scale=sa, backend="reference", arch=90)
     d4 = m_grouped_gemm_masked(a, w, masked_m, rhs_scale=sw, recipe="mxfp4", **kw)
-    d8 = m_grouped_gemm_masked(a, w8, masked_m, rhs_scale=s8, recipe="fp8_block", **kw)
+    d8 = m_grouped_gemm_masked(from_w4a8_lhs_order(a), w8, masked_m, rhs_scale=s8, recipe="fp8_block", **kw)
     np.testing.assert_array_equal(np.asarray(d4).view(np.uint16), np.asarray(d8).view(np.uint16))
+
+
+def test_lhs_order_is_a_permutation_of_each_whole_128_column_block():
+    """The W4A8 column order: byte 32s + 16e + 4c + i of a block holds column 32c + 8s + 2i + e (thread
+    column c's 32-group, k32 step s, even / odd half e, byte i); a partial last block stays in place."""
+    assert sorted(LHS_ORDER) == list(range(128))
+    for s_, e, c, i in np.ndindex(4, 2, 4, 4):
+        assert LHS_ORDER[32 * s_ + 16 * e + 4 * c + i] == 32 * c + 8 * s_ + 2 * i + e
+    x = jnp.asarray(np.random.default_rng(0).permutation(2 * 300).reshape(2, 300), jnp.int32)
+    y = np.asarray(to_w4a8_lhs_order(x))
+    np.testing.assert_array_equal(y[:, 128:256], np.asarray(x)[:, 128 + LHS_ORDER])
+    np.testing.assert_array_equal(y[:, 256:], np.asarray(x)[:, 256:])
+    np.testing.assert_array_equal(np.asarray(from_w4a8_lhs_order(jnp.asarray(y))), np.asarray(x))
+
+
+def test_w4a8_lhs_is_the_fp8_block_lhs_in_the_w4a8_order():
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 5, 384)) * 7, jnp.float32)
+    q4, s4 = W4A8.quantize_lhs(x)
+    q8, s8 = gemm_format("fp8_block", 90).quantize_lhs(x)
+    np.testing.assert_array_equal(np.asarray(s4), np.asarray(s8))
+    np.testing.assert_array_equal(np.asarray(q4).view(np.uint8), np.asarray(to_w4a8_lhs_order(q8)).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(W4A8.dequantize_lhs(q4, s4)),
+                                  np.asarray(gemm_format("fp8_block", 90).dequantize_lhs(q8, s8)))
 
 
 def test_operands_are_checked_by_name():

@@ -14,7 +14,7 @@ from custom_calls.grouped_gemm import m_grouped_gemm_masked
 from custom_calls.triton.w4a8_gemm_kernel import W4A8Config, w4a8_masked
 from layouts import gemm_format
 from layouts.fp4 import pack_e2m1
-from layouts.w4a8 import mxfp4_to_w4a8
+from layouts.w4a8 import from_w4a8_lhs_order, mxfp4_to_w4a8
 from layouts.weight_paths import mxfp4_to_fp8_block
 
 pytestmark = pytest.mark.gpu
@@ -58,7 +58,8 @@ def test_w4a8_masked_on_gpu(g, m_pad, n, k, cfg):
 
 def test_w4a8_equals_deep_gemm_on_the_fp4_to_fp8_operands():
     """DeepGEMM's FP8 masked kernel on `mxfp4_to_fp8_block`'s operands computes on the same e4m3 values
-    and block scales: the outputs differ only by accumulation order (bf16 rounding of the fp32 sums)."""
+    and block scales (its lhs the same bytes in column order): the outputs differ only by accumulation
+    order (bf16 rounding of the fp32 sums)."""
     g, m_pad, n, k = 8, 128, 1024, 2048
     packed, sf32, a, sa, masked_m = _operands(5, g, m_pad, n, k)
     w, sw = mxfp4_to_w4a8(packed, sf32)
@@ -66,8 +67,8 @@ def test_w4a8_equals_deep_gemm_on_the_fp4_to_fp8_operands():
     kw = dict(expected_m=32, lhs_scale=sa, arch=90)
     d4 = np.asarray(m_grouped_gemm_masked(a, w, masked_m, rhs_scale=sw, recipe="mxfp4", backend="w4a8", **kw),
                     np.float32)
-    d8 = np.asarray(m_grouped_gemm_masked(a, w8, masked_m, rhs_scale=s8, recipe="fp8_block", backend="deep_gemm",
-                                          **kw), np.float32)
+    d8 = np.asarray(m_grouped_gemm_masked(from_w4a8_lhs_order(a), w8, masked_m, rhs_scale=s8, recipe="fp8_block",
+                                          backend="deep_gemm", **kw), np.float32)
     valid = np.arange(m_pad)[None, :] < np.asarray(masked_m)[:, None]
     diff = np.abs(d4[valid] - d8[valid])
     scale = np.abs(d8[valid]).max()
@@ -102,8 +103,8 @@ def test_w4a8_contig_on_gpu(alignment, n, k):
     np.testing.assert_allclose(fast, ref, rtol=2**-7, atol=1e-3 * np.abs(ref).max())
     if alignment == 128:
         w8, s8 = mxfp4_to_fp8_block(packed, sf32)
-        d8 = np.asarray(m_grouped_gemm_contig(a, w8, mi, rhs_scale=s8, recipe="fp8_block", backend="deep_gemm",
-                                              **kw), np.float32)
+        d8 = np.asarray(m_grouped_gemm_contig(from_w4a8_lhs_order(a), w8, mi, rhs_scale=s8, recipe="fp8_block",
+                                              backend="deep_gemm", **kw), np.float32)
         rows = m_indices >= 0
         diff = np.abs(fast[rows] - d8[rows])
         print(f"W4A8 contig vs DeepGEMM FP8: max |diff| {diff.max():.3e} (max |out| {np.abs(d8).max():.3e})")

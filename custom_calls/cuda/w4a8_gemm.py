@@ -1,9 +1,12 @@
 """The W4A8 masked grouped GEMM as a CUDA kernel of this package (``w4a8_masked_sm90.cuh``), compiled
 by nvcc into the kernel cache and run by the native launcher: MXFP4 weights kept 4-bit
-(`layouts.w4a8`), widened to e4m3 in registers and fed to the tensor core as the MMA's register
-operand (no shared-memory round trip: what bounds the Triton kernel of the same op).
+(`layouts.w4a8`), copied 4-bit into shared memory by TMA, widened to e4m3 in registers and fed to the
+tensor core as the MMA's register operand (the widened tile never goes through shared memory: what
+bounds the Triton kernel of the same op). The tokens, in the W4A8 column order, are the MMA's
+shared-memory operand as TMA copies them.
 
-Operands as `custom_calls.triton.w4a8_gemm_kernel.w4a8_masked`: lhs (G, m_pad, K) e4m3, lhs_scale
+Operands as `custom_calls.triton.w4a8_gemm_kernel.w4a8_masked`: lhs (G, m_pad, K) e4m3 (W4A8 column
+order), lhs_scale
 (G, K/128, align(m_pad, 4)) f32, rhs (G, N, K/2) int8 words, rhs_scale (G, N, K/128) int32,
 masked_m (G,) int32 -> (G, m_pad, N) bf16, rows >= masked_m[g] unwritten.
 """
@@ -16,12 +19,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from custom_calls.native.launch_plan import ARG_PTR, KernelArg, LaunchPlan
+from custom_calls.native.launch_plan import (ARG_PTR, ARG_TMAP, TMA_FLOAT32, TMA_UINT8, KernelArg, LaunchPlan,
+                                             TensorMap)
 from layouts.checks import align, ceil_div
 
 KERNEL_SOURCE = Path(__file__).parent / "w4a8_masked_sm90.cuh"  # package data of the wheel
 SYMBOL = "moe_jax_w4a8_masked_sm90"
 MAX_GRID_YZ = (1 << 16) - 1
+MAX_SMEM = 227 * 1024  # an SM90 block's shared memory (dynamic, opted in by the launcher); every config fits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,23 +35,21 @@ class W4A8CudaConfig:
 
     token_tiles: 8-token tiles per block, the wgmma's N / 8 (a block covers 8 * token_tiles rows of
     one group; more rows take more blocks, each reading the weights again); warpgroups: per block,
-    64 weight rows each; stages: K blocks each thread holds in registers ahead of use (2 or 4);
-    min_blocks: blocks per SM the register allocation is bounded for.
+    64 weight rows each; stages: ring slots in shared memory, each one K block of the tokens, the
+    weight rows and the token scales (TMA copies stages - 1 K blocks ahead); min_blocks: blocks per SM
+    the register allocation is bounded for (shared memory may allow fewer: `smem_bytes`).
     """
 
     token_tiles: int = 4
     warpgroups: int = 1
     stages: int = 4
-    min_blocks: int = 3
+    min_blocks: int = 4
 
     def __post_init__(self) -> None:
-        for name, lo, hi in (("token_tiles", 1, 8), ("warpgroups", 1, 4), ("stages", 2, 4), ("min_blocks", 1, 16)):
+        for name, lo, hi in (("token_tiles", 1, 8), ("warpgroups", 1, 4), ("stages", 2, 8), ("min_blocks", 1, 16)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"W4A8CudaConfig.{name}: expected an int in [{lo}, {hi}], got {v!r}")
-        if self.stages == 3:
-            raise ValueError("W4A8CudaConfig.stages: expected 2 or 4 (the loop unrolled by it alternates "
-                             "two token buffers), got 3")
 
     @property
     def block_rows(self) -> int:
@@ -55,6 +58,14 @@ class W4A8CudaConfig:
     @property
     def block_tokens(self) -> int:
         return 8 * self.token_tiles
+
+
+def smem_bytes(cfg: W4A8CudaConfig) -> int:
+    """Dynamic shared memory of a block: `stages` slots of (tokens 128 B each, weight rows 64 B each,
+    the token scales padded to 128 B), each rounded up to 1024 B (the 128-byte swizzle's period), and
+    1024 B to align the first (the kernel's SLOT_STRIDE)."""
+    slot = 128 * cfg.block_tokens + 64 * cfg.block_rows + align(4 * cfg.block_tokens, 128)
+    return cfg.stages * align(slot, 1024) + 1024
 
 
 def heuristic_config(expected_m: int) -> W4A8CudaConfig:
@@ -108,11 +119,20 @@ def grid(cfg: W4A8CudaConfig, *, g: int, m_pad: int, n: int) -> tuple[int, int, 
     return ceil_div(n, cfg.block_rows), gy, g
 
 
-def plan(cfg: W4A8CudaConfig, cubin: str, *, g: int, m_pad: int, n: int) -> LaunchPlan:
-    """Operands 0 lhs, 1 lhs_scale, 2 rhs, 3 rhs_scale, 4 masked_m, 5 the output D."""
+def plan(cfg: W4A8CudaConfig, cubin: str, *, g: int, m_pad: int, n: int, k: int) -> LaunchPlan:
+    """Operands 0 lhs, 1 lhs_scale, 2 rhs, 3 rhs_scale, 4 masked_m, 5 the output D. Tensor maps over
+    the whole of each operand (so a box past a group's last row reads the next group's, and one past
+    the tensor zeros): lhs as (G * m_pad) rows of K bytes, boxes of a block's tokens x 128 bytes with
+    the 128-byte swizzle; lhs_scale as (G * K/128) rows of align(m_pad, 4) floats, boxes of a block's
+    tokens; rhs as (G * N) rows of K/2 bytes, boxes of a block's weight rows x 64 bytes."""
     gx, gy, gz = grid(cfg, g=g, m_pad=m_pad, n=n)
-    args = tuple(KernelArg(ARG_PTR, i) for i in range(6))
-    return LaunchPlan(SYMBOL, cubin, gx, 128 * cfg.warpgroups, 1, 0, args, (), grid_yz=(gy, gz))
+    sa_ld, kb = align(m_pad, 4), k // 128
+    tmaps = (TensorMap(0, TMA_UINT8, (k, g * m_pad), (k,), (128, cfg.block_tokens), 128),
+             TensorMap(1, TMA_FLOAT32, (sa_ld, g * kb), (4 * sa_ld,), (cfg.block_tokens, 1), 0),
+             TensorMap(2, TMA_UINT8, (k // 2, g * n), (k // 2,), (64, cfg.block_rows), 0))
+    args = (KernelArg(ARG_TMAP, 0), KernelArg(ARG_TMAP, 1), KernelArg(ARG_TMAP, 2),
+            KernelArg(ARG_PTR, 3), KernelArg(ARG_PTR, 4), KernelArg(ARG_PTR, 5))
+    return LaunchPlan(SYMBOL, cubin, gx, 128 * cfg.warpgroups, 1, smem_bytes(cfg), args, tmaps, grid_yz=(gy, gz))
 
 
 def w4a8_masked_cuda(lhs: jax.Array, lhs_scale: jax.Array, rhs: jax.Array, rhs_scale: jax.Array,
@@ -128,6 +148,6 @@ def w4a8_masked_cuda(lhs: jax.Array, lhs_scale: jax.Array, rhs: jax.Array, rhs_s
     n = rhs.shape[1]
     cfg = config or heuristic_config(expected_m)
     cubin = compile_cubin(kernel_name(cfg, n=n, k=k, m_pad=m_pad), source(cfg, n=n, k=k, m_pad=m_pad), 90)
-    (d,) = launch(plan(cfg, str(cubin.path), g=g, m_pad=m_pad, n=n), [lhs, lhs_scale, rhs, rhs_scale, masked_m],
+    (d,) = launch(plan(cfg, str(cubin.path), g=g, m_pad=m_pad, n=n, k=k), [lhs, lhs_scale, rhs, rhs_scale, masked_m],
                   [jax.ShapeDtypeStruct((g, m_pad, n), jnp.bfloat16)])
     return d

@@ -1,24 +1,31 @@
 // W4A8 masked grouped GEMM on SM90: D[g, m, n] = sum_k A[g, m, k] * W[g, n, k] for m < masked_m[g].
 //
-// A: (G, M_PAD, K) e4m3 with fp32 scales per token and 128 columns, sa (G, K/128, SA_LD);
-// W: MXFP4 kept 4-bit (layouts/w4a8.py): values (G, N, K/2) in the W4A8 word layout and one int32
-// scale word per row and 128 columns, sw (G, N, K/128); D: (G, M_PAD, N) bf16, rows >= masked_m[g]
-// not written.
+// A: (G, M_PAD, K) e4m3 in the W4A8 column order (layouts/w4a8.py: byte 32s + 16e + 4c + i of each
+// 128-column block holds column 32c + 8s + 2i + e) with fp32 scales per token and 128 columns, sa
+// (G, K/128, SA_LD); W: MXFP4 kept 4-bit (layouts/w4a8.py): values (G, N, K/2) in the W4A8 word layout
+// and one int32 scale word per row and 128 columns, sw (G, N, K/128); D: (G, M_PAD, N) bf16, rows >=
+// masked_m[g] not written.
 //
 // Why this shape: at decode every weight byte is read once and the few tokens ride along, so the
-// weights are the wgmma's A operand taken from registers: each thread loads its own 16 bytes per row
-// and 128 columns straight from global memory (one 128-bit load), widens each 4-byte word to two e4m3
-// registers with two byte permutes from its 32-group's table, and hands them to the tensor core with
-// no shared-memory round trip. Only the tokens (the B operand, N = 8 * TOKEN_TILES) are staged in
-// shared memory. Fragment column c (lane % 4) takes the 32 columns 32c..32c+31 of each 128-block:
-// word 4c + s is k32 step s, its even columns in a0/a1 and odd columns in a2/a3, and the tokens are
-// staged with the same permutation (even columns of each 8 in the first 16-byte core matrix of a step,
-// odd in the second) so A and B agree on every k. Per 128 columns the fp32 partial is promoted with
-// (weight block scale) x (token scale), DeepGEMM's 1D2D recipe.
+// weights are the wgmma's A operand from registers (the tokens, N = 8 * TOKEN_TILES, are B from
+// shared memory). Per 128-column K block one thread issues three TMA copies into a ring slot: the
+// block's tokens (their bytes are already the K-major B image, 128-byte swizzle), its 64 * WARPGROUPS
+// weight rows (64 bytes each) and the tokens' scales; the slot's mbarrier counts the bytes. Each
+// thread then reads its 16 bytes of two rows from shared memory, widens each 4-byte word to two e4m3
+// registers with two byte permutes from its 32-group's table, and hands them to the tensor core.
+// Fragment column c (lane % 4) takes 32-group c of each block: word 4c + s is k32 step s, its even
+// columns at k = 4c..4c+3 (a0/a1) and odd ones at k = 16 + 4c.. (a2/a3), exactly where the W4A8 column
+// order puts those columns' tokens. Per 128 columns the fp32 partial is promoted with (weight block
+// scale) x (token scale), DeepGEMM's 1D2D recipe.
+//
+// With the copies asynchronous the threads hold no operand ring in registers (78 at the default
+// tiling against 166 when each thread loaded its words and staged the tokens itself), so more blocks
+// share an SM, and the loads no longer wait in the threads' instruction streams.
 //
 // The generated translation unit defines, before this text: W4A8_N, W4A8_K, W4A8_M_PAD, W4A8_SA_LD,
-// W4A8_TOKEN_TILES, W4A8_WARPGROUPS (64 weight rows each), W4A8_STAGES (K blocks in flight per
-// thread, even), W4A8_MIN_BLOCKS; and wgmma_m64k32(d, a, desc, accumulate) for N = 8 * TOKEN_TILES.
+// W4A8_TOKEN_TILES, W4A8_WARPGROUPS (64 weight rows each), W4A8_STAGES (ring slots), W4A8_MIN_BLOCKS;
+// and wgmma_m64k32(d, a, desc, accumulate) for N = 8 * TOKEN_TILES. Dynamic shared memory:
+// `w4a8_gemm.smem_bytes`.
 
 #include <cstdint>
 #include <cuda_bf16.h>
@@ -28,14 +35,16 @@ namespace moe_jax_w4a8 {
 constexpr int N = W4A8_N, K = W4A8_K, M_PAD = W4A8_M_PAD, SA_LD = W4A8_SA_LD;
 constexpr int T = W4A8_TOKEN_TILES, WG = W4A8_WARPGROUPS, STAGES = W4A8_STAGES;
 constexpr int KB = K / 128;
-constexpr int THREADS = 128 * WG;
 constexpr int TOKENS = 8 * T;
-constexpr int ITEMS = (32 * T + THREADS - 1) / THREADS;  // staging items (token, column slice) per thread
-constexpr int STEP_BYTES = 2 * TOKENS * 16;              // one k32 step of the tokens: two core-matrix columns
-constexpr int SLOT_BYTES = 4 * STEP_BYTES;               // one 128-column K block
+constexpr int TOKEN_BYTES = TOKENS * 128;              // one K block of the block's tokens
+constexpr int W_BYTES = 64 * WG * 64;                  // one K block of the block's weight rows
+constexpr int SCALE_BYTES = TOKENS * 4;                // the tokens' scales of one K block
+constexpr int SCALE_SLOT = (SCALE_BYTES + 127) / 128 * 128;  // TMA writes shared memory 128-byte aligned
+// a ring slot: tokens first (the 128-byte swizzle repeats every 1024 bytes), weights, scales
+constexpr int SLOT_STRIDE = (TOKEN_BYTES + W_BYTES + SCALE_SLOT + 1023) / 1024 * 1024;
 static_assert(K % 128 == 0, "K must be a multiple of 128");
 static_assert(SA_LD % 4 == 0 && SA_LD >= M_PAD, "SA_LD must be align(M_PAD, 4)");
-static_assert(STAGES == 2 || STAGES == 4, "STAGES must be 2 or 4");
+static_assert(STAGES >= 2 && STAGES <= 8, "STAGES must be in [2, 8]");
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
@@ -64,44 +73,50 @@ __device__ __forceinline__ void widen(uint32_t w, uint32_t lo, uint32_t hi, uint
   odd = prmt(lo, hi, (w >> 16) & 0x7777u) | ((w << 4) & 0x80808080u);
 }
 
-// The weight stream: read once, so it skips L1 and asks L2 for the rest of the row's 256 bytes.
-__device__ __forceinline__ void load_stream(const uint8_t* p, uint32_t* v) {
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(p));
-}
-
-__device__ __forceinline__ void load_tokens(const uint8_t* p, uint32_t* v) {
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(p));
-}
-
-// K-major B operand without swizzle: 8-token x 16-byte core matrices; LBO = the step's second core
-// column (odd columns), SBO = the next 8 tokens.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  constexpr uint64_t lbo = TOKENS * 16, sbo = 128;
-  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32);
+// K-major B operand with the 128-byte swizzle TMA writes: 128-byte token rows in atoms of 8 (SBO 1024);
+// k32 step s starts 32 bytes along the row.
+__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-// What a thread holds of one K block before it is used: its weight rows' words and scale words, and
-// its staging items' token bytes and scales.
-struct Block {
-  uint32_t v[2][4];
-  uint32_t scale[2];
-  uint32_t x[ITEMS][8];
-  float token_scale[ITEMS];
+struct alignas(64) TmaDesc {
+  unsigned long long opaque[16];
 };
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(phase) : "memory");
+}
+
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const TmaDesc* map, uint32_t bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1) : "memory");
+}
 
 }  // namespace moe_jax_w4a8
 
 extern "C" __global__ void __launch_bounds__(128 * W4A8_WARPGROUPS, W4A8_MIN_BLOCKS)
-moe_jax_w4a8_masked_sm90(const uint8_t* __restrict__ a, const float* __restrict__ sa,
-                         const uint8_t* __restrict__ w, const uint32_t* __restrict__ sw,
-                         const int* __restrict__ masked_m, __nv_bfloat16* __restrict__ d) {
+moe_jax_w4a8_masked_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens_map,
+                         const __grid_constant__ moe_jax_w4a8::TmaDesc scales_map,
+                         const __grid_constant__ moe_jax_w4a8::TmaDesc weights_map,
+                         const uint32_t* __restrict__ sw, const int* __restrict__ masked_m,
+                         __nv_bfloat16* __restrict__ d) {
   using namespace moe_jax_w4a8;
-  __shared__ __align__(1024) uint8_t tokens_smem[2][SLOT_BYTES];
-  __shared__ float scale_smem[2][TOKENS];
+  extern __shared__ uint8_t ring_smem[];  // STAGES slots from the first 1024-byte boundary
+  __shared__ __align__(8) uint64_t full[STAGES];
 
   const int g = blockIdx.z;
   const int rows = masked_m[g];
@@ -109,99 +124,88 @@ moe_jax_w4a8_masked_sm90(const uint8_t* __restrict__ a, const float* __restrict_
   if (mb >= rows) return;  // the whole block: no barrier is left waiting
   const int tid = threadIdx.x, lane = tid % 32, gid = lane / 4, c = lane % 4;
   const int row0 = blockIdx.x * 64 * WG + (tid / 32) * 16 + gid;  // and row0 + 8
-  const size_t wrow[2] = {static_cast<size_t>(g) * N + row0, static_cast<size_t>(g) * N + row0 + 8};
+  const int wrow0 = blockIdx.x * 64 * WG;
+  const size_t srow[2] = {static_cast<size_t>(g) * N + row0, static_cast<size_t>(g) * N + row0 + 8};
   const bool row_ok[2] = {row0 < N, row0 + 8 < N};
+  const uint32_t smem_raw = static_cast<uint32_t>(__cvta_generic_to_shared(ring_smem));
+  const uint32_t ring = (smem_raw + 1023u) & ~1023u;
+  const uint8_t* ring_ptr = ring_smem + (ring - smem_raw);
+  const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(&full[0]));
 
-  auto load = [&](Block& b, int kb) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (kb < KB && row_ok[h]) {
-        load_stream(w + wrow[h] * (K / 2) + kb * 64 + 16 * c, b.v[h]);
-        b.scale[h] = __ldg(sw + wrow[h] * KB + kb);
-      } else {
-#pragma unroll
-        for (int s = 0; s < 4; ++s) b.v[h][s] = 0u;
-        b.scale[h] = 0u;  // table 0 and block scale 0: the row reads as zeros
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      const int item = tid + i * THREADS, m = mb + item / 4;
-      const bool ok = kb < KB && item < 32 * T && m < rows;
-      if (ok) {
-        const uint8_t* p = a + (static_cast<size_t>(g) * M_PAD + m) * K + kb * 128 + 32 * (item % 4);
-        load_tokens(p, &b.x[i][0]);
-        load_tokens(p + 16, &b.x[i][4]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) b.x[i][j] = 0u;
-      }
-      b.token_scale[i] = ok && item % 4 == 0 ? __ldg(sa + (static_cast<size_t>(g) * KB + kb) * SA_LD + m) : 0.f;
-    }
+  // One thread: K block kb's tokens, weight rows and token scales into slot kb % STAGES. Rows past N
+  // (the next group's, or zeros past the tensor) are never written out; their scale words read as 0.
+  auto issue = [&](int kb) {
+    const uint32_t slot = ring + (kb % STAGES) * SLOT_STRIDE, bar = bars + 8 * (kb % STAGES);
+    mbar_expect_tx(bar, TOKEN_BYTES + W_BYTES + SCALE_BYTES);
+    tma_load_2d(slot, &tokens_map, bar, kb * 128, g * M_PAD + mb);
+    tma_load_2d(slot + TOKEN_BYTES, &weights_map, bar, kb * 64, g * N + wrow0);
+    tma_load_2d(slot + TOKEN_BYTES + W_BYTES, &scales_map, bar, mb, g * KB + kb);
   };
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < STAGES; ++i) mbar_init(bars + 8 * i, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i)
+      if (i < KB) issue(i);
+  }
+
+  // the rows' scale words, loaded STAGES K blocks ahead (0: table 0 and block scale 0, the row reads as zeros)
+  uint32_t scale_ring[STAGES][2];
+  auto load_scales = [&](uint32_t (&s)[2], int kb) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) s[h] = kb < KB && row_ok[h] ? __ldg(sw + srow[h] * KB + kb) : 0u;
+  };
+#pragma unroll
+  for (int i = 0; i < STAGES; ++i) load_scales(scale_ring[i], i);
 
   float acc[4 * T], part[4 * T];
 #pragma unroll
   for (int j = 0; j < 4 * T; ++j) acc[j] = 0.f;
 
-  Block ring[STAGES];
-#pragma unroll
-  for (int i = 0; i < STAGES; ++i) load(ring[i], i);
-
 #pragma unroll 1
   for (int kb0 = 0; kb0 < KB; kb0 += STAGES) {
 #pragma unroll
-    for (int i = 0; i < STAGES; ++i) {
+    for (int i = 0; i < STAGES; ++i) {  // unrolled: slot i, and scale_ring[i] stays in registers
       const int kb = kb0 + i;
       if (kb >= KB) break;
-      Block& b = ring[i];
-      uint8_t* slot = tokens_smem[i % 2];
-      // stage the tokens, permuted as the weight fragments are (see the top of this file)
-#pragma unroll
-      for (int it = 0; it < ITEMS; ++it) {
-        const int item = tid + it * THREADS;
-        if (item < 32 * T) {
-          const int n = item / 4, col = item % 4;
-          uint8_t* base = slot + (n / 8) * 128 + (n % 8) * 16 + 4 * col;
-#pragma unroll
-          for (int s = 0; s < 4; ++s) {
-            *reinterpret_cast<uint32_t*>(base + s * STEP_BYTES) = prmt(b.x[it][2 * s], b.x[it][2 * s + 1], 0x6420u);
-            *reinterpret_cast<uint32_t*>(base + s * STEP_BYTES + TOKENS * 16) =
-                prmt(b.x[it][2 * s], b.x[it][2 * s + 1], 0x7531u);
-          }
-          if (col == 0) scale_smem[i % 2][n] = b.token_scale[it];
-        }
-      }
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      // every thread is done with K block kb - 1 (its wgmma waited, its scales read): that slot takes
+      // K block kb + STAGES - 1
       __syncthreads();
+      if (tid == 0 && kb + STAGES - 1 < KB) issue(kb + STAGES - 1);
+      mbar_wait(bars + 8 * i, (kb / STAGES) & 1);
+      const uint8_t* slot = ring_ptr + i * SLOT_STRIDE;
 
       uint32_t frag[4][4];  // per k32 step: a0 (row0, even), a1 (row0 + 8, even), a2 (row0, odd), a3 (row0 + 8, odd)
       float block_scale[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
+        const uint4 v = *reinterpret_cast<const uint4*>(slot + TOKEN_BYTES + (row0 - wrow0 + 8 * h) * 64 + 16 * c);
+        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
         uint32_t lo, hi;
-        table_words((b.scale[h] >> (8 + 5 * c)) & 31u, lo, hi);
-        block_scale[h] = __uint_as_float((b.scale[h] & 0xFFu) << 23);
+        table_words((scale_ring[i][h] >> (8 + 5 * c)) & 31u, lo, hi);
+        block_scale[h] = __uint_as_float((scale_ring[i][h] & 0xFFu) << 23);
 #pragma unroll
-        for (int s = 0; s < 4; ++s) widen(b.v[h][s], lo, hi, frag[s][h], frag[s][2 + h]);
+        for (int s = 0; s < 4; ++s) widen(words[s], lo, hi, frag[s][h], frag[s][2 + h]);
       }
-      load(b, kb + STAGES);
+      load_scales(scale_ring[i], kb + STAGES);
 
-      const uint32_t slot_addr = static_cast<uint32_t>(__cvta_generic_to_shared(slot));
 #pragma unroll
       for (int j = 0; j < 4 * T; ++j) fence_operand(part[j]);
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      const uint32_t tokens = ring + i * SLOT_STRIDE;
 #pragma unroll
-      for (int s = 0; s < 4; ++s) wgmma_m64k32(part, frag[s], smem_desc(slot_addr + s * STEP_BYTES), s > 0);
+      for (int s = 0; s < 4; ++s) wgmma_m64k32(part, frag[s], smem_desc_sw128(tokens + 32 * s), s > 0);
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
       asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
       for (int j = 0; j < 4 * T; ++j) fence_operand(part[j]);
 
       // part[4t + j]: weight row row0 + 8 * (j / 2), token 8t + 2c + j % 2
+      const float* token_scale = reinterpret_cast<const float*>(slot + TOKEN_BYTES + W_BYTES);
 #pragma unroll
       for (int t = 0; t < T; ++t) {
-        const float2 ts = *reinterpret_cast<const float2*>(&scale_smem[i % 2][8 * t + 2 * c]);
+        const float2 ts = *reinterpret_cast<const float2*>(token_scale + 8 * t + 2 * c);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
           acc[4 * t + j] = fmaf((j & 1 ? ts.y : ts.x) * block_scale[j >> 1], part[4 * t + j], acc[4 * t + j]);

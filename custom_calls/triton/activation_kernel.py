@@ -28,7 +28,7 @@ import triton.language as tl
 
 from layouts import align, ceil_div, gemm_format, get_recipe
 from custom_calls.triton.launch import triton_call
-from custom_calls.triton.tile_quant import quantize_tile, store_scale_image, tile_ids
+from custom_calls.triton.tile_quant import lhs_source_cols, quantize_tile, store_scale_image, tile_ids
 from custom_calls.triton.tuning import BlockTiling, column_group, config_or_default, tile_groups
 
 KIND_CODES = {"silu": 0, "swiglu_oai": 1, "situ": 2}
@@ -66,7 +66,7 @@ def act_quant_kernel(
     a_ptr, img_ptr,
     MN: tl.constexpr, I: tl.constexpr, G: tl.constexpr, IMG_LD: tl.constexpr,
     IMG_SLAB: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
-    MASKED: tl.constexpr, KIND: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
+    W4A8_ORDER: tl.constexpr, MASKED: tl.constexpr, KIND: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     ALPHA: tl.constexpr, BETA_S: tl.constexpr, BETA_L: tl.constexpr, KEEP_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, ROW_BLOCKS: tl.constexpr, CHUNKS_FASTEST: tl.constexpr,
 ):
@@ -90,7 +90,7 @@ def act_quant_kernel(
         row_ok = m < limit
         ok = tl.expand_dims(row_ok, 1) & tl.expand_dims(cols < I, 0)
         row = slab.to(tl.int64) * MN + m
-        in_offs = tl.expand_dims(row * (2 * I), 1) + tl.expand_dims(cols, 0)
+        in_offs = tl.expand_dims(row * (2 * I), 1) + tl.expand_dims(lhs_source_cols(cols, I, W4A8_ORDER), 0)
         gate = tl.load(y_ptr + in_offs, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(y_ptr + in_offs + I, mask=ok, other=0.0).to(tl.float32)
         if KIND == 2:
@@ -168,7 +168,7 @@ def _act_quant(gateup: jax.Array, masked_m: jax.Array | None, *, act, recipe: st
         out_shape=[jax.ShapeDtypeStruct(a_shape, a_dtype), jax.ShapeDtypeStruct(img_shape, img_dtype)],
         grid=(row_blocks * ceil_div(g, cfg["GROUPS"]),), num_warps=config.num_warps, name="moe_act_quant",
         MN=mn, I=inter, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, UE8M0=fmt.ue8m0,
-        MASKED=masked, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=config.chunks_fastest, **cfg)
+        W4A8_ORDER=fmt.w4a8, MASKED=masked, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=config.chunks_fastest, **cfg)
     return a, (img if cfg["QUANT"] else None)
 
 

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from layouts import ceil_div, gemm_format, get_recipe
 from custom_calls.triton.launch import triton_call
-from custom_calls.triton.tile_quant import (quantize_tile, store_scale_image, tile_ids, ue8m0_bits_exponent,
+from custom_calls.triton.tile_quant import (lhs_source_cols, quantize_tile, store_scale_image, tile_ids, ue8m0_bits_exponent,
                                             zero_row_scale)
 from custom_calls.triton.tuning import (check_groups, check_launch, check_powers_of_two, column_group,
                                         config_or_default, tile_groups)
@@ -102,7 +102,7 @@ def scatter_quant_kernel(
     x_ptr, src2dst_ptr, src1_ptr,
     lhs_ptr, sf_ptr, src1_out_ptr,
     M: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, R: tl.constexpr,
-    G: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
+    G: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, W4A8_ORDER: tl.constexpr,
     GROUPS: tl.constexpr, TOKENS: tl.constexpr, ZERO_FILL: tl.constexpr, ZERO_ROWS: tl.constexpr,
     ZERO_SUB: tl.constexpr, CHUNKS_FASTEST: tl.constexpr, ROW_SOURCE_OUT: tl.constexpr,
 ):
@@ -124,7 +124,7 @@ def scatter_quant_kernel(
         js = tl.expand_dims(tl.arange(0, TOPK_P2), 0)
         dsts = tl.load(src2dst_ptr + tl.expand_dims(t64 * TOPK, 1) + js,
                        mask=tl.expand_dims(t < M, 1) & (js < TOPK), other=-1)
-        x = tl.load(x_ptr + tl.expand_dims(t64 * H, 1) + tl.expand_dims(cols, 0),
+        x = tl.load(x_ptr + tl.expand_dims(t64 * H, 1) + tl.expand_dims(lhs_source_cols(cols, H, W4A8_ORDER), 0),
                     mask=tl.expand_dims(t < M, 1) & col_ok, other=0.0).to(tl.float32)
         if QUANT:
             q, sf, _ = quantize_tile(x, TOKENS, GROUPS, GROUP, UE8M0)
@@ -230,7 +230,7 @@ def _permute(x: jax.Array, src2dst: jax.Array, *, slabs: int, mn: int, recipe: s
         grid=((zero_programs + ceil_div(m, config.tokens)) * ceil_div(g, cfg["GROUPS"]),),
         num_warps=config.num_warps, name="moe_permute_quant", zeroed_outputs=(2,) if src1_out else (),
         M=m, H=h, TOPK=top_k, TOPK_P2=triton.next_power_of_2(top_k), R=rows, G=g, UE8M0=fmt.ue8m0,
-        TOKENS=config.tokens, ZERO_FILL=zero_fill, ZERO_ROWS=config.zero_rows, ZERO_SUB=config.zero_sub,
+        W4A8_ORDER=fmt.w4a8, TOKENS=config.tokens, ZERO_FILL=zero_fill, ZERO_ROWS=config.zero_rows, ZERO_SUB=config.zero_sub,
         CHUNKS_FASTEST=config.chunks_fastest, ROW_SOURCE_OUT=src1_out, **cfg)
     if src1_out:
         src1 = src1_written

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from layouts import ceil_div, gemm_format
 from custom_calls.triton.launch import triton_call
-from custom_calls.triton.tile_quant import quantize_tile, store_scale_image, tile_ids
+from custom_calls.triton.tile_quant import lhs_source_cols, quantize_tile, store_scale_image, tile_ids
 from custom_calls.triton.tuning import BlockTiling, config_or_default, tile_groups
 
 
@@ -43,7 +43,7 @@ def heuristic_config(recipe: str, arch: int) -> GroupQuantConfig:
 def per_token_group_quant_kernel(
     x_ptr, q_ptr, img_ptr,
     MN: tl.constexpr, K: tl.constexpr, G: tl.constexpr, IMG_LD: tl.constexpr,
-    IMG_SLAB: tl.constexpr, GROUP: tl.constexpr, UE8M0: tl.constexpr,
+    IMG_SLAB: tl.constexpr, GROUP: tl.constexpr, UE8M0: tl.constexpr, W4A8_ORDER: tl.constexpr,
     BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, ROW_BLOCKS: tl.constexpr, CHUNKS_FASTEST: tl.constexpr,
 ):
     """Grid (ROW_BLOCKS * cdiv(G, GROUPS),), ROW_BLOCKS = S * cdiv(IMG_LD, BLOCK_M); one
@@ -57,7 +57,8 @@ def per_token_group_quant_kernel(
     row = slab.to(tl.int64) * MN + m
     in_x = tl.expand_dims(m < MN, 1) & tl.expand_dims(k < K, 0)
     offs = tl.expand_dims(row * K, 1) + tl.expand_dims(k, 0)
-    x = tl.load(x_ptr + offs, mask=in_x, other=0.0).to(tl.float32)
+    src = tl.expand_dims(row * K, 1) + tl.expand_dims(lhs_source_cols(k, K, W4A8_ORDER), 0)
+    x = tl.load(x_ptr + src, mask=in_x, other=0.0).to(tl.float32)
     q, sf, exp = quantize_tile(x, BLOCK_M, GROUPS, GROUP, UE8M0)
     tl.store(q_ptr + offs, q, mask=in_x)
     # Padding columns of the image hold 0.
@@ -96,5 +97,5 @@ def quantize_activation(x: jax.Array, recipe: str, arch: int,
                    jax.ShapeDtypeStruct((*lead, gi, img_ld), img_dtype)],
         grid=(row_blocks * ceil_div(g, groups),), num_warps=config.num_warps, name="moe_group_quant",
         MN=mn, K=k, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, GROUP=group, UE8M0=fmt.ue8m0,
-        BLOCK_M=config.block_m, GROUPS=groups, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=config.chunks_fastest)
+        W4A8_ORDER=fmt.w4a8, BLOCK_M=config.block_m, GROUPS=groups, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=config.chunks_fastest)
     return q, img

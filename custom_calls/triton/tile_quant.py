@@ -40,6 +40,20 @@ def tile_ids(ROW_BLOCKS: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_FASTEST: tl.
 
 
 @triton.jit
+def lhs_source_cols(pos, K: tl.constexpr, W4A8_ORDER: tl.constexpr):
+    """The column whose value an lhs row of width K stores at each position `pos`: pos itself, or with
+    W4A8_ORDER the W4A8 column order (`layouts.w4a8.LHS_ORDER`: position 32s + 16e + 4c + i of a whole
+    128-column block holds column 32c + 8s + 2i + e). Producers load their inputs at these columns and
+    store contiguously; a 128-column quantization group keeps its columns, so its scale is unchanged."""
+    if W4A8_ORDER:
+        r = pos % 128
+        col = pos - r + 32 * ((r // 4) % 4) + 8 * (r // 32) + 2 * (r % 4) + (r // 16) % 2
+        return tl.where(pos - r + 128 <= K, col, pos)
+    else:
+        return pos
+
+
+@triton.jit
 def ue8m0_exponent(sf):
     """Biased exponent (int32, 1..254) of the smallest power of two >= sf (sf: fp32 > 0, normal)."""
     bits = sf.to(tl.int32, bitcast=True)

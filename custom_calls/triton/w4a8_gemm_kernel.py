@@ -1,8 +1,8 @@
 """W4A8 grouped GEMMs on SM90: MXFP4 weights kept 4-bit (`layouts.w4a8`), e4m3 activations.
 
 Masked: D[g, m, :] = A[g, m, :] . W[g]^T for m < masked_m[g], as `m_grouped_gemm_masked` with recipe
-"mxfp4" on arch 90 (its W4A8 form): A (G, m_pad, K) e4m3 with fp32 1x128 scales in the MN-major
-image; W (G, N, K/2) int8 e2m1 words and (G, N, K/128) int32 scale words -> D (G, m_pad, N) bf16.
+"mxfp4" on arch 90 (its W4A8 form): A (G, m_pad, K) e4m3 in the W4A8 column order (`layouts.w4a8`)
+with fp32 1x128 scales in the MN-major image; W (G, N, K/2) int8 e2m1 words and (G, N, K/128) int32 scale words -> D (G, m_pad, N) bf16.
 Contig: as `m_grouped_gemm_contig`, A (M_cap, K) rows grouped by expert (m_indices).
 
 Masked, per program: one group g, BLOCK_N weight rows and BLOCK_M token rows; it computes the
@@ -10,7 +10,7 @@ transposed tile D^T = W . A^T so the weights are the MMA's M side (64-row wgmma 
 decode tokens its N side. Contig: a BLOCK_M x BLOCK_N tile of one expert's rows, D = A . W^T.
 Per 128 columns of K: load BLOCK_N x 64 weight bytes and BLOCK_N scale words, widen the bytes to
 e4m3 in registers (two byte permutes per 4 bytes from the 32-group's e4m3 table, `layouts.w4a8`;
-the table's two words computed from its index),
+the table's two words computed from its index), arranged in the tokens' column order,
 one FP8 MMA over the 128 columns, then the fp32 promotion
 acc += partial * (weight block scale per row) * (activation scale per token): DeepGEMM's 1D2D
 recipe, on exactly the e4m3 operands the FP4 -> FP8 load path makes. widen="prmt" is that
@@ -98,8 +98,11 @@ def _widen_prmt(wbytes, t_lo, t_hi):
 
 @triton.jit
 def _widen_tile(w_ptrs, word, ok, BLOCK_N: tl.constexpr, PRMT: tl.constexpr):
-    """The [BLOCK_N, 128] e4m3 weight tile of one K block: w_ptrs [BLOCK_N, 64] byte pointers, word
-    [BLOCK_N] int32 scale words, ok [BLOCK_N] rows in range (others read as +0)."""
+    """The [BLOCK_N, 128] e4m3 weight tile of one K block in the tokens' W4A8 column order
+    (`layouts.w4a8.LHS_ORDER`: position 32s + 16e + 4c + i holds column 32c + 8s + 2i + e, i.e. byte i
+    of the even (e = 0) or odd (e = 1) half of word 4c + s), so the MMA pairs each weight with its
+    token column: w_ptrs [BLOCK_N, 64] byte pointers, word [BLOCK_N] int32 scale words, ok [BLOCK_N]
+    rows in range (others read as +0)."""
     wbytes = tl.load(w_ptrs, mask=ok[:, None], other=0)
     # a 32-group's table index: 5 bits per group from bit 8; 16 stored bytes per group
     shifts = 8 + 5 * tl.arange(0, 4)
@@ -107,8 +110,10 @@ def _widen_tile(w_ptrs, word, ok, BLOCK_N: tl.constexpr, PRMT: tl.constexpr):
     if PRMT:
         t_lo = tl.reshape(tl.broadcast_to(t_lo[:, :, None], (BLOCK_N, 4, 16)), (BLOCK_N, 64))
         t_hi = tl.reshape(tl.broadcast_to(t_hi[:, :, None], (BLOCK_N, 4, 16)), (BLOCK_N, 64))
-        even, odd = _widen_prmt(wbytes, t_lo, t_hi)
-        return tl.reshape(tl.join(even, odd), (BLOCK_N, 128))
+        even, odd = _widen_prmt(wbytes, t_lo, t_hi)  # [BLOCK_N, 64]: byte 4q + i of word q = 4c + s
+        even = tl.permute(tl.reshape(even, (BLOCK_N, 4, 4, 4)), (0, 2, 1, 3))  # (c, s, i) -> (s, c, i)
+        odd = tl.permute(tl.reshape(odd, (BLOCK_N, 4, 4, 4)), (0, 2, 1, 3))
+        return tl.reshape(tl.permute(tl.join(even, odd), (0, 1, 4, 2, 3)), (BLOCK_N, 128))  # (s, e, c, i)
     else:
         # prmt's byte selection in integer ops, on the same words
         b = tl.reshape(wbytes.to(tl.uint8, bitcast=True).to(tl.uint32), (BLOCK_N, 16, 4))
@@ -123,8 +128,9 @@ def _widen_tile(w_ptrs, word, ok, BLOCK_N: tl.constexpr, PRMT: tl.constexpr):
         t_lo = tl.reshape(tl.broadcast_to(t_lo[:, :, None], (BLOCK_N, 4, 4)), (BLOCK_N, 16)).to(tl.uint32, bitcast=True)
         t_hi = tl.reshape(tl.broadcast_to(t_hi[:, :, None], (BLOCK_N, 4, 4)), (BLOCK_N, 16)).to(tl.uint32, bitcast=True)
         table = tl.where(mag < 4, t_lo[:, :, None], t_hi[:, :, None])
-        byte = ((table >> (8 * (mag & 3))) & 0xFF) | (sign << 7)
-        return tl.reshape(byte.to(tl.uint8), (BLOCK_N, 128)).to(tl.float8e4nv, bitcast=True)
+        byte = ((table >> (8 * (mag & 3))) & 0xFF) | (sign << 7)  # [BLOCK_N, word 4c + s, column 2i + e]
+        byte = tl.permute(tl.reshape(byte.to(tl.uint8), (BLOCK_N, 4, 4, 4, 2)), (0, 2, 4, 1, 3))  # (s, e, c, i)
+        return tl.reshape(byte, (BLOCK_N, 128)).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit

@@ -3,7 +3,8 @@ contig kernel) beside DeepGEMM's FP8 kernel on the FP4 -> FP8 expansion of the s
 contig and masked shape.
 
 The weights are the FP8 rows' random weights quantized to MXFP4; both rows compute on the same
-e4m3 operands and block scales (`layouts.w4a8`), so "err" is each row's difference to the FP8
+e4m3 operands and block scales (`layouts.w4a8`; the W4A8 row's tokens are the FP8 row's bytes in the
+W4A8 column order, converted before timing), so "err" is each row's difference to the FP8
 expansion's output: accumulation order only. Bytes (masked): the weights as each form stores them
 (values + scales), plus the real activation rows and output rows, as the FP8 row counts them.
 """
@@ -36,6 +37,7 @@ def bench_w4a8(kind: str, shape: str, w: Any, lhs: tuple, row: Callable, timeit:
 
     from custom_calls.grouped_gemm import m_grouped_gemm_contig, m_grouped_gemm_masked
     from custom_calls.w4a8_backend import BACKEND as W4A8
+    from layouts.w4a8 import to_w4a8_lhs_order
     from moe_jax.bench._cli import rel_errors
 
     step("w4a8 weights")
@@ -43,18 +45,18 @@ def bench_w4a8(kind: str, shape: str, w: Any, lhs: tuple, row: Callable, timeit:
     if kind == "contig":
         qa, img, m_idx = lhs
 
-        def gemm(b, sb, recipe, backend):
-            return jax.jit(lambda: m_grouped_gemm_contig(qa, b, m_idx, lhs_scale=img, rhs_scale=sb, recipe=recipe,
+        def gemm(a, b, sb, recipe, backend):
+            return jax.jit(lambda: m_grouped_gemm_contig(a, b, m_idx, lhs_scale=img, rhs_scale=sb, recipe=recipe,
                                                          arch=90, backend=backend, assume_canonical=True))
     else:
         qa, img, masked_m, em = lhs
 
-        def gemm(b, sb, recipe, backend):
-            return jax.jit(lambda: m_grouped_gemm_masked(qa, b, masked_m, expected_m=em, lhs_scale=img, rhs_scale=sb,
+        def gemm(a, b, sb, recipe, backend):
+            return jax.jit(lambda: m_grouped_gemm_masked(a, b, masked_m, expected_m=em, lhs_scale=img, rhs_scale=sb,
                                                          recipe=recipe, arch=90, backend=backend,
                                                          assume_canonical=True))
-    fp8 = gemm(w8, s8, "fp8_block", "deep_gemm")
-    w4a8 = gemm(w4, s4, "mxfp4", W4A8)
+    fp8 = gemm(qa, w8, s8, "fp8_block", "deep_gemm")
+    w4a8 = gemm(jax.block_until_ready(jax.jit(to_w4a8_lhs_order)(qa)), w4, s4, "mxfp4", W4A8)
     step("deep_gemm fp8 on the FP4->FP8 expansion")
     want = jax.block_until_ready(fp8())
     valid = (slice(None), slice(0, lhs[3])) if kind == "masked" else (slice(None),)

@@ -30,7 +30,7 @@ NUM_EXPERTS, M_PAD = 32, 128
 
 
 def parse_configs(text: str) -> list:
-    """``"4,1,4,3;4,1,2,4"`` -> W4A8CudaConfig(token_tiles, warpgroups, stages, min_blocks) per item."""
+    """``"4,1,4,4;4,2,4,2"`` -> W4A8CudaConfig(token_tiles, warpgroups, stages, min_blocks) per item."""
     from custom_calls.cuda.w4a8_gemm import W4A8CudaConfig
 
     configs = []
@@ -66,7 +66,8 @@ def layer_rows(tokens: int) -> list:
 
 
 def _operands(n: int, k: int, seed: int):
-    """Random MXFP4 weights in both forms and quantized tokens: (a, sa, w4, s4, w8, s8)."""
+    """Random MXFP4 weights in both forms and the tokens quantized for each:
+    {"fp8": (a, sa, w8, s8), "w4a8": (a in the W4A8 column order, sa, w4, s4)}."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -79,8 +80,9 @@ def _operands(n: int, k: int, seed: int):
     sf32 = jnp.asarray((2.0 ** rng.integers(-10, -4, (NUM_EXPERTS, n, k // 32))).astype(np.float32))
     packed = pack_e2m1(jnp.asarray(codes))
     x = rng.standard_normal((NUM_EXPERTS, M_PAD, k)).astype(np.float32)
-    a, sa = gemm_format("mxfp4", 90).quantize_lhs(jnp.asarray(x))
-    return (a, sa, *mxfp4_to_w4a8(packed, sf32), *mxfp4_to_fp8_block(packed, sf32))
+    a4, sa = gemm_format("mxfp4", 90).quantize_lhs(jnp.asarray(x))
+    a8, _ = gemm_format("fp8_block", 90).quantize_lhs(jnp.asarray(x))
+    return {"fp8": (a8, sa, *mxfp4_to_fp8_block(packed, sf32)), "w4a8": (a4, sa, *mxfp4_to_w4a8(packed, sf32))}
 
 
 def _kernels(configs: list, expected_m: int) -> dict:
@@ -112,10 +114,9 @@ def sweep(name: str, n: int, k: int, rows: list, configs: list, expected_m: int,
 
     from moe_jax.bench._timing import device_time
 
-    a, sa, w4, s4, w8, s8 = _operands(n, k, n + k)
-    weights = {"fp8": (w8, s8), "w4a8": (w4, s4)}
+    operands = _operands(n, k, n + k)
     kernels = _kernels(configs, expected_m)
-    by_form = {form: [(a, sa, *weights[form], jnp.asarray(mm)) for mm in rows] for form in weights}
+    by_form = {form: [(*ops, jnp.asarray(mm)) for mm in rows] for form, ops in operands.items()}
     valid = [np.arange(M_PAD)[None, :] < mm[:, None] for mm in rows]
     want = [np.asarray(jax.jit(kernels["deep_gemm fp8 (FP4->FP8)"][0])(*s), np.float32) for s in by_form["fp8"]]
     diffs = {}
@@ -131,7 +132,7 @@ def sweep(name: str, n: int, k: int, rows: list, configs: list, expected_m: int,
     fp8 = times["deep_gemm fp8 (FP4->FP8)"]
     out = []
     for label, (_, form) in kernels.items():
-        wbytes = sum(x.nbytes for x in weights[form])
+        wbytes = sum(x.nbytes for x in operands[form][2:])
         out.append(dict(gemm=name, n=n, k=k, kernel=label, us=[t * 1e6 for t in times[label]],
                         tb_s=[wbytes / t / 1e12 for t in times[label]],
                         x_fp8=[f / t for f, t in zip(fp8, times[label])], max_diff=diffs[label]))
@@ -151,9 +152,9 @@ def print_table(rows: list[dict], row_sets: list, tile: int) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0] if __doc__ else None
-    p.add_argument("--configs", default="4,1,4,3;4,1,2,4", metavar="LIST",
+    p.add_argument("--configs", default="4,1,4,4;4,2,4,2", metavar="LIST",
                    help="CUDA kernel tilings, 'token_tiles,warpgroups,stages,min_blocks' separated by ';' "
-                        "(default '4,1,4,3;4,1,2,4': the default and the 2-stage variant)")
+                        "(default '4,1,4,4;4,2,4,2': the default and two warp groups per block)")
     p.add_argument("--rows", choices=("layer", "uniform"), default="layer",
                    help="rows per expert: the benchmark layer's own routing (default) or one uniform draw")
     p.add_argument("--tokens", type=int, default=128, help="decode tokens (default 128)")
