@@ -127,7 +127,8 @@ def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, 
     """Contiguous grouped GEMM: D[r] = lhs[r] . rhs[m_indices[r]]^T.
 
     lhs: (M_cap, K) bf16 | e4m3; rhs: (G, N, K) [(G, N, K//2) int8 for mxfp4]; scales as
-    `layouts.gemm_format(recipe, arch)` states; m_indices: (M_cap,) int32 expert of each row,
+    `layouts.gemm_format(recipe, arch)` states (for W4A8, mxfp4 on arch 90, the lhs in its column
+    order: `m_grouped_gemm_masked`); m_indices: (M_cap,) int32 expert of each row,
     -1 = padding row -> (M_cap, N) bf16.
     M_cap is a multiple of `alignment`; each block of `alignment` rows holds one expert's rows
     from its first row on, then -1 padding (the GEMM kernels take a block's expert from its first
@@ -164,7 +165,9 @@ def m_grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *
     """Masked grouped GEMM: D[g, r] = lhs[g, r] . rhs[g]^T for r < masked_m[g].
 
     lhs: (G, m_pad, K) bf16 | e4m3, m_pad a multiple of 128; rhs: (G, N, K) [(G, N, K//2) int8 for
-    mxfp4]; scales as `layouts.gemm_format(recipe, arch)` states; masked_m: (G,) int32 real rows
+    mxfp4]; scales as `layouts.gemm_format(recipe, arch)` states, and for mxfp4 on arch 90 (W4A8)
+    the lhs in the W4A8 column order its `quantize_lhs` writes (an fp8_block lhs there is a wrong
+    input the checks cannot see: same shape and dtype); masked_m: (G,) int32 real rows
     per slab, clamped to [0, m_pad] for every backend; expected_m: static tuning hint
     (ceil(M*top_k / E_global)) -> (G, m_pad, N) bf16. Rows >= masked_m[g] are UNSPECIFIED for
     accelerated implementations (the reference writes zeros); consumers never read them.
