@@ -609,7 +609,7 @@ def test_layer_kernel_time_counts_every_gemm_kernel_as_a_gemm():
     rest (XLA fusions) other; the parts sum to the total."""
     from moe_jax.bench.layer_measure import kernel_families
 
-    per = {"void deep_gemm::sm90_fp8_gemm_1d2d_impl<0u, 4096u>(...)": 100e-6, "moe_jax_w4a8_masked_sm90": 50e-6,
+    per = {"void deep_gemm::sm90_fp8_gemm_1d2d_impl<0u, 4096u>(...)": 100e-6, "moe_jax_w4a8_gemm_sm90": 50e-6,
            "w4a8_contig_kernel": 20e-6, "permute_masked_kernel": 7e-6, "loop_convert_fusion_3": 2e-6}
     fam = kernel_families(per)
     assert fam["gemms"] == pytest.approx(170.0) and fam["triton"] == pytest.approx(7.0)
@@ -620,7 +620,7 @@ def test_w4a8_configs_and_rows():
     """`bench w4a8`: --configs parses into the kernel's configs and names the flag when it cannot (exit 2,
     before any GPU check); the uniform rows are one draw of tokens x top-k routes over the 32 experts."""
     from custom_calls.cuda.w4a8_gemm import W4A8CudaConfig
-    from moe_jax.bench.w4a8 import NUM_EXPERTS, parse_configs, uniform_rows
+    from moe_jax.bench.w4a8 import NUM_EXPERTS, contig_indices, parse_configs, uniform_rows
 
     assert parse_configs(" 4,1,4,3 ; 2,2,2,4;") == [W4A8CudaConfig(4, 1, 4, 3), W4A8CudaConfig(2, 2, 2, 4)]
     for bad, match in (("4,1,4", "token_tiles,warpgroups,stages,min_blocks"), (";", "at least one config"),
@@ -631,6 +631,12 @@ def test_w4a8_configs_and_rows():
     rows = uniform_rows(128, 6)
     assert rows.shape == (NUM_EXPERTS,) and rows.sum() == 768 and rows.min() >= 0
     assert (uniform_rows(128, 6) == rows).all() and (uniform_rows(128, 6, seed=1) != rows).any()
+    # --layout contig: the prefill draw uncapped, each expert's rows aligned to 128 (the layer's contig layout)
+    assert main(["w4a8", "--layout", "contig", "--contig-configs", "16,2,4"]) == 2
+    assert uniform_rows(4096, 6, cap=4096).sum() == 4096 * 6
+    mi = contig_indices(np.array([3, 0, 130]), 128)
+    assert mi.shape == (384,) and (mi[:3] == 0).all() and (mi[3:128] == -1).all()
+    assert (mi[128:258] == 2).all() and (mi[258:] == -1).all()
 
 
 def test_w4a8_layer_rows_route_without_the_experts():
@@ -660,8 +666,8 @@ def test_w4a8_sweep_rows_on_the_reference(monkeypatch):
         return lambda a, sa, w, s, mm: m_grouped_gemm_masked(a, w, mm, expected_m=4, lhs_scale=sa, rhs_scale=s,
                                                              recipe=recipe, arch=90, backend="reference")
 
-    monkeypatch.setattr(bench, "_kernels", lambda configs, em: {"deep_gemm fp8 (FP4->FP8)": (ref("fp8_block"), "fp8"),
-                                                                "w4a8 a": (ref("mxfp4"), "w4a8")})
+    monkeypatch.setattr(bench, "_kernels", lambda configs, em, contig: {
+        "deep_gemm fp8 (FP4->FP8)": (ref("fp8_block"), "fp8"), "w4a8 a": (ref("mxfp4"), "w4a8")})
     monkeypatch.setattr(timing, "device_time", lambda fn, sets, rounds: {"total": 2e-6 if sets[0][2].dtype == "int8"
                                                                          else 3e-6})
     rows = bench.uniform_rows(8, 2)
@@ -672,6 +678,19 @@ def test_w4a8_sweep_rows_on_the_reference(monkeypatch):
     w4_bytes = 32 * 64 * 128 + 32 * 64 * 2 * 4  # values (K/2 bytes per row) + one int32 per row and 128 columns
     assert w4["tb_s"][0] == pytest.approx(w4_bytes / 2e-6 / 1e12)
     assert fp8["max_diff"] == 0.0 and w4["max_diff"] == 0.0  # the reference: both forms' sums bit for bit
+    # contig: one m_indices of the rows aligned to 128; TFLOPS on the real rows
+    from custom_calls.grouped_gemm import m_grouped_gemm_contig
+
+    def cref(recipe):
+        return lambda a, sa, w, s, mi: m_grouped_gemm_contig(a, w, mi, lhs_scale=sa, rhs_scale=s, recipe=recipe,
+                                                             arch=90, alignment=128, backend="reference")
+
+    monkeypatch.setattr(bench, "_kernels", lambda configs, em, contig: {
+        "deep_gemm fp8 (FP4->FP8)": (cref("fp8_block"), "fp8"), "w4a8 a": (cref("mxfp4"), "w4a8")})
+    mi = bench.contig_indices(rows)
+    fp8, w4 = bench.sweep("GEMM1", 64, 256, [mi], [], 0, passes=1, iters=1, log=lambda *a: None, contig=True)
+    assert w4["tflops"][0] == pytest.approx(2.0 * rows.sum() * 64 * 256 / 2e-6 / 1e12)
+    assert fp8["max_diff"] == 0.0 and w4["max_diff"] == 0.0
 
 
 def test_layer_rows_per_expert():

@@ -41,7 +41,7 @@ import moe_jax
 
 REPO = Path(__file__).resolve().parents[1]
 # Non-Python files the packages read at run time (path inside the installed packages).
-PACKAGE_DATA = ("custom_calls/native/csrc/launch_handler.cc", "custom_calls/cuda/w4a8_masked_sm90.cuh")
+PACKAGE_DATA = ("custom_calls/native/csrc/launch_handler.cc", "custom_calls/cuda/w4a8_gemm_sm90.cuh")
 COPY_IGNORE = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
                                      ".hypothesis", ".ipynb_checkpoints", "*.so", "*.npz")
 TIMEOUT_S = 300

@@ -44,51 +44,83 @@ def _swizzle128(addr: np.ndarray) -> np.ndarray:
     return addr ^ (((addr >> 7) & 7) << 4)
 
 
-def _kernel_model(a, sa, values, scales, masked_m, token_tiles):
-    """What the kernel computes, following its data movement: per 128-column K block, TMA copies the
-    block's token rows (stored in the W4A8 column order) into the ring slot with the 128-byte swizzle,
-    and the wgmma reads k32 step s of token t through its descriptor (start + 32 s, rows of 128 bytes,
-    SBO 1024) at the same swizzle; thread column c widens word 4c + s of each row (k32 step s) with its
-    32-group's table into a0|a1 (k = 4c..4c+3: even columns) and a2|a3 (k = 16 + 4c..: odd). The MMA
-    sums over the wgmma's k = 0..31 of each step. Rows >= masked_m are NaN."""
-    g_count, m_pad, k = a.shape
-    n = values.shape[1]
-    kb_count, tokens = k // 128, 8 * token_tiles
-    a_bytes = np.asarray(a).view(np.uint8)  # (G, M, K), the W4A8 column order
-    w_words = np.asarray(values).view(np.uint8).reshape(g_count, n, k // 8, 4).astype(np.uint32)
-    w_words = (w_words << (8 * np.arange(4, dtype=np.uint32))).sum(-1, dtype=np.uint32)  # (G, N, K/8)
-    s_words = np.asarray(scales).view(np.uint32)
-    token_scales = np.asarray(from_mn_major_tma_aligned(sa, m_pad)).astype(np.float64)  # (G, M, K/128)
+def _block_model(a_rows, scale_rows, w_words, s_words, tokens):
+    """One block as the kernel computes it, following its data movement: per 128-column K block, TMA
+    copies the block's token rows (stored in the W4A8 column order) into the ring slot with the 128-byte
+    swizzle, and the wgmma reads k32 step s of token t through its descriptor (start + 32 s, rows of 128
+    bytes, SBO 1024) at the same swizzle; thread column c widens word 4c + s of each row (k32 step s)
+    with its 32-group's table into a0|a1 (k = 4c..4c+3: even columns) and a2|a3 (k = 16 + 4c..: odd). The
+    MMA sums over the wgmma's k = 0..31 of each step, the partial is promoted per K block.
+    a_rows (tokens, K) uint8, scale_rows (tokens, K/128) f64, w_words (N, K/8) / s_words (N, K/128) the
+    group's weight and scale words -> (N, tokens) f64."""
+    k = a_rows.shape[1]
+    n = w_words.shape[0]
     tables = E4M3_TABLES.view("<u4").reshape(-1, 2).astype(np.uint32)
-    out = np.full((g_count, m_pad, n), np.nan)
     t_idx, x_idx = np.meshgrid(np.arange(tokens), np.arange(128), indexing="ij")
+    acc = np.zeros((n, tokens))
+    for kb in range(k // 128):
+        smem = np.zeros(tokens * 128, np.uint8)
+        smem[_swizzle128(128 * t_idx + x_idx)] = a_rows[:, kb * 128:(kb + 1) * 128]  # the TMA copy
+        sw = s_words[:, kb]
+        block_scale = np.ldexp(1.0, (sw & 0xFF).astype(np.int64) - 127)
+        part = np.zeros((n, tokens))
+        for s in range(4):
+            kk, tt = np.meshgrid(np.arange(32), np.arange(tokens))
+            addr = 1024 * (tt // 8) + 128 * (tt % 8) + 32 * s + kk  # the descriptor's K-major rows
+            b_mat = smem[_swizzle128(addr)].view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # (tokens, 32)
+            a_mat = np.zeros((n, 32))
+            for c in range(4):
+                word = w_words[:, kb * 16 + 4 * c + s]
+                lo, hi = tables[(sw >> (8 + 5 * c)) & 31].T
+                even = _prmt(lo, hi, word & 0x7777) | (word & 0x80808080)
+                odd = _prmt(lo, hi, (word >> 16) & 0x7777) | ((word << 4) & 0x80808080)
+                a_mat[:, 4 * c:4 * c + 4] = _e4m3(even[:, None])
+                a_mat[:, 16 + 4 * c:20 + 4 * c] = _e4m3(odd[:, None])
+            part += a_mat @ b_mat.T
+        acc += part * block_scale[:, None] * scale_rows[:, kb][None, :]
+    return acc
+
+
+def _words(values, scales):
+    """(G, N, K/2) int8 + (G, N, K/128) int32 -> little-endian uint32 words (G, N, K/8), scale words."""
+    g, n, kh = values.shape
+    w = np.asarray(values).view(np.uint8).reshape(g, n, kh // 4, 4).astype(np.uint32)
+    return (w << (8 * np.arange(4, dtype=np.uint32))).sum(-1, dtype=np.uint32), np.asarray(scales).view(np.uint32)
+
+
+def _kernel_model(a, sa, values, scales, masked_m, token_tiles):
+    """The masked kernel: blocks of 8 * token_tiles rows of each group below masked_m (`_block_model`);
+    rows >= masked_m NaN."""
+    g_count, m_pad, k = a.shape
+    tokens = 8 * token_tiles
+    a_bytes = np.asarray(a).view(np.uint8)
+    w_words, s_words = _words(values, scales)
+    token_scales = np.asarray(from_mn_major_tma_aligned(sa, m_pad)).astype(np.float64)  # (G, M, K/128)
+    out = np.full((g_count, m_pad, values.shape[1]), np.nan)
     for g in range(g_count):
         for mb in range(0, int(masked_m[g]), tokens):
-            live = mb + np.arange(tokens) < masked_m[g]
             m = np.minimum(mb + np.arange(tokens), m_pad - 1)  # the box's rows (those past m_pad: not written out)
-            acc = np.zeros((n, tokens))
-            for kb in range(kb_count):
-                smem = np.zeros(tokens * 128, np.uint8)
-                smem[_swizzle128(128 * t_idx + x_idx)] = a_bytes[g, m, kb * 128:(kb + 1) * 128]  # the TMA copy
-                sw = s_words[g, :, kb]
-                block_scale = np.ldexp(1.0, (sw & 0xFF).astype(np.int64) - 127)
-                part = np.zeros((n, tokens))
-                for s in range(4):
-                    kk, tt = np.meshgrid(np.arange(32), np.arange(tokens))
-                    addr = 1024 * (tt // 8) + 128 * (tt % 8) + 32 * s + kk  # the descriptor's K-major rows
-                    b_mat = smem[_swizzle128(addr)].view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # (tokens, 32)
-                    a_mat = np.zeros((n, 32))
-                    for c in range(4):
-                        word = w_words[g, :, kb * 16 + 4 * c + s]
-                        lo, hi = tables[(sw >> (8 + 5 * c)) & 31].T
-                        even = _prmt(lo, hi, word & 0x7777) | (word & 0x80808080)
-                        odd = _prmt(lo, hi, (word >> 16) & 0x7777) | ((word << 4) & 0x80808080)
-                        a_mat[:, 4 * c:4 * c + 4] = _e4m3(even[:, None])
-                        a_mat[:, 16 + 4 * c:20 + 4 * c] = _e4m3(odd[:, None])
-                    part += a_mat @ b_mat.T
-                acc += part * block_scale[:, None] * token_scales[g, m, kb][None, :]
-            rows = np.flatnonzero(live)
+            acc = _block_model(a_bytes[g, m], token_scales[g, m], w_words[g], s_words[g], tokens)
+            rows = np.flatnonzero(mb + np.arange(tokens) < masked_m[g])
             out[g, mb + rows] = acc[:, rows].T
+    return out
+
+
+def _contig_kernel_model(a, sa, values, scales, m_indices, token_tiles):
+    """The contig kernel: each block of 8 * token_tiles rows takes the expert of its first row; a block
+    whose first row is padding (-1), and every padding row, is written 0."""
+    m_cap, k = a.shape
+    tokens = 8 * token_tiles
+    a_bytes = np.asarray(a).view(np.uint8)
+    w_words, s_words = _words(values, scales)
+    token_scales = np.asarray(from_mn_major_tma_aligned(sa, m_cap)).astype(np.float64)  # (M_cap, K/128)
+    out = np.zeros((m_cap, values.shape[1]))
+    for mb in range(0, m_cap, tokens):
+        e = int(m_indices[mb])
+        if e >= 0:
+            rows = mb + np.arange(tokens)
+            out[rows] = _block_model(a_bytes[rows], token_scales[rows], w_words[e], s_words[e], tokens).T
+    out[np.asarray(m_indices) < 0] = 0
     return out
 
 
@@ -108,15 +140,42 @@ def test_kernel_model_matches_the_float64_model(token_tiles, m_pad, n, k):
     assert (err <= 1e-5 * mag[valid] + 1e-30).all(), err.max()
 
 
+def test_contig_kernel_model_matches_the_float64_model():
+    """The contig kernel's blocks: the expert of a block's first row, padding rows and all-padding blocks
+    0, a partial last segment; the same data movement as the masked kernel."""
+    g, m_cap, n, k, tiles = 3, 512, 40, 256, 4
+    codes, sf32, packed, _, _ = _operands(5, g=g, m_pad=128, n=n, k=k)
+    values, scales = mxfp4_to_w4a8(packed, jnp.asarray(sf32))
+    m_indices = np.full(m_cap, -1, np.int32)
+    m_indices[:100], m_indices[128:256], m_indices[384:390] = 2, 0, 1  # rows 256..383: all padding
+    x = np.random.default_rng(6).standard_normal((m_cap, k)) * (m_indices >= 0)[:, None]
+    from test_w4a8_gemm import W4A8
+
+    a, sa = W4A8.quantize_lhs(jnp.asarray(x.astype(np.float32)))
+    got = _contig_kernel_model(a, sa, values, scales, m_indices, tiles)
+    full, mag = _model(codes, sf32, jnp.broadcast_to(a, (g, m_cap, k)), jnp.broadcast_to(sa, (g, *sa.shape)))
+    e = np.maximum(m_indices, 0)
+    want, bound = full[e, np.arange(m_cap)], mag[e, np.arange(m_cap)]
+    real = m_indices >= 0
+    assert (got[~real] == 0).all() and np.abs(want[real]).max() > 0
+    assert (np.abs(got - want)[real] <= 1e-5 * bound[real] + 1e-30).all()
+
+
 def test_config_checks_name_the_field():
-    with pytest.raises(ValueError, match=r"W4A8CudaConfig.token_tiles: expected an int in \[1, 8\], got 9"):
-        cw.W4A8CudaConfig(token_tiles=9)
+    with pytest.raises(ValueError, match=r"W4A8CudaConfig.token_tiles: expected an int in \[1, 16\], got 17"):
+        cw.W4A8CudaConfig(token_tiles=17)
     with pytest.raises(ValueError, match=r"W4A8CudaConfig.stages: expected an int in \[2, 8\], got 1"):
         cw.W4A8CudaConfig(stages=1)
     with pytest.raises(ValueError, match=r"W4A8CudaConfig.warpgroups: expected an int in \[1, 4\], got True"):
         cw.W4A8CudaConfig(warpgroups=True)
     with pytest.raises(ValueError, match=r"k: the W4A8 kernel needs a multiple of 128, got 200"):
         cw.source(cw.W4A8CudaConfig(), n=64, k=200, m_pad=128)
+    # contig: a block's rows must lie in one expert's segment
+    assert [cw.contig_config(a).token_tiles for a in (128, 64, 32, 8)] == [16, 8, 4, 1]
+    lhs, sa = jnp.zeros((256, 128), jnp.float8_e4m3fn), jnp.zeros((1, 256), jnp.float32)
+    rhs, rs = jnp.zeros((2, 64, 64), jnp.int8), jnp.zeros((2, 64, 1), jnp.int32)
+    with pytest.raises(ValueError, match=r"config.token_tiles: a contig block's 128 rows must divide the alignment 64"):
+        cw.w4a8_contig_cuda(lhs, sa, rhs, rs, jnp.zeros((256,), jnp.int32), alignment=64, config=cw.CONTIG_CONFIG)
 
 
 def test_heuristic_covers_one_and_a_half_times_the_expected_rows_up_to_32():
@@ -142,8 +201,18 @@ def test_launch_plan_geometry():
     plan.check()
     # the maps span exactly the operands: lhs, lhs_scale, rhs, rhs_scale, masked_m, D
     plan.check_operands((g * m_pad * k, g * 3 * 100 * 4, g * n * k // 2, g * n * 3 * 4, 4 * g, 2 * g * m_pad * n))
-    # the largest tiling the config allows still fits an SM90 block's shared memory
-    assert cw.smem_bytes(cw.W4A8CudaConfig(token_tiles=8, warpgroups=4, stages=8)) <= cw.MAX_SMEM
+    # a tiling past an SM90 block's shared memory is refused by name
+    with pytest.raises(ValueError, match=r"W4A8CudaConfig\(token_tiles=16, warpgroups=4, stages=8\): 271360 bytes "
+                                         r"of shared memory per block, at most 232448"):
+        cw.plan(cw.W4A8CudaConfig(token_tiles=16, warpgroups=4, stages=8), "/x.cubin", g=1, m_pad=128, n=256, k=128)
+    # contig: one slab of M_cap rows, the grid's z is 1 (the block reads its expert), weights over every expert
+    m_cap = 1024
+    plan = cw.plan(cw.CONTIG_CONFIG, "/x.cubin", g=g, m_pad=m_cap, n=n, k=k, contig=True)
+    assert (plan.grid, plan.grid_yz, plan.block) == (2, (8, 1), 256)
+    tokens, scales, weights = plan.tmaps
+    assert (tokens.dims, tokens.box, scales.dims, scales.box) == ((k, m_cap), (128, 128), (m_cap, 3), (128, 1))
+    assert (weights.dims, weights.box) == ((k // 2, g * n), (64, 128))
+    plan.check_operands((m_cap * k, 3 * m_cap * 4, g * n * k // 2, g * n * 3 * 4, 4 * m_cap, 2 * m_cap * n))
     with pytest.raises(ValueError, match=r"m_pad 600000 / 8 rows per block = 75000 token blocks"):
         cw.grid(cw.W4A8CudaConfig(token_tiles=1), g=2, m_pad=600_000, n=64)
 
@@ -182,15 +251,18 @@ def _resources(cubin) -> dict:
 
 
 @needs_nvcc
-@pytest.mark.parametrize("cfg", [cw.W4A8CudaConfig(), cw.W4A8CudaConfig(token_tiles=8, stages=2, min_blocks=2),
-                                 cw.W4A8CudaConfig(token_tiles=2, warpgroups=2, stages=3, min_blocks=3)])
-def test_compiles_for_sm90a_without_spills(cfg, tmp_path, monkeypatch):
-    """nvcc compiles each tiling for sm_90a: FP8 wgmma (QGMMA; no HMMA emulation), no local memory, within
-    the register bound of `min_blocks` blocks per SM."""
+@pytest.mark.parametrize("cfg,contig", [(cw.W4A8CudaConfig(), False),
+                                        (cw.W4A8CudaConfig(token_tiles=8, stages=2, min_blocks=2), False),
+                                        (cw.W4A8CudaConfig(token_tiles=2, warpgroups=2, stages=3, min_blocks=3), False),
+                                        (cw.CONTIG_CONFIG, True),
+                                        (cw.W4A8CudaConfig(token_tiles=8, stages=4, min_blocks=2), True)])
+def test_compiles_for_sm90a_without_spills(cfg, contig, tmp_path, monkeypatch):
+    """nvcc compiles each tiling of both layouts for sm_90a: FP8 wgmma (QGMMA; no HMMA emulation), no local
+    memory, within the register bound of `min_blocks` blocks per SM."""
     from custom_calls.native.compiler import compile_cubin
 
     monkeypatch.setenv("MOE_JAX_CACHE_DIR", str(tmp_path))
-    src = cw.source(cfg, n=4096, k=4096, m_pad=256)
-    res = _resources(compile_cubin(cw.kernel_name(cfg, n=4096, k=4096, m_pad=256), src, 90).path)
+    src = cw.source(cfg, n=4096, k=4096, m_pad=256, contig=contig)
+    res = _resources(compile_cubin(cw.kernel_name(cfg, n=4096, k=4096, m_pad=256, contig=contig), src, 90).path)
     assert res["stack"] == 0 and res["wgmma"] > 0 and res["hmma"] == 0, res
     assert res["reg"] * 128 * cfg.warpgroups * cfg.min_blocks <= 65536, res

@@ -1,4 +1,4 @@
-"""The CUDA W4A8 masked kernel (`custom_calls.cuda.w4a8_gemm`) on an SM90 GPU: against the XLA reference,
+"""The CUDA W4A8 kernels, masked and contig (`custom_calls.cuda.w4a8_gemm`), on an SM90 GPU: against the XLA reference,
 against the Triton W4A8 kernel and DeepGEMM's FP8 kernel on the FP4 -> FP8 path's operands (the same
 e4m3 values and block scales: equal within accumulation order); odd N, K not a multiple of 512, m_pad
 not a multiple of the token tile, empty and full groups, every tiling the config allows."""
@@ -78,3 +78,54 @@ def test_w4a8_cuda_writes_exactly_the_rows_below_masked_m(m_pad, cfg):
     ref = np.asarray(m_grouped_gemm_masked(a128, w, masked_m, expected_m=24, lhs_scale=sa128, rhs_scale=sw,
                                            recipe="mxfp4", arch=90, backend="reference"), np.float32)[:, :m_pad]
     np.testing.assert_allclose(out[valid], ref[valid], rtol=2**-7, atol=1e-3 * np.abs(ref[valid]).max())
+
+
+@pytest.mark.parametrize("alignment,n,k,cfg", [
+    (128, 4096, 2048, None),
+    (64, 200, 384, None),
+    (128, 584, 1152, W4A8CudaConfig(token_tiles=8, stages=3, min_blocks=2)),
+])
+def test_w4a8_cuda_contig(alignment, n, k, cfg):
+    """The contig kernel writes every row of D (into a NaN-filled output): expert rows against the
+    reference, the Triton contig kernel and DeepGEMM's FP8 contig kernel on the FP4 -> FP8 operands;
+    padding rows, and the all-padding blocks, 0."""
+    from custom_calls.cuda import w4a8_gemm as cw
+    from custom_calls.grouped_gemm import m_grouped_gemm_contig
+    from custom_calls.native.compiler import compile_cubin
+    from custom_calls.native.launch import launch
+    from custom_calls.triton.w4a8_gemm_kernel import w4a8_contig
+    from layouts import gemm_format
+    import jax.numpy as jnp
+
+    g, m_cap = 4, 1024
+    packed, sf32, _, _, _ = _operands(n + k + 3, g, 128, n, k)
+    w, sw = mxfp4_to_w4a8(packed, sf32)
+    m_indices = np.full(m_cap, -1, np.int32)
+    m_indices[:300], m_indices[384:512], m_indices[640:645] = 3, 0, 1  # expert 2 has no rows
+    x = np.random.default_rng(k).standard_normal((m_cap, k)) * (m_indices >= 0)[:, None]
+    a, sa = gemm_format("mxfp4", 90).quantize_lhs(jnp.asarray(x.astype(np.float32)))
+    mi = jnp.asarray(m_indices)
+    cfg = cfg or cw.contig_config(alignment)
+    cubin = compile_cubin(cw.kernel_name(cfg, n=n, k=k, contig=True), cw.source(cfg, n=n, k=k, contig=True), 90)
+    plan = cw.plan(cfg, str(cubin.path), g=g, m_pad=m_cap, n=n, k=k, contig=True)
+    run = jax.jit(lambda fill: launch(plan, [a, sa, w, sw, mi, fill], [jax.ShapeDtypeStruct(fill.shape, fill.dtype)],
+                                      {5: 0})[0])
+    out = np.asarray(run(jnp.full((m_cap, n), jnp.nan, jnp.bfloat16)), np.float32)
+    assert np.isfinite(out).all() and (out[m_indices < 0] == 0).all()
+    np.testing.assert_array_equal(out, np.asarray(cw.w4a8_contig_cuda(a, sa, w, sw, mi, alignment=alignment,
+                                                                      config=cfg), np.float32))
+    kw = dict(lhs_scale=sa, arch=90, alignment=alignment)
+    ref = np.asarray(m_grouped_gemm_contig(a, w, mi, rhs_scale=sw, recipe="mxfp4", backend="reference", **kw),
+                     np.float32)
+    rows = m_indices >= 0
+    np.testing.assert_allclose(out[rows], ref[rows], rtol=2**-7, atol=1e-3 * np.abs(ref[rows]).max())
+    others = [("Triton W4A8", np.asarray(w4a8_contig(a, sa, w, sw, mi, alignment=alignment), np.float32))]
+    if alignment == 128 and n % 64 == 0:
+        w8, s8 = mxfp4_to_fp8_block(packed, sf32)
+        others.append(("DeepGEMM FP8", np.asarray(m_grouped_gemm_contig(
+            from_w4a8_lhs_order(a), w8, mi, rhs_scale=s8, recipe="fp8_block", backend="deep_gemm", **kw), np.float32)))
+    scale = np.abs(ref[rows]).max()
+    for name, other in others:
+        diff = np.abs(out[rows] - other[rows])
+        print(f"CUDA W4A8 contig vs {name}: max |diff| {diff.max():.3e} (max |out| {scale:.3e})")
+        assert diff.max() <= 2**-7 * scale

@@ -1,14 +1,14 @@
-"""The W4A8 masked grouped GEMM as a CUDA kernel of this package (``w4a8_masked_sm90.cuh``), compiled
-by nvcc into the kernel cache and run by the native launcher: MXFP4 weights kept 4-bit
-(`layouts.w4a8`), copied 4-bit into shared memory by TMA, widened to e4m3 in registers and fed to the
-tensor core as the MMA's register operand (the widened tile never goes through shared memory: what
-bounds the Triton kernel of the same op). The tokens, in the W4A8 column order, are the MMA's
-shared-memory operand as TMA copies them.
+"""The W4A8 grouped GEMMs as a CUDA kernel of this package (``w4a8_gemm_sm90.cuh``, one text for the
+masked and the contig layout), compiled by nvcc into the kernel cache and run by the native launcher:
+MXFP4 weights kept 4-bit (`layouts.w4a8`), copied 4-bit into shared memory by TMA, widened to e4m3 in
+registers and fed to the tensor core as the MMA's register operand (the widened tile never goes
+through shared memory: what bounds the Triton kernels of the same ops). The tokens, in the W4A8
+column order, are the MMA's shared-memory operand as TMA copies them.
 
-Operands as `custom_calls.triton.w4a8_gemm_kernel.w4a8_masked`: lhs (G, m_pad, K) e4m3 (W4A8 column
-order), lhs_scale
-(G, K/128, align(m_pad, 4)) f32, rhs (G, N, K/2) int8 words, rhs_scale (G, N, K/128) int32,
-masked_m (G,) int32 -> (G, m_pad, N) bf16, rows >= masked_m[g] unwritten.
+Operands as `custom_calls.triton.w4a8_gemm_kernel`'s: masked, lhs (G, m_pad, K) e4m3 (W4A8 column
+order), lhs_scale (G, K/128, align(m_pad, 4)) f32, rhs (G, N, K/2) int8 words, rhs_scale (G, N, K/128)
+int32, masked_m (G,) int32 -> (G, m_pad, N) bf16, rows >= masked_m[g] unwritten; contig, lhs (M_cap, K),
+lhs_scale (K/128, align(M_cap, 4)), m_indices (M_cap,) -> (M_cap, N), padding rows 0.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from custom_calls.native.launch_plan import (ARG_PTR, ARG_TMAP, TMA_FLOAT32, TMA
                                              TensorMap)
 from layouts.checks import align, ceil_div
 
-KERNEL_SOURCE = Path(__file__).parent / "w4a8_masked_sm90.cuh"  # package data of the wheel
-SYMBOL = "moe_jax_w4a8_masked_sm90"
+KERNEL_SOURCE = Path(__file__).parent / "w4a8_gemm_sm90.cuh"  # package data of the wheel
+SYMBOL = "moe_jax_w4a8_gemm_sm90"
 MAX_GRID_YZ = (1 << 16) - 1
-MAX_SMEM = 227 * 1024  # an SM90 block's shared memory (dynamic, opted in by the launcher); every config fits
+MAX_SMEM = 227 * 1024  # an SM90 block's shared memory (dynamic, opted in by the launcher)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,8 @@ class W4A8CudaConfig:
     """Tiling of the CUDA W4A8 masked kernel.
 
     token_tiles: 8-token tiles per block, the wgmma's N / 8 (a block covers 8 * token_tiles rows of
-    one group; more rows take more blocks, each reading the weights again); warpgroups: per block,
+    one group; more rows take more blocks, each reading the weights again; contig: a divisor of the
+    alignment / 8); warpgroups: per block,
     64 weight rows each; stages: ring slots in shared memory, each one K block of the tokens, the
     weight rows and the token scales (TMA copies stages - 1 K blocks ahead); min_blocks: blocks per SM
     the register allocation is bounded for (shared memory may allow fewer: `smem_bytes`).
@@ -46,7 +47,7 @@ class W4A8CudaConfig:
     min_blocks: int = 4
 
     def __post_init__(self) -> None:
-        for name, lo, hi in (("token_tiles", 1, 8), ("warpgroups", 1, 4), ("stages", 2, 8), ("min_blocks", 1, 16)):
+        for name, lo, hi in (("token_tiles", 1, 16), ("warpgroups", 1, 4), ("stages", 2, 8), ("min_blocks", 1, 16)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"W4A8CudaConfig.{name}: expected an int in [{lo}, {hi}], got {v!r}")
@@ -79,11 +80,27 @@ def heuristic_config(expected_m: int) -> W4A8CudaConfig:
     return W4A8CudaConfig(token_tiles=tiles)
 
 
-def source(cfg: W4A8CudaConfig, *, n: int, k: int, m_pad: int) -> str:
-    """The translation unit: the shapes and tiling as macros, then the kernel text."""
+# Prefill: 128 tokens a block (the MMA's work per widened weight grows with the tile), two warp
+# groups sharing them, one block per SM at about 180 registers. Not yet tuned on a GPU.
+CONTIG_CONFIG = W4A8CudaConfig(token_tiles=16, warpgroups=2, stages=4, min_blocks=1)
+
+
+def contig_config(alignment: int) -> W4A8CudaConfig:
+    """`CONTIG_CONFIG`, its token tile halved until it divides the alignment (a block must lie in one
+    expert's segment)."""
+    tiles = CONTIG_CONFIG.token_tiles
+    while alignment % (8 * tiles):
+        tiles //= 2
+    return dataclasses.replace(CONTIG_CONFIG, token_tiles=tiles)
+
+
+def source(cfg: W4A8CudaConfig, *, n: int, k: int, m_pad: int = 0, contig: bool = False) -> str:
+    """The translation unit: the layout, shapes and tiling as macros, then the kernel text. m_pad: the
+    rows of a masked group (contig takes its rows from the grid: one kernel for every M_cap)."""
     if k % 128:
         raise ValueError(f"k: the W4A8 kernel needs a multiple of 128, got {k}")
-    defines = dict(W4A8_N=n, W4A8_K=k, W4A8_M_PAD=m_pad, W4A8_SA_LD=align(m_pad, 4),
+    m_pad = 0 if contig else m_pad
+    defines = dict(W4A8_CONTIG=int(contig), W4A8_N=n, W4A8_K=k, W4A8_M_PAD=m_pad, W4A8_SA_LD=align(m_pad, 4),
                    W4A8_TOKEN_TILES=cfg.token_tiles, W4A8_WARPGROUPS=cfg.warpgroups,
                    W4A8_STAGES=cfg.stages, W4A8_MIN_BLOCKS=cfg.min_blocks)
     head = "".join(f"#define {name} {value}\n" for name, value in defines.items())
@@ -105,34 +122,41 @@ def _wgmma_function(n: int) -> str:
             f"      : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"r\"(int(accumulate)));\n}}\n")
 
 
-def kernel_name(cfg: W4A8CudaConfig, *, n: int, k: int, m_pad: int) -> str:
-    return (f"w4a8_masked_sm90_n{n}_k{k}_m{m_pad}_t{cfg.token_tiles}wg{cfg.warpgroups}"
+def kernel_name(cfg: W4A8CudaConfig, *, n: int, k: int, m_pad: int = 0, contig: bool = False) -> str:
+    layout = "contig" if contig else f"masked_m{m_pad}"
+    return (f"w4a8_{layout}_sm90_n{n}_k{k}_t{cfg.token_tiles}wg{cfg.warpgroups}"
             f"s{cfg.stages}b{cfg.min_blocks}")
 
 
-def grid(cfg: W4A8CudaConfig, *, g: int, m_pad: int, n: int) -> tuple[int, int, int]:
-    """(weight-row blocks, token blocks, groups)."""
-    gy = ceil_div(m_pad, cfg.block_tokens)
-    if gy > MAX_GRID_YZ or g > MAX_GRID_YZ:
-        raise ValueError(f"m_pad {m_pad} / {cfg.block_tokens} rows per block = {gy} token blocks and {g} groups: "
+def grid(cfg: W4A8CudaConfig, *, g: int, m_pad: int, n: int, contig: bool = False) -> tuple[int, int, int]:
+    """(weight-row blocks, token blocks, groups; contig: one, the block finds its expert)."""
+    gy, gz = ceil_div(m_pad, cfg.block_tokens), 1 if contig else g
+    if gy > MAX_GRID_YZ or gz > MAX_GRID_YZ:
+        raise ValueError(f"m_pad {m_pad} / {cfg.block_tokens} rows per block = {gy} token blocks and {gz} groups: "
                          f"each must be at most {MAX_GRID_YZ}")
-    return ceil_div(n, cfg.block_rows), gy, g
+    return ceil_div(n, cfg.block_rows), gy, gz
 
 
-def plan(cfg: W4A8CudaConfig, cubin: str, *, g: int, m_pad: int, n: int, k: int) -> LaunchPlan:
-    """Operands 0 lhs, 1 lhs_scale, 2 rhs, 3 rhs_scale, 4 masked_m, 5 the output D. Tensor maps over
-    the whole of each operand (so a box past a group's last row reads the next group's, and one past
-    the tensor zeros): lhs as (G * m_pad) rows of K bytes, boxes of a block's tokens x 128 bytes with
-    the 128-byte swizzle; lhs_scale as (G * K/128) rows of align(m_pad, 4) floats, boxes of a block's
-    tokens; rhs as (G * N) rows of K/2 bytes, boxes of a block's weight rows x 64 bytes."""
-    gx, gy, gz = grid(cfg, g=g, m_pad=m_pad, n=n)
-    sa_ld, kb = align(m_pad, 4), k // 128
-    tmaps = (TensorMap(0, TMA_UINT8, (k, g * m_pad), (k,), (128, cfg.block_tokens), 128),
-             TensorMap(1, TMA_FLOAT32, (sa_ld, g * kb), (4 * sa_ld,), (cfg.block_tokens, 1), 0),
+def plan(cfg: W4A8CudaConfig, cubin: str, *, g: int, m_pad: int, n: int, k: int, contig: bool = False) -> LaunchPlan:
+    """Operands 0 lhs, 1 lhs_scale, 2 rhs, 3 rhs_scale, 4 masked_m (contig: m_indices), 5 the output D.
+    Tensor maps over the whole of each operand (so a box past a group's last row reads the next
+    group's, and one past the tensor zeros): lhs as (G * m_pad) rows of K bytes (contig: M_cap =
+    m_pad rows), boxes of a block's tokens x 128 bytes with the 128-byte swizzle; lhs_scale as
+    (G * K/128) rows (contig: K/128) of align(m_pad, 4) floats, boxes of a block's tokens; rhs as
+    (G * N) rows of K/2 bytes, boxes of a block's weight rows x 64 bytes."""
+    smem = smem_bytes(cfg)
+    if smem > MAX_SMEM:
+        raise ValueError(f"W4A8CudaConfig(token_tiles={cfg.token_tiles}, warpgroups={cfg.warpgroups}, "
+                         f"stages={cfg.stages}): {smem} bytes of shared memory per block, at most {MAX_SMEM}; "
+                         f"fewer stages, warp groups or token tiles")
+    gx, gy, gz = grid(cfg, g=g, m_pad=m_pad, n=n, contig=contig)
+    sa_ld, kb, slabs = align(m_pad, 4), k // 128, 1 if contig else g
+    tmaps = (TensorMap(0, TMA_UINT8, (k, slabs * m_pad), (k,), (128, cfg.block_tokens), 128),
+             TensorMap(1, TMA_FLOAT32, (sa_ld, slabs * kb), (4 * sa_ld,), (cfg.block_tokens, 1), 0),
              TensorMap(2, TMA_UINT8, (k // 2, g * n), (k // 2,), (64, cfg.block_rows), 0))
     args = (KernelArg(ARG_TMAP, 0), KernelArg(ARG_TMAP, 1), KernelArg(ARG_TMAP, 2),
             KernelArg(ARG_PTR, 3), KernelArg(ARG_PTR, 4), KernelArg(ARG_PTR, 5))
-    return LaunchPlan(SYMBOL, cubin, gx, 128 * cfg.warpgroups, 1, smem_bytes(cfg), args, tmaps, grid_yz=(gy, gz))
+    return LaunchPlan(SYMBOL, cubin, gx, 128 * cfg.warpgroups, 1, smem, args, tmaps, grid_yz=(gy, gz))
 
 
 def w4a8_masked_cuda(lhs: jax.Array, lhs_scale: jax.Array, rhs: jax.Array, rhs_scale: jax.Array,
@@ -150,4 +174,26 @@ def w4a8_masked_cuda(lhs: jax.Array, lhs_scale: jax.Array, rhs: jax.Array, rhs_s
     cubin = compile_cubin(kernel_name(cfg, n=n, k=k, m_pad=m_pad), source(cfg, n=n, k=k, m_pad=m_pad), 90)
     (d,) = launch(plan(cfg, str(cubin.path), g=g, m_pad=m_pad, n=n, k=k), [lhs, lhs_scale, rhs, rhs_scale, masked_m],
                   [jax.ShapeDtypeStruct((g, m_pad, n), jnp.bfloat16)])
+    return d
+
+
+def w4a8_contig_cuda(lhs: jax.Array, lhs_scale: jax.Array, rhs: jax.Array, rhs_scale: jax.Array,
+                     m_indices: jax.Array, *, alignment: int, config: W4A8CudaConfig | None = None) -> jax.Array:
+    """lhs (M_cap, K) e4m3, lhs_scale (K/128, align(M_cap, 4)) f32, rhs (G, N, K/2) int8, rhs_scale
+    (G, N, K/128) int32, m_indices (M_cap,) int32 in the contig contract (each `alignment` rows one
+    expert's rows, then -1) -> (M_cap, N) bf16, padding rows 0. Operands already checked
+    (`m_grouped_gemm_contig`); K a multiple of 128. config: `contig_config(alignment)` if None; its
+    token tile must divide the alignment. Compiles on first use for sm_90a."""
+    from custom_calls.native.compiler import compile_cubin
+    from custom_calls.native.launch import launch
+
+    m_cap, k = lhs.shape
+    g, n = rhs.shape[:2]
+    cfg = config or contig_config(alignment)
+    if alignment % cfg.block_tokens:
+        raise ValueError(f"config.token_tiles: a contig block's {cfg.block_tokens} rows must divide the alignment "
+                         f"{alignment} (one expert per block), got token_tiles={cfg.token_tiles}")
+    cubin = compile_cubin(kernel_name(cfg, n=n, k=k, contig=True), source(cfg, n=n, k=k, contig=True), 90)
+    (d,) = launch(plan(cfg, str(cubin.path), g=g, m_pad=m_cap, n=n, k=k, contig=True),
+                  [lhs, lhs_scale, rhs, rhs_scale, m_indices], [jax.ShapeDtypeStruct((m_cap, n), jnp.bfloat16)])
     return d

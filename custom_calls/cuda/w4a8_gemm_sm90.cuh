@@ -1,10 +1,14 @@
-// W4A8 masked grouped GEMM on SM90: D[g, m, n] = sum_k A[g, m, k] * W[g, n, k] for m < masked_m[g].
+// W4A8 grouped GEMMs on SM90, one kernel text for both layouts (W4A8_CONTIG):
+//   masked: D[g, m, n] = sum_k A[g, m, k] * W[g, n, k] for m < masked_m[g];
+//   contig: D[m, n] = sum_k A[m, k] * W[m_indices[m], n, k], rows with m_indices -1 written as 0.
 //
-// A: (G, M_PAD, K) e4m3 in the W4A8 column order (layouts/w4a8.py: byte 32s + 16e + 4c + i of each
-// 128-column block holds column 32c + 8s + 2i + e) with fp32 scales per token and 128 columns, sa
-// (G, K/128, SA_LD); W: MXFP4 kept 4-bit (layouts/w4a8.py): values (G, N, K/2) in the W4A8 word layout
-// and one int32 scale word per row and 128 columns, sw (G, N, K/128); D: (G, M_PAD, N) bf16, rows >=
-// masked_m[g] not written.
+// A: (G, M_PAD, K), contig (M_cap, K), e4m3 in the W4A8 column order (layouts/w4a8.py: byte
+// 32s + 16e + 4c + i of each 128-column block holds column 32c + 8s + 2i + e) with fp32 scales per
+// token and 128 columns, sa (G, K/128, SA_LD), contig (K/128, align(M_cap, 4)); W: MXFP4 kept 4-bit
+// (layouts/w4a8.py): values (G, N, K/2) in the W4A8 word layout and one int32 scale word per row and
+// 128 columns, sw (G, N, K/128); D: (G, M_PAD, N), contig (M_cap, N), bf16; masked rows >= masked_m[g]
+// not written. Contig: a block's TOKENS rows lie in one expert's aligned segment (the host checks that
+// TOKENS divides the alignment), so the expert of its first row is the block's.
 //
 // Why this shape: at decode every weight byte is read once and the few tokens ride along, so the
 // weights are the wgmma's A operand from registers (the tokens, N = 8 * TOKEN_TILES, are B from
@@ -22,7 +26,11 @@
 // tiling against 166 when each thread loaded its words and staged the tokens itself), so more blocks
 // share an SM, and the loads no longer wait in the threads' instruction streams.
 //
-// The generated translation unit defines, before this text: W4A8_N, W4A8_K, W4A8_M_PAD, W4A8_SA_LD,
+// Prefill (contig) runs the same loop with wide token tiles (N up to 128): the MMA's work per widened
+// weight grows with the tile, which is what should let the widening hide under it.
+//
+// The generated translation unit defines, before this text: W4A8_CONTIG (0 or 1), W4A8_N, W4A8_K,
+// W4A8_M_PAD and W4A8_SA_LD (masked; contig takes its rows from the grid and has 0 here),
 // W4A8_TOKEN_TILES, W4A8_WARPGROUPS (64 weight rows each), W4A8_STAGES (ring slots), W4A8_MIN_BLOCKS;
 // and wgmma_m64k32(d, a, desc, accumulate) for N = 8 * TOKEN_TILES. Dynamic shared memory:
 // `w4a8_gemm.smem_bytes`.
@@ -43,7 +51,7 @@ constexpr int SCALE_SLOT = (SCALE_BYTES + 127) / 128 * 128;  // TMA writes share
 // a ring slot: tokens first (the 128-byte swizzle repeats every 1024 bytes), weights, scales
 constexpr int SLOT_STRIDE = (TOKEN_BYTES + W_BYTES + SCALE_SLOT + 1023) / 1024 * 1024;
 static_assert(K % 128 == 0, "K must be a multiple of 128");
-static_assert(SA_LD % 4 == 0 && SA_LD >= M_PAD, "SA_LD must be align(M_PAD, 4)");
+static_assert(W4A8_CONTIG || (SA_LD % 4 == 0 && SA_LD >= M_PAD), "SA_LD must be align(M_PAD, 4)");
 static_assert(STAGES >= 2 && STAGES <= 8, "STAGES must be in [2, 8]");
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
@@ -109,20 +117,33 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const TmaDesc* map, ui
 }  // namespace moe_jax_w4a8
 
 extern "C" __global__ void __launch_bounds__(128 * W4A8_WARPGROUPS, W4A8_MIN_BLOCKS)
-moe_jax_w4a8_masked_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens_map,
-                         const __grid_constant__ moe_jax_w4a8::TmaDesc scales_map,
-                         const __grid_constant__ moe_jax_w4a8::TmaDesc weights_map,
-                         const uint32_t* __restrict__ sw, const int* __restrict__ masked_m,
-                         __nv_bfloat16* __restrict__ d) {
+moe_jax_w4a8_gemm_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens_map,
+                       const __grid_constant__ moe_jax_w4a8::TmaDesc scales_map,
+                       const __grid_constant__ moe_jax_w4a8::TmaDesc weights_map,
+                       const uint32_t* __restrict__ sw, const int* __restrict__ rows_index,
+                       __nv_bfloat16* __restrict__ d) {
   using namespace moe_jax_w4a8;
   extern __shared__ uint8_t ring_smem[];  // STAGES slots from the first 1024-byte boundary
   __shared__ __align__(8) uint64_t full[STAGES];
 
-  const int g = blockIdx.z;
-  const int rows = masked_m[g];
-  const int mb = blockIdx.y * TOKENS;
-  if (mb >= rows) return;  // the whole block: no barrier is left waiting
   const int tid = threadIdx.x, lane = tid % 32, gid = lane / 4, c = lane % 4;
+  const int mb = blockIdx.y * TOKENS;
+  // g: the weights' group; slab: the group of A, sa and D (contig has one); rows: the block writes
+  // rows < rows (rows_index: masked_m, contig m_indices)
+#if W4A8_CONTIG
+  // the grid covers the rows of A exactly (M_cap a multiple of the alignment, TOKENS a divisor of it)
+  const int g = rows_index[mb], slab = 0, rows = gridDim.y * TOKENS;
+  if (g < 0) {  // a padding block: zeros, and no copies (no barrier is left waiting)
+    for (int i = tid; i < TOKENS * 64 * WG; i += 128 * WG) {
+      const int m = mb + i / (64 * WG), n = blockIdx.x * 64 * WG + i % (64 * WG);
+      if (n < N) d[static_cast<size_t>(m) * N + n] = __float2bfloat16_rn(0.f);
+    }
+    return;
+  }
+#else
+  const int g = blockIdx.z, slab = g, rows = rows_index[g];
+  if (mb >= rows) return;  // the whole block: no barrier is left waiting
+#endif
   const int row0 = blockIdx.x * 64 * WG + (tid / 32) * 16 + gid;  // and row0 + 8
   const int wrow0 = blockIdx.x * 64 * WG;
   const size_t srow[2] = {static_cast<size_t>(g) * N + row0, static_cast<size_t>(g) * N + row0 + 8};
@@ -137,9 +158,9 @@ moe_jax_w4a8_masked_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens_ma
   auto issue = [&](int kb) {
     const uint32_t slot = ring + (kb % STAGES) * SLOT_STRIDE, bar = bars + 8 * (kb % STAGES);
     mbar_expect_tx(bar, TOKEN_BYTES + W_BYTES + SCALE_BYTES);
-    tma_load_2d(slot, &tokens_map, bar, kb * 128, g * M_PAD + mb);
+    tma_load_2d(slot, &tokens_map, bar, kb * 128, slab * M_PAD + mb);
     tma_load_2d(slot + TOKEN_BYTES, &weights_map, bar, kb * 64, g * N + wrow0);
-    tma_load_2d(slot + TOKEN_BYTES + W_BYTES, &scales_map, bar, mb, g * KB + kb);
+    tma_load_2d(slot + TOKEN_BYTES + W_BYTES, &scales_map, bar, mb, slab * KB + kb);
   };
   if (tid == 0) {
 #pragma unroll
@@ -220,7 +241,13 @@ moe_jax_w4a8_masked_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens_ma
 #pragma unroll
     for (int t = 0; t < T; ++t) {
       const int m = mb + 8 * t + 2 * c + (j & 1);
-      if (m < rows) d[(static_cast<size_t>(g) * M_PAD + m) * N + n] = __float2bfloat16_rn(acc[4 * t + j]);
+      if (m >= rows) continue;
+#if W4A8_CONTIG
+      const float v = rows_index[m] >= 0 ? acc[4 * t + j] : 0.f;  // the segment's padding rows
+#else
+      const float v = acc[4 * t + j];
+#endif
+      d[(static_cast<size_t>(slab) * M_PAD + m) * N + n] = __float2bfloat16_rn(v);
     }
   }
 }
