@@ -497,8 +497,8 @@ def _permute_case(seed, *, masked, recipe, arch, m_pad=12, stray=False, tokens=4
     zero_programs = 0 if masked else ceil_div(rows, zero_rows)  # masked: empty rows stay unwritten
     _launch(scatter_quant_kernel, ((zero_programs + ceil_div(m, tokens)) * ceil_div(g, groups),),
             x, src2dst, src1 if not src1_out else np.zeros(1, np.int32), lhs, sf, written, M=m, H=h, TOPK=k,
-            TOPK_P2=4, R=rows, G=g, GROUP=group, QUANT=quant, UE8M0=ue8m0, W4A8_ORDER=w4a8, GROUPS=groups, TOKENS=tokens,
-            ZERO_FILL=not masked, ZERO_ROWS=zero_rows, ZERO_SUB=4, CHUNKS_FASTEST=seed % 2 == 0,
+            TOPK_P2=4, R=rows, G=g, GROUP=group, QUANT=quant, UE8M0=ue8m0, W4A8_ORDER=w4a8, GROUPS=groups,
+            TOKENS=tokens, ZERO_FILL=not masked, ZERO_ROWS=zero_rows, ZERO_SUB=4, CHUNKS_FASTEST=seed % 2 == 0,
             ROW_SOURCE_OUT=src1_out)
     if src1_out:
         assert np.array_equal(written, inv + 1), "scatter_quant_kernel row sources"
@@ -1537,7 +1537,8 @@ def case_host_w4a8_contig():
     x = rng.standard_normal((512, k)) * (m_indices >= 0)[:, None]
     a, sa = gemm_format("mxfp4", 90).quantize_lhs(jnp.asarray(x.astype(np.float32)))
     rows = np.asarray(from_mn_major_tma_aligned(sa, 512))
-    full, mag = model_w4a8_masked(codes, sf32, np.broadcast_to(_from_w4a8_order(np.asarray(a).view(np.uint8)), (g, 512, k)),
+    a_plain = _from_w4a8_order(np.asarray(a).view(np.uint8))
+    full, mag = model_w4a8_masked(codes, sf32, np.broadcast_to(a_plain, (g, 512, k)),
                                   np.broadcast_to(rows, (g, 512, k // 128)))
     expert = np.maximum(m_indices, 0)
     want, bound = full[expert, np.arange(512)], mag[expert, np.arange(512)]

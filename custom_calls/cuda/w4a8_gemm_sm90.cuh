@@ -22,7 +22,7 @@
 // order puts those columns' tokens. Per 128 columns the fp32 partial is promoted with (weight block
 // scale) x (token scale), DeepGEMM's 1D2D recipe.
 //
-// With the copies asynchronous the threads hold no operand ring in registers (78 at the default
+// With the copies asynchronous the threads hold no operand ring in registers (79 at the default
 // tiling against 166 when each thread loaded its words and staged the tokens itself), so more blocks
 // share an SM, and the loads no longer wait in the threads' instruction streams.
 //

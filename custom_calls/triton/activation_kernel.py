@@ -66,7 +66,8 @@ def act_quant_kernel(
     a_ptr, img_ptr,
     MN: tl.constexpr, I: tl.constexpr, G: tl.constexpr, IMG_LD: tl.constexpr,
     IMG_SLAB: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
-    W4A8_ORDER: tl.constexpr, MASKED: tl.constexpr, KIND: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
+    W4A8_ORDER: tl.constexpr, MASKED: tl.constexpr, KIND: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    LIMIT: tl.constexpr,
     ALPHA: tl.constexpr, BETA_S: tl.constexpr, BETA_L: tl.constexpr, KEEP_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, ROW_BLOCKS: tl.constexpr, CHUNKS_FASTEST: tl.constexpr,
 ):

@@ -40,8 +40,8 @@ import triton.language as tl
 
 from layouts import ceil_div, gemm_format, get_recipe
 from custom_calls.triton.launch import triton_call
-from custom_calls.triton.tile_quant import (lhs_source_cols, quantize_tile, store_scale_image, tile_ids, ue8m0_bits_exponent,
-                                            zero_row_scale)
+from custom_calls.triton.tile_quant import (lhs_source_cols, quantize_tile, store_scale_image, tile_ids,
+                                            ue8m0_bits_exponent, zero_row_scale)
 from custom_calls.triton.tuning import (check_groups, check_launch, check_powers_of_two, column_group,
                                         config_or_default, tile_groups)
 
@@ -230,8 +230,8 @@ def _permute(x: jax.Array, src2dst: jax.Array, *, slabs: int, mn: int, recipe: s
         grid=((zero_programs + ceil_div(m, config.tokens)) * ceil_div(g, cfg["GROUPS"]),),
         num_warps=config.num_warps, name="moe_permute_quant", zeroed_outputs=(2,) if src1_out else (),
         M=m, H=h, TOPK=top_k, TOPK_P2=triton.next_power_of_2(top_k), R=rows, G=g, UE8M0=fmt.ue8m0,
-        W4A8_ORDER=fmt.w4a8, TOKENS=config.tokens, ZERO_FILL=zero_fill, ZERO_ROWS=config.zero_rows, ZERO_SUB=config.zero_sub,
-        CHUNKS_FASTEST=config.chunks_fastest, ROW_SOURCE_OUT=src1_out, **cfg)
+        W4A8_ORDER=fmt.w4a8, TOKENS=config.tokens, ZERO_FILL=zero_fill, ZERO_ROWS=config.zero_rows,
+        ZERO_SUB=config.zero_sub, CHUNKS_FASTEST=config.chunks_fastest, ROW_SOURCE_OUT=src1_out, **cfg)
     if src1_out:
         src1 = src1_written
     if not quant:

@@ -97,5 +97,6 @@ def quantize_activation(x: jax.Array, recipe: str, arch: int,
                    jax.ShapeDtypeStruct((*lead, gi, img_ld), img_dtype)],
         grid=(row_blocks * ceil_div(g, groups),), num_warps=config.num_warps, name="moe_group_quant",
         MN=mn, K=k, G=g, IMG_LD=img_ld, IMG_SLAB=gi * img_ld, GROUP=group, UE8M0=fmt.ue8m0,
-        W4A8_ORDER=fmt.w4a8, BLOCK_M=config.block_m, GROUPS=groups, ROW_BLOCKS=row_blocks, CHUNKS_FASTEST=config.chunks_fastest)
+        W4A8_ORDER=fmt.w4a8, BLOCK_M=config.block_m, GROUPS=groups, ROW_BLOCKS=row_blocks,
+        CHUNKS_FASTEST=config.chunks_fastest)
     return q, img

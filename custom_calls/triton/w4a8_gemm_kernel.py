@@ -2,7 +2,8 @@
 
 Masked: D[g, m, :] = A[g, m, :] . W[g]^T for m < masked_m[g], as `m_grouped_gemm_masked` with recipe
 "mxfp4" on arch 90 (its W4A8 form): A (G, m_pad, K) e4m3 in the W4A8 column order (`layouts.w4a8`)
-with fp32 1x128 scales in the MN-major image; W (G, N, K/2) int8 e2m1 words and (G, N, K/128) int32 scale words -> D (G, m_pad, N) bf16.
+with fp32 1x128 scales in the MN-major image; W (G, N, K/2) int8 e2m1 words and (G, N, K/128) int32
+scale words -> D (G, m_pad, N) bf16.
 Contig: as `m_grouped_gemm_contig`, A (M_cap, K) rows grouped by expert (m_indices).
 
 Masked, per program: one group g, BLOCK_N weight rows and BLOCK_M token rows; it computes the
