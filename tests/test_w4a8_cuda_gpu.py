@@ -1,7 +1,7 @@
-"""The CUDA W4A8 kernels, masked and contig (`custom_calls.cuda.w4a8_gemm`), on an SM90 GPU: against the XLA reference,
-against the Triton W4A8 kernel and DeepGEMM's FP8 kernel on the FP4 -> FP8 path's operands (the same
-e4m3 values and block scales: equal within accumulation order); odd N, K not a multiple of 512, m_pad
-not a multiple of the token tile, empty and full groups, every tiling the config allows."""
+"""The CUDA W4A8 kernels, masked and contig (`custom_calls.cuda.w4a8_gemm`), on an SM90 GPU: against the
+XLA reference, against the Triton W4A8 kernels and DeepGEMM's FP8 kernels on the FP4 -> FP8 path's
+operands (the same e4m3 values and block scales: equal within accumulation order); odd N, K not a
+multiple of 512, m_pad not a multiple of the token tile, empty and full groups, padding blocks."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def test_w4a8_cuda_masked(g, m_pad, n, k, cfg):
     if n % 64 == 0:  # DeepGEMM's N granularity
         w8, s8 = mxfp4_to_fp8_block(packed, sf32)
         others.append(("DeepGEMM FP8", np.asarray(m_grouped_gemm_masked(
-            from_w4a8_lhs_order(a), w8, masked_m, expected_m=24, lhs_scale=sa, rhs_scale=s8, recipe="fp8_block", arch=90,
-            backend="deep_gemm"), np.float32)))
+            from_w4a8_lhs_order(a), w8, masked_m, expected_m=24, lhs_scale=sa, rhs_scale=s8, recipe="fp8_block",
+            arch=90, backend="deep_gemm"), np.float32)))
     scale = np.abs(ref[valid]).max()
     for name, other in others:
         diff = np.abs(out[valid] - other[valid])

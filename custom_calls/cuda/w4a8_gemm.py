@@ -31,14 +31,14 @@ MAX_SMEM = 227 * 1024  # an SM90 block's shared memory (dynamic, opted in by the
 
 @dataclasses.dataclass(frozen=True)
 class W4A8CudaConfig:
-    """Tiling of the CUDA W4A8 masked kernel.
+    """Tiling of the CUDA W4A8 kernel (masked and contig).
 
     token_tiles: 8-token tiles per block, the wgmma's N / 8 (a block covers 8 * token_tiles rows of
     one group; more rows take more blocks, each reading the weights again; contig: a divisor of the
-    alignment / 8); warpgroups: per block,
-    64 weight rows each; stages: ring slots in shared memory, each one K block of the tokens, the
-    weight rows and the token scales (TMA copies stages - 1 K blocks ahead); min_blocks: blocks per SM
-    the register allocation is bounded for (shared memory may allow fewer: `smem_bytes`).
+    alignment / 8); warpgroups: per block, 64 weight rows each; stages: ring slots in shared memory,
+    each one K block of the tokens, the weight rows and the token scales (TMA copies stages - 1 K
+    blocks ahead); min_blocks: blocks per SM the register allocation is bounded for (shared memory
+    may allow fewer: `smem_bytes`).
     """
 
     token_tiles: int = 4
@@ -81,7 +81,7 @@ def heuristic_config(expected_m: int) -> W4A8CudaConfig:
 
 
 # Prefill: 128 tokens a block (the MMA's work per widened weight grows with the tile), two warp
-# groups sharing them, one block per SM at about 180 registers. Not yet tuned on a GPU.
+# groups sharing them, one block per SM (178 registers as compiled). Not yet run on a GPU.
 CONTIG_CONFIG = W4A8CudaConfig(token_tiles=16, warpgroups=2, stages=4, min_blocks=1)
 
 
