@@ -369,12 +369,12 @@ def _check_quant(q, img, x32, group, ue8m0, label):
 
 
 def _from_w4a8_order(q):
-    """(..., K) stored in the W4A8 column order (`layouts.w4a8.LHS_ORDER`) -> column order."""
-    from layouts.w4a8 import LHS_POSITION
+    """(..., K) numpy, stored in the W4A8 column order -> column order (`layouts.w4a8.from_w4a8_lhs_order`)."""
+    import jax.numpy as jnp
 
-    full = q.shape[-1] // 128 * 128
-    blocks = q[..., :full].reshape(*q.shape[:-1], -1, 128)[..., LHS_POSITION].reshape(*q.shape[:-1], full)
-    return np.concatenate([blocks, q[..., full:]], axis=-1)
+    from layouts.w4a8 import from_w4a8_lhs_order
+
+    return np.array(from_w4a8_lhs_order(jnp.asarray(q)))
 
 
 def _quant_case(seed, lead, mn, k, group, ue8m0, in_dtype, w4a8=False):

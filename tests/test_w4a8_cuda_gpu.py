@@ -14,7 +14,7 @@ from custom_calls.grouped_gemm import m_grouped_gemm_masked
 from custom_calls.triton.w4a8_gemm_kernel import w4a8_masked
 from layouts.w4a8 import from_w4a8_lhs_order, mxfp4_to_w4a8
 from layouts.weight_paths import mxfp4_to_fp8_block
-from test_w4a8_gpu import _operands
+from test_w4a8_gpu import _contig_operands, _operands
 
 pytestmark = pytest.mark.gpu
 
@@ -94,16 +94,12 @@ def test_w4a8_cuda_contig(alignment, n, k, cfg):
     from custom_calls.native.compiler import compile_cubin
     from custom_calls.native.launch import launch
     from custom_calls.triton.w4a8_gemm_kernel import w4a8_contig
-    from layouts import gemm_format
     import jax.numpy as jnp
 
-    g, m_cap = 4, 1024
-    packed, sf32, _, _, _ = _operands(n + k + 3, g, 128, n, k)
+    g = 4
+    packed, sf32, a, sa, m_indices = _contig_operands(n + k + 3, g, n, k)
+    m_cap = m_indices.size
     w, sw = mxfp4_to_w4a8(packed, sf32)
-    m_indices = np.full(m_cap, -1, np.int32)
-    m_indices[:300], m_indices[384:512], m_indices[640:645] = 3, 0, 1  # expert 2 has no rows
-    x = np.random.default_rng(k).standard_normal((m_cap, k)) * (m_indices >= 0)[:, None]
-    a, sa = gemm_format("mxfp4", 90).quantize_lhs(jnp.asarray(x.astype(np.float32)))
     mi = jnp.asarray(m_indices)
     cfg = cfg or cw.contig_config(alignment)
     cubin = compile_cubin(cw.kernel_name(cfg, n=n, k=k, contig=True), cw.source(cfg, n=n, k=k, contig=True), 90)

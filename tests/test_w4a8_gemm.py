@@ -4,7 +4,6 @@ against the FP4 -> FP8 path, the operand checks, and which backend serves it."""
 from __future__ import annotations
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -35,8 +34,7 @@ def _model(codes, sf32, a, sa):
     mag = np.array(E2M1_VALUES)[codes & 7] * np.where(codes & 8, -1.0, 1.0)
     w = mag * np.repeat(sf32.astype(np.float64), 32, axis=-1)
     rows = np.asarray(from_mn_major_tma_aligned(sa, a.shape[1])).astype(np.float64)
-    plain = np.asarray(a).view(np.uint8).reshape(*a.shape[:-1], -1, 128)[..., np.argsort(LHS_ORDER)]
-    plain = plain.reshape(a.shape).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    plain = np.asarray(from_w4a8_lhs_order(a).astype(jnp.float32)).astype(np.float64)
     x = plain * np.repeat(rows, 128, axis=-1)
     return np.einsum("gmk,gnk->gmn", x, w), np.einsum("gmk,gnk->gmn", np.abs(x), np.abs(w))
 

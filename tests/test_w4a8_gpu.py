@@ -32,6 +32,17 @@ def _operands(seed, g, m_pad, n, k):
     return packed, sf32, a, sa, masked_m
 
 
+def _contig_operands(seed, g, n, k, m_cap=1024):
+    """Contig operands: MXFP4 weights (seed), rows grouped by expert (segments of 300, 128 and 5 rows;
+    expert 2 has none), tokens (seed k) zero on the padding rows -> (packed, sf32, a, sa, m_indices)."""
+    packed, sf32, _, _, _ = _operands(seed, g, 128, n, k)
+    m_indices = np.full(m_cap, -1, np.int32)
+    m_indices[:300], m_indices[384:512], m_indices[640:645] = 3, 0, 1
+    x = np.random.default_rng(k).standard_normal((m_cap, k)) * (m_indices >= 0)[:, None]
+    a, sa = gemm_format("mxfp4", 90).quantize_lhs(jnp.asarray(x.astype(np.float32)))
+    return packed, sf32, a, sa, m_indices
+
+
 @pytest.mark.parametrize("g,m_pad,n,k,cfg", [(4, 128, 200, 384, None), (8, 256, 4096, 1024, None),
                                              (3, 128, 584, 2048, W4A8Config(block_n=64, block_m=64)),
                                              (2, 384, 256, 640, W4A8Config(block_n=128, block_m=128, num_stages=3))])
@@ -84,14 +95,8 @@ def test_w4a8_contig_on_gpu(alignment, n, k):
     from custom_calls.grouped_gemm import m_grouped_gemm_contig
     from custom_calls.triton.w4a8_gemm_kernel import w4a8_contig
 
-    g, m_cap = 4, 1024
-    packed, sf32, _, _, _ = _operands(n + k, g, 128, n, k)
+    packed, sf32, a, sa, m_indices = _contig_operands(n + k, 4, n, k)
     w, sw = mxfp4_to_w4a8(packed, sf32)
-    m_indices = np.full(m_cap, -1, np.int32)
-    m_indices[:300], m_indices[384:512], m_indices[640:645] = 3, 0, 1  # expert 2 has no rows
-    rng = np.random.default_rng(k)
-    x = rng.standard_normal((m_cap, k)) * (m_indices >= 0)[:, None]
-    a, sa = gemm_format("mxfp4", 90).quantize_lhs(jnp.asarray(x.astype(np.float32)))
     mi = jnp.asarray(m_indices)
     run = jax.jit(lambda widen: w4a8_contig(a, sa, w, sw, mi, alignment=alignment, widen=widen), static_argnums=0)
     fast, shifts = np.asarray(run("prmt"), np.float32), np.asarray(run("shifts"), np.float32)
