@@ -86,7 +86,7 @@ def _operands(n: int, k: int, seed: int, x_shape: tuple, real=None):
 
     from layouts import gemm_format, mxfp4_to_fp8_block
     from layouts.fp4 import pack_e2m1
-    from layouts.w4a8 import mxfp4_to_w4a8
+    from layouts.w4a8 import mxfp4_to_w4a8, to_w4a8_lhs_order
 
     rng = np.random.default_rng(seed)
     codes = rng.integers(0, 16, (NUM_EXPERTS, n, k), dtype=np.uint8)
@@ -95,8 +95,8 @@ def _operands(n: int, k: int, seed: int, x_shape: tuple, real=None):
     x = rng.standard_normal(x_shape).astype(np.float32)
     if real is not None:
         x *= np.asarray(real, np.float32)[:, None]
-    a4, sa = gemm_format("mxfp4", 90).quantize_lhs(jnp.asarray(x))
-    a8, _ = gemm_format("fp8_block", 90).quantize_lhs(jnp.asarray(x))
+    a8, sa = gemm_format("fp8_block", 90).quantize_lhs(jnp.asarray(x))
+    a4 = to_w4a8_lhs_order(a8)  # the W4A8 format's lhs: the same bytes, its column order
     return {"fp8": (a8, sa, *mxfp4_to_fp8_block(packed, sf32)), "w4a8": (a4, sa, *mxfp4_to_w4a8(packed, sf32))}
 
 
