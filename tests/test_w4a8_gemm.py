@@ -83,6 +83,9 @@ def test_lhs_order_is_a_permutation_of_each_whole_128_column_block():
     np.testing.assert_array_equal(y[:, 128:256], np.asarray(x)[:, 128 + LHS_ORDER])
     np.testing.assert_array_equal(y[:, 256:], np.asarray(x)[:, 256:])
     np.testing.assert_array_equal(np.asarray(from_w4a8_lhs_order(jnp.asarray(y))), np.asarray(x))
+    for convert in (to_w4a8_lhs_order, from_w4a8_lhs_order):
+        with pytest.raises(ValueError, match=r"x: expected at least 1 dims \(\.\.\., K\), got shape \(\)"):
+            convert(jnp.float32(1.0))
 
 
 def test_w4a8_lhs_is_the_fp8_block_lhs_in_the_w4a8_order():
