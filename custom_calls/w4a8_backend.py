@@ -3,12 +3,13 @@ for recipe mxfp4 kept 4-bit on arch 90 (`layouts.w4a8`). A backend of its own so
 meaning the layer's non-GEMM stages (whose GEMM stage runs the reference); "auto" tries it after
 DeepGEMM, which has no W4A8 kernel. Registered when the registry first needs it.
 
-Kernels: on an SM90 GPU, masked (decode) runs the CUDA kernel (`custom_calls.cuda.w4a8_gemm`: the
-weights go from registers into the tensor core) and contig (prefill) the Triton kernel
-(`custom_calls.triton.w4a8_gemm_kernel`). Under Triton's interpreter (CPU tests) both run the Triton
-kernels, which read the same weight format and compute the same sums; the GPU tests compare the two
-masked kernels. The GPU needs what "triton" needs and, for the CUDA masked kernel, what "deep_gemm"
-needs (nvcc, the launcher, an SM90 device).
+Kernels: on an SM90 GPU both layouts run the CUDA kernel (`custom_calls.cuda.w4a8_gemm`: the weights
+go from registers into the tensor core), masked (decode) at `heuristic_config(expected_m)` and contig
+(prefill) at `contig_config(alignment)`; the Triton kernels of the same ops
+(`custom_calls.triton.w4a8_gemm_kernel`, measured slower: BENCHMARKS.md) stay as the CPU path. Under
+Triton's interpreter (CPU tests) both layouts run them: they read the same weight format and compute
+the same sums, and the GPU tests compare them with the CUDA kernel. The GPU needs what "triton" needs
+(the layer's producers) and what "deep_gemm" needs (nvcc, the launcher, an SM90 device).
 """
 
 from __future__ import annotations
@@ -36,16 +37,16 @@ def _widen() -> str:
 
 
 def environment(platform: str, *, op: str | None = None, settings=None, **static) -> str:
-    """The registry's environment check: Triton's (the contig kernel; the interpreter on the CPU) and on a
-    GPU, unless the contig op asks, the native toolchain and an SM90 device (the CUDA masked kernel): a
-    GPU without nvcc still runs W4A8 prefill, and the backend asked without an op answers for both."""
+    """The registry's environment check: Triton's (the interpreter on the CPU) and on a GPU the native
+    toolchain and an SM90 device (the CUDA kernel of both ops)."""
+    del op  # both ops need the same
     reason = triton_environment(platform, **static)
-    if reason or platform != "gpu" or op == importlib.import_module("custom_calls.grouped_gemm").OP_CONTIG:
+    if reason or platform != "gpu":
         return reason
     from custom_calls.deep_gemm.ops import environment as native_environment
 
     reason = native_environment(platform, arch=90, settings=settings)
-    return f"the CUDA W4A8 masked kernel: {reason}" if reason else ""
+    return f"the CUDA W4A8 kernel: {reason}" if reason else ""
 
 
 def grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, *, lhs_scale: jax.Array,
@@ -53,10 +54,14 @@ def grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, *,
     """As `custom_calls.grouped_gemm.m_grouped_gemm_contig` for the W4A8 form of mxfp4 on arch 90:
     lhs (M_cap, K) e4m3, rhs (G, N, K/2) int8 words, rhs_scale (G, N, K/128) int32 -> (M_cap, N) bf16."""
     del recipe, arch, settings  # one format (supports_w4a8_contig); no tuning settings of its own
-    from custom_calls.triton import w4a8_gemm_kernel
+    if _interpreting():
+        from custom_calls.triton import w4a8_gemm_kernel
 
-    return w4a8_gemm_kernel.w4a8_contig(lhs, lhs_scale, rhs, rhs_scale, m_indices, alignment=alignment,
-                                        widen=_widen())
+        return w4a8_gemm_kernel.w4a8_contig(lhs, lhs_scale, rhs, rhs_scale, m_indices, alignment=alignment,
+                                            widen=_widen())
+    from custom_calls.cuda.w4a8_gemm import w4a8_contig_cuda
+
+    return w4a8_contig_cuda(lhs, lhs_scale, rhs, rhs_scale, m_indices, alignment=alignment)
 
 
 def grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *, expected_m: int,

@@ -1,8 +1,7 @@
-"""The CUDA W4A8 masked kernel on the CPU: a numpy model of its data movement (the weight fragments it
-widens, the token bytes it stages in the wgmma's shared-memory layout and the MMA over both) against
-the float64 model; its configs, launch plans and checks; and nvcc compiling it for sm_90a without
-spills. The kernel itself runs in
-tests/test_w4a8_cuda_gpu.py."""
+"""The CUDA W4A8 kernel (masked and contig) on the CPU: a numpy model of its data movement (the weight
+fragments it widens, the token bytes TMA copies in the wgmma's shared-memory layout and the MMA over
+both) against the float64 model; its configs, launch plans and checks; and nvcc compiling it for
+sm_90a without spills. The kernel itself runs in tests/test_w4a8_cuda_gpu.py."""
 
 from __future__ import annotations
 
@@ -171,11 +170,13 @@ def test_config_checks_name_the_field():
     with pytest.raises(ValueError, match=r"k: the W4A8 kernel needs a multiple of 128, got 200"):
         cw.source(cw.W4A8CudaConfig(), n=64, k=200, m_pad=128)
     # contig: a block's rows must lie in one expert's segment
-    assert [cw.contig_config(a).token_tiles for a in (128, 64, 32, 8)] == [16, 8, 4, 1]
+    tiles = cw.CONTIG_CONFIG.token_tiles
+    assert [cw.contig_config(a).token_tiles for a in (128, 64, 32, 8)] == [min(tiles, a // 8) for a in (128, 64, 32, 8)]
     lhs, sa = jnp.zeros((256, 128), jnp.float8_e4m3fn), jnp.zeros((1, 256), jnp.float32)
     rhs, rs = jnp.zeros((2, 64, 64), jnp.int8), jnp.zeros((2, 64, 1), jnp.int32)
     with pytest.raises(ValueError, match=r"config.token_tiles: a contig block's 128 rows must divide the alignment 64"):
-        cw.w4a8_contig_cuda(lhs, sa, rhs, rs, jnp.zeros((256,), jnp.int32), alignment=64, config=cw.CONTIG_CONFIG)
+        cw.w4a8_contig_cuda(lhs, sa, rhs, rs, jnp.zeros((256,), jnp.int32), alignment=64,
+                            config=cw.W4A8CudaConfig(token_tiles=16, min_blocks=1))
 
 
 def test_heuristic_covers_one_and_a_half_times_the_expected_rows_up_to_32():
@@ -207,7 +208,8 @@ def test_launch_plan_geometry():
         cw.plan(cw.W4A8CudaConfig(token_tiles=16, warpgroups=4, stages=8), "/x.cubin", g=1, m_pad=128, n=256, k=128)
     # contig: one slab of M_cap rows, the grid's z is 1 (the block reads its expert), weights over every expert
     m_cap = 1024
-    plan = cw.plan(cw.CONTIG_CONFIG, "/x.cubin", g=g, m_pad=m_cap, n=n, k=k, contig=True)
+    plan = cw.plan(cw.W4A8CudaConfig(token_tiles=16, warpgroups=2, min_blocks=1), "/x.cubin", g=g, m_pad=m_cap, n=n,
+                   k=k, contig=True)
     assert (plan.grid, plan.grid_yz, plan.block) == (2, (8, 1), 256)
     tokens, scales, weights = plan.tmaps
     assert (tokens.dims, tokens.box, scales.dims, scales.box) == ((k, m_cap), (128, 128), (m_cap, 3), (128, 1))
@@ -255,7 +257,8 @@ def _resources(cubin) -> dict:
                                         (cw.W4A8CudaConfig(token_tiles=8, stages=2, min_blocks=2), False),
                                         (cw.W4A8CudaConfig(token_tiles=2, warpgroups=2, stages=3, min_blocks=3), False),
                                         (cw.CONTIG_CONFIG, True),
-                                        (cw.W4A8CudaConfig(token_tiles=8, stages=4, min_blocks=2), True)])
+                                        (cw.W4A8CudaConfig(token_tiles=16, min_blocks=2), True),
+                                        (cw.W4A8CudaConfig(token_tiles=16, warpgroups=2, min_blocks=1), True)])
 def test_compiles_for_sm90a_without_spills(cfg, contig, tmp_path, monkeypatch):
     """nvcc compiles each tiling of both layouts for sm_90a: FP8 wgmma (QGMMA; no HMMA emulation), no local
     memory, within the register bound of `min_blocks` blocks per SM."""

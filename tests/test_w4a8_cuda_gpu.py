@@ -84,6 +84,7 @@ def test_w4a8_cuda_writes_exactly_the_rows_below_masked_m(m_pad, cfg):
     (128, 4096, 2048, None),
     (64, 200, 384, None),
     (128, 584, 1152, W4A8CudaConfig(token_tiles=8, stages=3, min_blocks=2)),
+    (128, 584, 2432, W4A8CudaConfig(token_tiles=16, warpgroups=2, stages=4, min_blocks=1)),
 ])
 def test_w4a8_cuda_contig(alignment, n, k, cfg):
     """The contig kernel writes every row of D (into a NaN-filled output): expert rows against the

@@ -211,10 +211,10 @@ def test_flax_module_runs_the_4bit_form():
     np.testing.assert_array_equal(outs["w4a8"], outs["fp8"])
 
 
-def test_gpu_environment_asks_for_nvcc_only_where_the_cuda_kernel_runs(monkeypatch):
-    """On a GPU the masked op runs the CUDA kernel (nvcc, the launcher, SM90) and the contig op the Triton
-    kernel alone: without the native toolchain, the registry still resolves contig and refuses masked
-    saying why, and so does the backend asked without an op (the registry tells the check which op asks)."""
+def test_gpu_environment_asks_for_nvcc_and_triton(monkeypatch):
+    """On a GPU both ops run the CUDA kernel (nvcc, the launcher, SM90) beside the Triton producers:
+    without the native toolchain the registry refuses both saying why, "auto" passes over the backend,
+    and so does the backend asked without an op; without Triton, Triton's reason comes first."""
     import custom_calls.deep_gemm.ops as native
     import custom_calls.w4a8_backend as w4a8
     from custom_calls.backends import resolve, unavailable_reason
@@ -225,13 +225,11 @@ def test_gpu_environment_asks_for_nvcc_only_where_the_cuda_kernel_runs(monkeypat
     dtypes = dict(lhs_dtype=jnp.float8_e4m3fn, rhs_dtype=jnp.int8, settings=None)
     contig = dict(m_cap=256, n=64, k=128, num_groups=2, recipe="mxfp4", arch=90, alignment=64, **dtypes)
     masked = dict(num_groups=2, m_pad=128, n=64, k=128, expected_m=8, recipe="mxfp4", arch=90, **dtypes)
-    assert resolve(OP_CONTIG, "w4a8", platform="gpu", **contig).backend == "w4a8"
-    with pytest.raises(ValueError, match="backend 'w4a8' cannot run op .*: the CUDA W4A8 masked kernel: nvcc: not "
-                                         "found"):
-        resolve(OP_MASKED, "w4a8", platform="gpu", **masked)
-    assert resolve(OP_MASKED, "auto", platform="gpu", **masked).backend != "w4a8"
-    assert unavailable_reason("w4a8", platform="gpu") == "the CUDA W4A8 masked kernel: nvcc: not found"
-    # the op decides, not which static arguments came along
-    assert w4a8.environment("gpu", op=OP_MASKED, **contig) == "the CUDA W4A8 masked kernel: nvcc: not found"
+    for op, static in ((OP_CONTIG, contig), (OP_MASKED, masked)):
+        with pytest.raises(ValueError, match="backend 'w4a8' cannot run op .*: the CUDA W4A8 kernel: nvcc: not found"):
+            resolve(op, "w4a8", platform="gpu", **static)
+        assert resolve(op, "auto", platform="gpu", **static).backend != "w4a8"
+    assert unavailable_reason("w4a8", platform="gpu") == "the CUDA W4A8 kernel: nvcc: not found"
+    assert w4a8.environment("cpu", op=OP_CONTIG, **contig) == ""  # the interpreter runs the Triton kernels
     monkeypatch.setattr(w4a8, "triton_environment", lambda platform, **static: "triton: not installed")
     assert w4a8.environment("gpu", op=OP_CONTIG, **contig) == "triton: not installed"

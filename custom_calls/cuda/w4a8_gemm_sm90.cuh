@@ -26,8 +26,11 @@
 // tiling against 166 when each thread loaded its words and staged the tokens itself), so more blocks
 // share an SM, and the loads no longer wait in the threads' instruction streams.
 //
-// Prefill (contig) runs the same loop with wide token tiles (N up to 128): the MMA's work per widened
-// weight grows with the tile, which is what should let the widening hide under it.
+// Prefill (contig) runs the same loop with wider token tiles (`contig_config`: 64 tokens, two blocks
+// per SM). It reaches 0.47x DeepGEMM's FP8 kernel there (BENCHMARKS.md): per K block a thread's work
+// beside the MMA (widening, and a promotion whose scale is a weight row's times a token's, two
+// operations per accumulator) does not hide under it (not profiled), and issuing the next K block's
+// MMA before the promotion was slower.
 //
 // The generated translation unit defines, before this text: W4A8_CONTIG (0 or 1), W4A8_N, W4A8_K,
 // W4A8_M_PAD and W4A8_SA_LD (masked; contig takes its rows from the grid and has 0 here),
