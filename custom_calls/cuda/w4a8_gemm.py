@@ -24,6 +24,7 @@ from custom_calls.native.launch_plan import (ARG_PTR, ARG_TMAP, TMA_FLOAT32, TMA
 from layouts.checks import align, ceil_div
 
 KERNEL_SOURCE = Path(__file__).parent / "w4a8_gemm_sm90.cuh"  # package data of the wheel
+COMMON_SOURCE = Path(__file__).parent / "w4a8_sm90_common.cuh"  # the kernels' device helpers
 SYMBOL = "moe_jax_w4a8_gemm_sm90"
 MAX_GRID_YZ = (1 << 16) - 1
 MAX_SMEM = 227 * 1024  # an SM90 block's shared memory (dynamic, opted in by the launcher)
@@ -104,7 +105,8 @@ def source(cfg: W4A8CudaConfig, *, n: int, k: int, m_pad: int = 0, contig: bool 
                    W4A8_TOKEN_TILES=cfg.token_tiles, W4A8_WARPGROUPS=cfg.warpgroups,
                    W4A8_STAGES=cfg.stages, W4A8_MIN_BLOCKS=cfg.min_blocks)
     head = "".join(f"#define {name} {value}\n" for name, value in defines.items())
-    return "#include <cstdint>\n" + head + _wgmma_function(8 * cfg.token_tiles) + KERNEL_SOURCE.read_text()
+    return ("#include <cstdint>\n" + head + COMMON_SOURCE.read_text() + _wgmma_function(8 * cfg.token_tiles)
+            + KERNEL_SOURCE.read_text())
 
 
 def _wgmma_function(n: int) -> str:
@@ -138,25 +140,35 @@ def grid(cfg: W4A8CudaConfig, *, g: int, m_pad: int, n: int, contig: bool = Fals
 
 
 def plan(cfg: W4A8CudaConfig, cubin: str, *, g: int, m_pad: int, n: int, k: int, contig: bool = False) -> LaunchPlan:
-    """Operands 0 lhs, 1 lhs_scale, 2 rhs, 3 rhs_scale, 4 masked_m (contig: m_indices), 5 the output D.
-    Tensor maps over the whole of each operand (so a box past a group's last row reads the next
-    group's, and one past the tensor zeros): lhs as (G * m_pad) rows of K bytes (contig: M_cap =
-    m_pad rows), boxes of a block's tokens x 128 bytes with the 128-byte swizzle; lhs_scale as
-    (G * K/128) rows (contig: K/128) of align(m_pad, 4) floats, boxes of a block's tokens; rhs as
-    (G * N) rows of K/2 bytes, boxes of a block's weight rows x 64 bytes."""
+    """Operands 0 lhs, 1 lhs_scale, 2 rhs, 3 rhs_scale, 4 masked_m (contig: m_indices), 5 the output D;
+    `tensor_maps` with G slabs of A (contig: one of M_cap = m_pad rows) and a block's tokens and rows."""
     smem = smem_bytes(cfg)
     if smem > MAX_SMEM:
         raise ValueError(f"W4A8CudaConfig(token_tiles={cfg.token_tiles}, warpgroups={cfg.warpgroups}, "
                          f"stages={cfg.stages}): {smem} bytes of shared memory per block, at most {MAX_SMEM}; "
                          f"fewer stages, warp groups or token tiles")
     gx, gy, gz = grid(cfg, g=g, m_pad=m_pad, n=n, contig=contig)
-    sa_ld, kb, slabs = align(m_pad, 4), k // 128, 1 if contig else g
-    tmaps = (TensorMap(0, TMA_UINT8, (k, slabs * m_pad), (k,), (128, cfg.block_tokens), 128),
-             TensorMap(1, TMA_FLOAT32, (sa_ld, slabs * kb), (4 * sa_ld,), (cfg.block_tokens, 1), 0),
-             TensorMap(2, TMA_UINT8, (k // 2, g * n), (k // 2,), (64, cfg.block_rows), 0))
-    args = (KernelArg(ARG_TMAP, 0), KernelArg(ARG_TMAP, 1), KernelArg(ARG_TMAP, 2),
-            KernelArg(ARG_PTR, 3), KernelArg(ARG_PTR, 4), KernelArg(ARG_PTR, 5))
-    return LaunchPlan(SYMBOL, cubin, gx, 128 * cfg.warpgroups, 1, smem, args, tmaps, grid_yz=(gy, gz))
+    tmaps = tensor_maps(g=g, slabs=1 if contig else g, m_pad=m_pad, n=n, k=k, block_tokens=cfg.block_tokens,
+                        block_rows=cfg.block_rows)
+    return LaunchPlan(SYMBOL, cubin, gx, 128 * cfg.warpgroups, 1, smem, KERNEL_ARGS, tmaps, grid_yz=(gy, gz))
+
+
+# the kernels' arguments: the three tensor maps, then rhs_scale, masked_m / m_indices and D
+KERNEL_ARGS = (KernelArg(ARG_TMAP, 0), KernelArg(ARG_TMAP, 1), KernelArg(ARG_TMAP, 2),
+               KernelArg(ARG_PTR, 3), KernelArg(ARG_PTR, 4), KernelArg(ARG_PTR, 5))
+
+
+def tensor_maps(*, g: int, slabs: int, m_pad: int, n: int, k: int, block_tokens: int,
+                block_rows: int) -> tuple[TensorMap, ...]:
+    """The W4A8 kernels' TMA maps over the whole of each operand (a box past a group's last row reads the
+    next group's, one past the tensor zeros): lhs as (slabs * m_pad) rows of K bytes, boxes of
+    `block_tokens` x 128 bytes at the 128-byte swizzle; lhs_scale as (slabs * K/128) rows of
+    align(m_pad, 4) floats, boxes of `block_tokens`; rhs as (G * N) rows of K/2 bytes, boxes of
+    `block_rows` x 64 bytes."""
+    sa_ld, kb = align(m_pad, 4), k // 128
+    return (TensorMap(0, TMA_UINT8, (k, slabs * m_pad), (k,), (128, block_tokens), 128),
+            TensorMap(1, TMA_FLOAT32, (sa_ld, slabs * kb), (4 * sa_ld,), (block_tokens, 1), 0),
+            TensorMap(2, TMA_UINT8, (k // 2, g * n), (k // 2,), (64, block_rows), 0))
 
 
 def w4a8_masked_cuda(lhs: jax.Array, lhs_scale: jax.Array, rhs: jax.Array, rhs_scale: jax.Array,
