@@ -123,6 +123,97 @@ def _contig_kernel_model(a, sa, values, scales, m_indices, token_tiles):
     return out
 
 
+def _ws_block_model(a_rows, scale_rows, w_words, s_words, tile):
+    """One block of the warp-specialized contig kernel (w4a8_contig_ws_sm90.cuh), following its data
+    movement: per K block, TMA copies the 128 tokens with the 128-byte swizzle; the producer's unit (row r,
+    32-group c) widens words 4c..4c+3 of the row with one table and stores the even bytes of word 4c + q at
+    bytes 32q + 4c and the odd ones at 32q + 16 + 4c of the row's 128, under the swizzle (rows past N: table
+    0); each consumer reads its 64 tokens (A) and the 128 widened rows (B) through K-major descriptors, k32
+    step s 32 bytes along, and promotes with token scale x the tile's sf128 (row 128 tile's scale word).
+    a_rows (128, K) uint8, scale_rows (128, K/128) f64, w_words (N, K/8) / s_words (N, K/128) the
+    expert's words -> (128 tokens, 128 weight rows) f64."""
+    k, n = a_rows.shape[1], w_words.shape[0]
+    tables = E4M3_TABLES.view("<u4").reshape(-1, 2).astype(np.uint32)
+    r = np.arange(128)
+    rows = tile * 128 + r
+    ok = rows < n
+    rows = np.minimum(rows, n - 1)
+    t_idx, x_idx = np.meshgrid(r, np.arange(128), indexing="ij")
+    kk, tt = np.meshgrid(np.arange(32), np.arange(128))
+    acc = np.zeros((128, 128))
+    for kb in range(k // 128):
+        tokens = np.zeros(128 * 128, np.uint8)
+        tokens[_swizzle128(128 * t_idx + x_idx)] = a_rows[:, kb * 128:(kb + 1) * 128]  # the TMA copy
+        sw = np.where(ok, s_words[rows, kb], 0).astype(np.uint32)
+        wide = np.zeros(128 * 128, np.uint8)
+        for c in range(4):  # the producer's stores
+            lo, hi = tables[(sw >> (8 + 5 * c)) & 31].T
+            for q in range(4):
+                word = np.where(ok, w_words[rows, kb * 16 + 4 * c + q], 0).astype(np.uint32)
+                even = _prmt(lo, hi, word & 0x7777) | (word & 0x80808080)
+                odd = _prmt(lo, hi, (word >> 16) & 0x7777) | ((word << 4) & 0x80808080)
+                for e, val in enumerate((even, odd)):
+                    for b in range(4):
+                        wide[128 * r + (((2 * q + e) ^ (r % 8)) * 16) + 4 * c + b] = (val >> (8 * b)) & 0xFF
+        sf128 = np.ldexp(1.0, int(s_words[tile * 128, kb] & 0xFF) - 127)
+        part = np.zeros((128, 128))
+        for s in range(4):
+            addr = 1024 * (tt // 8) + 128 * (tt % 8) + 32 * s + kk  # the descriptors' K-major rows
+            a_mat = tokens[_swizzle128(addr)].view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # (tokens, 32)
+            b_mat = wide[_swizzle128(addr)].view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # (weight rows, 32)
+            part += a_mat @ b_mat.T
+        acc += part * scale_rows[:, kb][:, None] * sf128
+    return acc
+
+
+def test_ws_contig_kernel_model_matches_the_float64_model():
+    """The warp-specialized contig kernel's data movement (`_ws_block_model`: the producer's widened tile in
+    the tokens' column order at the swizzle the descriptor reads) computes the GEMM: the expert of each
+    128-row block, padding rows and all-padding blocks 0, a partial last weight tile (N 200)."""
+    n = 200
+    codes, sf32, values, scales, m_indices, a, sa = _contig_case(9, n)
+    a_bytes = np.asarray(a).view(np.uint8)
+    w_words, s_words = _words(values, scales)
+    token_scales = np.asarray(from_mn_major_tma_aligned(sa, m_indices.size)).astype(np.float64)
+    got = np.zeros((m_indices.size, n))
+    for mb in range(0, m_indices.size, 128):
+        e = int(m_indices[mb])
+        if e >= 0:
+            rows = mb + np.arange(128)
+            for tile in range(-(-n // 128)):
+                cols = np.arange(tile * 128, min(n, tile * 128 + 128))
+                block = _ws_block_model(a_bytes[rows], token_scales[rows], w_words[e], s_words[e], tile)
+                got[np.ix_(rows, cols)] = block[:, :cols.size]
+    got[m_indices < 0] = 0
+    _check_contig(got, codes, sf32, a, sa, m_indices)
+
+
+def _contig_case(seed: int, n: int):
+    """3 experts of N rows, K 256, M_cap 512: segments of 100, 128 and 6 rows (rows 256..383 all padding),
+    tokens zero on the padding rows -> (codes, sf32, values, scales, m_indices, a, sa)."""
+    from test_w4a8_gemm import W4A8
+
+    codes, sf32, packed, _, _ = _operands(seed, g=3, m_pad=128, n=n, k=256)
+    values, scales = mxfp4_to_w4a8(packed, jnp.asarray(sf32))
+    m_indices = np.full(512, -1, np.int32)
+    m_indices[:100], m_indices[128:256], m_indices[384:390] = 2, 0, 1
+    x = np.random.default_rng(seed + 1).standard_normal((512, 256)) * (m_indices >= 0)[:, None]
+    a, sa = W4A8.quantize_lhs(jnp.asarray(x.astype(np.float32)))
+    return codes, sf32, values, scales, m_indices, a, sa
+
+
+def _check_contig(got, codes, sf32, a, sa, m_indices):
+    """A contig kernel model's (M_cap, N) output: padding rows 0, expert rows within fp32 accumulation of
+    the float64 model of their expert."""
+    g, (m_cap, k) = codes.shape[0], a.shape
+    full, mag = _model(codes, sf32, jnp.broadcast_to(a, (g, m_cap, k)), jnp.broadcast_to(sa, (g, *sa.shape)))
+    e = np.maximum(m_indices, 0)
+    want, bound = full[e, np.arange(m_cap)], mag[e, np.arange(m_cap)]
+    real = m_indices >= 0
+    assert (got[~real] == 0).all() and np.abs(want[real]).max() > 0
+    assert (np.abs(got - want)[real] <= 1e-5 * bound[real] + 1e-30).all()
+
+
 @pytest.mark.parametrize("token_tiles,m_pad,n,k", [(4, 128, 72, 256), (3, 128, 40, 384), (1, 128, 24, 128)])
 def test_kernel_model_matches_the_float64_model(token_tiles, m_pad, n, k):
     """The permutations the kernel relies on (weights widened per thread column, tokens in the W4A8 column
@@ -142,22 +233,8 @@ def test_kernel_model_matches_the_float64_model(token_tiles, m_pad, n, k):
 def test_contig_kernel_model_matches_the_float64_model():
     """The contig kernel's blocks: the expert of a block's first row, padding rows and all-padding blocks
     0, a partial last segment; the same data movement as the masked kernel."""
-    g, m_cap, n, k, tiles = 3, 512, 40, 256, 4
-    codes, sf32, packed, _, _ = _operands(5, g=g, m_pad=128, n=n, k=k)
-    values, scales = mxfp4_to_w4a8(packed, jnp.asarray(sf32))
-    m_indices = np.full(m_cap, -1, np.int32)
-    m_indices[:100], m_indices[128:256], m_indices[384:390] = 2, 0, 1  # rows 256..383: all padding
-    x = np.random.default_rng(6).standard_normal((m_cap, k)) * (m_indices >= 0)[:, None]
-    from test_w4a8_gemm import W4A8
-
-    a, sa = W4A8.quantize_lhs(jnp.asarray(x.astype(np.float32)))
-    got = _contig_kernel_model(a, sa, values, scales, m_indices, tiles)
-    full, mag = _model(codes, sf32, jnp.broadcast_to(a, (g, m_cap, k)), jnp.broadcast_to(sa, (g, *sa.shape)))
-    e = np.maximum(m_indices, 0)
-    want, bound = full[e, np.arange(m_cap)], mag[e, np.arange(m_cap)]
-    real = m_indices >= 0
-    assert (got[~real] == 0).all() and np.abs(want[real]).max() > 0
-    assert (np.abs(got - want)[real] <= 1e-5 * bound[real] + 1e-30).all()
+    codes, sf32, values, scales, m_indices, a, sa = _contig_case(5, 40)
+    _check_contig(_contig_kernel_model(a, sa, values, scales, m_indices, 4), codes, sf32, a, sa, m_indices)
 
 
 def test_config_checks_name_the_field():
@@ -269,3 +346,47 @@ def test_compiles_for_sm90a_without_spills(cfg, contig, tmp_path, monkeypatch):
     res = _resources(compile_cubin(cw.kernel_name(cfg, n=4096, k=4096, m_pad=256, contig=contig), src, 90).path)
     assert res["stack"] == 0 and res["wgmma"] > 0 and res["hmma"] == 0, res
     assert res["reg"] * 128 * cfg.warpgroups * cfg.min_blocks <= 65536, res
+
+
+@needs_nvcc
+@pytest.mark.parametrize("stages", [2, 4, 5])
+def test_ws_compiles_for_sm90a_without_spills(stages, tmp_path, monkeypatch):
+    """The warp-specialized contig kernel compiles for sm_90a: SS FP8 wgmma, no local memory, within the
+    registers of 384 threads on one SM."""
+    from custom_calls.cuda import w4a8_contig_ws as ws
+    from custom_calls.native.compiler import compile_cubin
+
+    monkeypatch.setenv("MOE_JAX_CACHE_DIR", str(tmp_path))
+    cfg = ws.W4A8WsConfig(stages)
+    res = _resources(compile_cubin(ws.kernel_name(cfg, n=4096, k=4096), ws.source(cfg, n=4096, k=4096), 90).path)
+    assert res["stack"] == 0 and res["wgmma"] == 4 and res["hmma"] == 0, res
+    assert res["reg"] * ws.THREADS <= 65536, res
+
+
+def test_ws_plan_and_checks():
+    """The warp-specialized kernel's launch: a block per 128 weight rows x 128 tokens, 384 threads, boxes of
+    128 tokens and 128 rows; refused by name: stages outside [2, 5], M_cap or an alignment not a multiple
+    of 128, K not a multiple of 128."""
+    from custom_calls.cuda import w4a8_contig_ws as ws
+
+    g, m_cap, n, k = 4, 1024, 200, 384
+    plan = ws.plan(ws.W4A8WsConfig(), "/x.cubin", g=g, m_cap=m_cap, n=n, k=k)
+    assert (plan.grid, plan.grid_yz, plan.block, plan.smem) == (2, (8, 1), 384, ws.smem_bytes(ws.W4A8WsConfig()))
+    tokens, scales, weights = plan.tmaps
+    assert (tokens.dims, tokens.box, tokens.swizzle) == ((k, m_cap), (128, 128), 128)
+    assert (scales.dims, scales.box, weights.dims, weights.box) == ((m_cap, 3), (128, 1), (k // 2, g * n), (64, 128))
+    plan.check()
+    plan.check_operands((m_cap * k, 3 * m_cap * 4, g * n * k // 2, g * n * 3 * 4, 4 * m_cap, 2 * m_cap * n))
+    # four slots of (16 + 16 + 8 KB + 512 B -> 41 KB) and the alignment
+    assert ws.smem_bytes(ws.W4A8WsConfig(4)) == 4 * 41984 + 1024
+    for bad in (1, 6, True):
+        with pytest.raises(ValueError, match=rf"W4A8WsConfig.stages: expected an int in \[2, 5\], got {bad!r}"):
+            ws.W4A8WsConfig(bad)
+    with pytest.raises(ValueError, match=r"M_cap: the warp-specialized W4A8 kernel takes blocks of 128 rows, got 960"):
+        ws.plan(ws.W4A8WsConfig(), "/x.cubin", g=g, m_cap=960, n=n, k=k)
+    with pytest.raises(ValueError, match=r"k: the W4A8 kernel needs a multiple of 128, got 200"):
+        ws.source(ws.W4A8WsConfig(), n=64, k=200)
+    lhs, sa = jnp.zeros((256, 128), jnp.float8_e4m3fn), jnp.zeros((1, 256), jnp.float32)
+    rhs, rs = jnp.zeros((2, 64, 64), jnp.int8), jnp.zeros((2, 64, 1), jnp.int32)
+    with pytest.raises(ValueError, match=r"alignment must be a multiple of 128, got 64"):
+        ws.w4a8_contig_ws(lhs, sa, rhs, rs, jnp.zeros((256,), jnp.int32), alignment=64)
