@@ -18,7 +18,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from custom_calls.cuda.w4a8_gemm import COMMON_SOURCE, KERNEL_ARGS, MAX_GRID_YZ, MAX_SMEM, tensor_maps
+from custom_calls.cuda.w4a8_gemm import (COMMON_SOURCE, KERNEL_ARGS, MAX_GRID_YZ, MAX_SMEM, tensor_maps,
+                                         wgmma_function)
 from custom_calls.native.launch_plan import LaunchPlan
 from layouts.checks import align, ceil_div
 
@@ -48,24 +49,13 @@ def smem_bytes(cfg: W4A8WsConfig) -> int:
 
 
 def source(cfg: W4A8WsConfig, *, n: int, k: int) -> str:
-    """The translation unit: shapes and stages as macros, the W4A8 device helpers, the MMA, the kernel."""
+    """The translation unit: shapes and stages as macros, the W4A8 device helpers, the MMA (both operands
+    from shared memory: `wgmma_m64n128k32_ss`), the kernel."""
     if k % 128:
         raise ValueError(f"k: the W4A8 kernel needs a multiple of 128, got {k}")
     head = f"#include <cstdint>\n#define W4A8_WS_N {n}\n#define W4A8_WS_K {k}\n#define W4A8_WS_STAGES {cfg.stages}\n"
-    return head + COMMON_SOURCE.read_text() + _wgmma_function() + KERNEL_SOURCE.read_text()
-
-
-def _wgmma_function() -> str:
-    """wgmma_m64n128k32_ss(d, desc_a, desc_b, accumulate): one m64n128k32 e4m3 MMA, A (64 tokens) and B (128
-    widened weight rows) from shared memory, fp32 D += / = A . B."""
-    d = ", ".join(f"%{i}" for i in range(64))
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(64))
-    return ("__device__ __forceinline__ void wgmma_m64n128k32_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, "
-            "bool accumulate) {\n"
-            "  asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, %66, 0;\\n"
-            f"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {{{d}}}, %64, %65, p, 1, 1;\\n}}\\n\"\n"
-            f"      : {outs}\n"
-            "      : \"l\"(desc_a), \"l\"(desc_b), \"r\"(int(accumulate)));\n}\n")
+    return (head + COMMON_SOURCE.read_text() + wgmma_function("wgmma_m64n128k32_ss", BLOCK, a_in_registers=False)
+            + KERNEL_SOURCE.read_text())
 
 
 def kernel_name(cfg: W4A8WsConfig, *, n: int, k: int) -> str:

@@ -105,23 +105,31 @@ def source(cfg: W4A8CudaConfig, *, n: int, k: int, m_pad: int = 0, contig: bool 
                    W4A8_TOKEN_TILES=cfg.token_tiles, W4A8_WARPGROUPS=cfg.warpgroups,
                    W4A8_STAGES=cfg.stages, W4A8_MIN_BLOCKS=cfg.min_blocks)
     head = "".join(f"#define {name} {value}\n" for name, value in defines.items())
-    return ("#include <cstdint>\n" + head + COMMON_SOURCE.read_text() + _wgmma_function(8 * cfg.token_tiles)
+    return ("#include <cstdint>\n" + head + COMMON_SOURCE.read_text()
+            + wgmma_function("wgmma_m64k32", 8 * cfg.token_tiles, a_in_registers=True)
             + KERNEL_SOURCE.read_text())
 
 
-def _wgmma_function(n: int) -> str:
-    """wgmma_m64k32(d, a, desc, accumulate): one m64nNk32 e4m3 MMA, A (the weights) from registers, B
-    (the tokens) from shared memory, fp32 D += / = A . B."""
+def wgmma_function(name: str, n: int, *, a_in_registers: bool) -> str:
+    """`name`(d, a | desc_a, desc(_b), accumulate): one m64nNk32 e4m3 MMA into fp32 d[N / 2] (D += / = A . B),
+    B from shared memory through its descriptor, A from four registers (the register-operand kernel's
+    weights) or shared memory (`a_in_registers=False`: the warp-specialized kernel's tokens)."""
     d = ", ".join(f"%{i}" for i in range(n // 2))
-    a = ", ".join(f"%{n // 2 + i}" for i in range(4))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(n // 2))
-    return (f"__device__ __forceinline__ void wgmma_m64k32(float (&d)[{n // 2}], const uint32_t (&a)[4], "
-            f"uint64_t desc, bool accumulate) {{\n"
-            f"  asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{n // 2 + 5}, 0;\\n"
-            f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{d}}}, {{{a}}}, %{n // 2 + 4}, p, 1, 1;"
+    if a_in_registers:
+        a_param, b_param = "const uint32_t (&a)[4]", "uint64_t desc"
+        a_operand, b_index = "{" + ", ".join(f"%{n // 2 + i}" for i in range(4)) + "}", n // 2 + 4
+        inputs = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)'
+    else:
+        a_param, b_param = "uint64_t desc_a", "uint64_t desc_b"
+        a_operand, b_index = f"%{n // 2}", n // 2 + 1
+        inputs = '"l"(desc_a), "l"(desc_b)'
+    return (f"__device__ __forceinline__ void {name}(float (&d)[{n // 2}], {a_param}, {b_param}, bool accumulate) {{\n"
+            f"  asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{b_index + 1}, 0;\\n"
+            f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{d}}}, {a_operand}, %{b_index}, p, 1, 1;"
             f"\\n}}\\n\"\n"
             f"      : {outs}\n"
-            f"      : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"r\"(int(accumulate)));\n}}\n")
+            f"      : {inputs}, \"r\"(int(accumulate)));\n}}\n")
 
 
 def kernel_name(cfg: W4A8CudaConfig, *, n: int, k: int, m_pad: int = 0, contig: bool = False) -> str:
