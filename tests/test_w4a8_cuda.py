@@ -43,6 +43,34 @@ def _swizzle128(addr: np.ndarray) -> np.ndarray:
     return addr ^ (((addr >> 7) & 7) << 4)
 
 
+TABLE_WORDS = E4M3_TABLES.view("<u4").reshape(-1, 2).astype(np.uint32)  # (lo, hi) of each table
+
+
+def _tma_image(rows: np.ndarray) -> np.ndarray:
+    """(R, 128) uint8 rows -> the R x 128 bytes of shared memory a TMA copy at the 128-byte swizzle writes."""
+    t_idx, x_idx = np.meshgrid(np.arange(rows.shape[0]), np.arange(128), indexing="ij")
+    smem = np.zeros(rows.size, np.uint8)
+    smem[_swizzle128(128 * t_idx + x_idx)] = rows
+    return smem
+
+
+def _k_major_step(smem: np.ndarray, s: int) -> np.ndarray:
+    """What a K-major wgmma descriptor over `smem` (128-byte rows in atoms of 8, SBO 1024, the 128-byte
+    swizzle) reads for k32 step s, starting 32 s bytes along: (rows, 32) f64 e4m3 values."""
+    kk, tt = np.meshgrid(np.arange(32), np.arange(smem.size // 128))
+    addr = 1024 * (tt // 8) + 128 * (tt % 8) + 32 * s + kk
+    return smem[_swizzle128(addr)].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+def _widen(word, scale_word, c):
+    """A W4A8 word of 32-group c, its row's scale word -> (even, odd) uint32 words of e4m3 bytes, as the
+    kernels widen it (two byte permutes from the group's table and the sign bits)."""
+    lo, hi = TABLE_WORDS[(scale_word >> (8 + 5 * c)) & 31].T
+    even = _prmt(lo, hi, word & 0x7777) | (word & 0x80808080)
+    odd = _prmt(lo, hi, (word >> 16) & 0x7777) | ((word << 4) & 0x80808080)
+    return even, odd
+
+
 def _block_model(a_rows, scale_rows, w_words, s_words, tokens):
     """One block as the kernel computes it, following its data movement: per 128-column K block, TMA
     copies the block's token rows (stored in the W4A8 column order) into the ring slot with the 128-byte
@@ -54,25 +82,17 @@ def _block_model(a_rows, scale_rows, w_words, s_words, tokens):
     group's weight and scale words -> (N, tokens) f64."""
     k = a_rows.shape[1]
     n = w_words.shape[0]
-    tables = E4M3_TABLES.view("<u4").reshape(-1, 2).astype(np.uint32)
-    t_idx, x_idx = np.meshgrid(np.arange(tokens), np.arange(128), indexing="ij")
     acc = np.zeros((n, tokens))
     for kb in range(k // 128):
-        smem = np.zeros(tokens * 128, np.uint8)
-        smem[_swizzle128(128 * t_idx + x_idx)] = a_rows[:, kb * 128:(kb + 1) * 128]  # the TMA copy
+        smem = _tma_image(a_rows[:, kb * 128:(kb + 1) * 128])
         sw = s_words[:, kb]
         block_scale = np.ldexp(1.0, (sw & 0xFF).astype(np.int64) - 127)
         part = np.zeros((n, tokens))
         for s in range(4):
-            kk, tt = np.meshgrid(np.arange(32), np.arange(tokens))
-            addr = 1024 * (tt // 8) + 128 * (tt % 8) + 32 * s + kk  # the descriptor's K-major rows
-            b_mat = smem[_swizzle128(addr)].view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # (tokens, 32)
+            b_mat = _k_major_step(smem, s)  # (tokens, 32)
             a_mat = np.zeros((n, 32))
             for c in range(4):
-                word = w_words[:, kb * 16 + 4 * c + s]
-                lo, hi = tables[(sw >> (8 + 5 * c)) & 31].T
-                even = _prmt(lo, hi, word & 0x7777) | (word & 0x80808080)
-                odd = _prmt(lo, hi, (word >> 16) & 0x7777) | ((word << 4) & 0x80808080)
+                even, odd = _widen(w_words[:, kb * 16 + 4 * c + s], sw, c)
                 a_mat[:, 4 * c:4 * c + 4] = _e4m3(even[:, None])
                 a_mat[:, 16 + 4 * c:20 + 4 * c] = _e4m3(odd[:, None])
             part += a_mat @ b_mat.T
@@ -133,35 +153,25 @@ def _ws_block_model(a_rows, scale_rows, w_words, s_words, tile):
     a_rows (128, K) uint8, scale_rows (128, K/128) f64, w_words (N, K/8) / s_words (N, K/128) the
     expert's words -> (128 tokens, 128 weight rows) f64."""
     k, n = a_rows.shape[1], w_words.shape[0]
-    tables = E4M3_TABLES.view("<u4").reshape(-1, 2).astype(np.uint32)
     r = np.arange(128)
     rows = tile * 128 + r
     ok = rows < n
     rows = np.minimum(rows, n - 1)
-    t_idx, x_idx = np.meshgrid(r, np.arange(128), indexing="ij")
-    kk, tt = np.meshgrid(np.arange(32), np.arange(128))
     acc = np.zeros((128, 128))
     for kb in range(k // 128):
-        tokens = np.zeros(128 * 128, np.uint8)
-        tokens[_swizzle128(128 * t_idx + x_idx)] = a_rows[:, kb * 128:(kb + 1) * 128]  # the TMA copy
+        tokens = _tma_image(a_rows[:, kb * 128:(kb + 1) * 128])
         sw = np.where(ok, s_words[rows, kb], 0).astype(np.uint32)
         wide = np.zeros(128 * 128, np.uint8)
         for c in range(4):  # the producer's stores
-            lo, hi = tables[(sw >> (8 + 5 * c)) & 31].T
             for q in range(4):
                 word = np.where(ok, w_words[rows, kb * 16 + 4 * c + q], 0).astype(np.uint32)
-                even = _prmt(lo, hi, word & 0x7777) | (word & 0x80808080)
-                odd = _prmt(lo, hi, (word >> 16) & 0x7777) | ((word << 4) & 0x80808080)
-                for e, val in enumerate((even, odd)):
+                for e, val in enumerate(_widen(word, sw, c)):
                     for b in range(4):
                         wide[128 * r + (((2 * q + e) ^ (r % 8)) * 16) + 4 * c + b] = (val >> (8 * b)) & 0xFF
         sf128 = np.ldexp(1.0, int(s_words[tile * 128, kb] & 0xFF) - 127)
         part = np.zeros((128, 128))
         for s in range(4):
-            addr = 1024 * (tt // 8) + 128 * (tt % 8) + 32 * s + kk  # the descriptors' K-major rows
-            a_mat = tokens[_swizzle128(addr)].view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # (tokens, 32)
-            b_mat = wide[_swizzle128(addr)].view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # (weight rows, 32)
-            part += a_mat @ b_mat.T
+            part += _k_major_step(tokens, s) @ _k_major_step(wide, s).T  # (tokens, 32) . (weight rows, 32)^T
         acc += part * scale_rows[:, kb][:, None] * sf128
     return acc
 
