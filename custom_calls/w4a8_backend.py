@@ -3,9 +3,12 @@ for recipe mxfp4 kept 4-bit on arch 90 (`layouts.w4a8`). A backend of its own so
 meaning the layer's non-GEMM stages (whose GEMM stage runs the reference); "auto" tries it after
 DeepGEMM, which has no W4A8 kernel. Registered when the registry first needs it.
 
-Kernels: on an SM90 GPU both layouts run the CUDA kernel (`custom_calls.cuda.w4a8_gemm`: the weights
-go from registers into the tensor core), masked (decode) at `heuristic_config(expected_m)` and contig
-(prefill) at `contig_config(alignment)`; the Triton kernels of the same ops
+Kernels: on an SM90 GPU masked (decode) runs the register-operand CUDA kernel (`custom_calls.cuda.w4a8_gemm`:
+the weights go from registers into the tensor core) at `heuristic_config(expected_m)`; contig (prefill)
+runs the warp-specialized one (`custom_calls.cuda.w4a8_contig_ws`: the weight tile widened once into
+shared memory for 128 tokens, measured faster) where the alignment is a multiple of its 128-row blocks,
+else the register-operand kernel at `contig_config(alignment)`; the two compute the same sums in the same
+order (bit-identical outputs in the GPU tests). The Triton kernels of the same ops
 (`custom_calls.triton.w4a8_gemm_kernel`, measured slower: BENCHMARKS.md) stay as the CPU path. Under
 Triton's interpreter (CPU tests) both layouts run them: they read the same weight format and compute
 the same sums, and the GPU tests compare them with the CUDA kernel. The GPU needs what "triton" needs
@@ -59,8 +62,11 @@ def grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, *,
 
         return w4a8_gemm_kernel.w4a8_contig(lhs, lhs_scale, rhs, rhs_scale, m_indices, alignment=alignment,
                                             widen=_widen())
+    from custom_calls.cuda import w4a8_contig_ws
     from custom_calls.cuda.w4a8_gemm import w4a8_contig_cuda
 
+    if alignment % w4a8_contig_ws.BLOCK == 0:
+        return w4a8_contig_ws.w4a8_contig_ws(lhs, lhs_scale, rhs, rhs_scale, m_indices, alignment=alignment)
     return w4a8_contig_cuda(lhs, lhs_scale, rhs, rhs_scale, m_indices, alignment=alignment)
 
 

@@ -336,7 +336,8 @@ def _resources(cubin) -> dict:
     out = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
     reg, stack = re.search(r"REG:(\d+) STACK:(\d+)", out).groups()
     sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True).stdout
-    return {"reg": int(reg), "stack": int(stack), "wgmma": sass.count("QGMMA"), "hmma": sass.count("HMMA")}
+    return {"reg": int(reg), "stack": int(stack), "wgmma": sass.count("QGMMA"), "hmma": sass.count("HMMA"),
+            "setmaxreg": re.findall(r"USETMAXREG\.(\w+)\S*\s+(?:\w+,\s*)?(0x[0-9a-f]+)", sass)}
 
 
 @needs_nvcc
@@ -362,7 +363,8 @@ def test_compiles_for_sm90a_without_spills(cfg, contig, tmp_path, monkeypatch):
 @pytest.mark.parametrize("stages", [2, 4, 5])
 def test_ws_compiles_for_sm90a_without_spills(stages, tmp_path, monkeypatch):
     """The warp-specialized contig kernel compiles for sm_90a: SS FP8 wgmma, no local memory, within the
-    registers of 384 threads on one SM."""
+    registers of 512 threads on one SM at launch; the producers give registers back and the consumers take
+    them (setmaxnreg: 256 x 56 + 256 x 200 = the SM's 65536)."""
     from custom_calls.cuda import w4a8_contig_ws as ws
     from custom_calls.native.compiler import compile_cubin
 
@@ -371,17 +373,20 @@ def test_ws_compiles_for_sm90a_without_spills(stages, tmp_path, monkeypatch):
     res = _resources(compile_cubin(ws.kernel_name(cfg, n=4096, k=4096), ws.source(cfg, n=4096, k=4096), 90).path)
     assert res["stack"] == 0 and res["wgmma"] == 4 and res["hmma"] == 0, res
     assert res["reg"] * ws.THREADS <= 65536, res
+    counts = {kind: int(n, 16) for kind, n in res["setmaxreg"]}
+    assert counts == {"DEALLOC": 56, "TRY_ALLOC": 200}, res
+    assert 256 * counts["DEALLOC"] + 256 * counts["TRY_ALLOC"] <= 65536
 
 
 def test_ws_plan_and_checks():
-    """The warp-specialized kernel's launch: a block per 128 weight rows x 128 tokens, 384 threads, boxes of
+    """The warp-specialized kernel's launch: a block per 128 weight rows x 128 tokens, 512 threads, boxes of
     128 tokens and 128 rows; refused by name: stages outside [2, 5], M_cap or an alignment not a multiple
     of 128, K not a multiple of 128."""
     from custom_calls.cuda import w4a8_contig_ws as ws
 
     g, m_cap, n, k = 4, 1024, 200, 384
     plan = ws.plan(ws.W4A8WsConfig(), "/x.cubin", g=g, m_cap=m_cap, n=n, k=k)
-    assert (plan.grid, plan.grid_yz, plan.block, plan.smem) == (2, (8, 1), 384, ws.smem_bytes(ws.W4A8WsConfig()))
+    assert (plan.grid, plan.grid_yz, plan.block, plan.smem) == (2, (8, 1), 512, ws.smem_bytes(ws.W4A8WsConfig()))
     tokens, scales, weights = plan.tmaps
     assert (tokens.dims, tokens.box, tokens.swizzle) == ((k, m_cap), (128, 128), 128)
     assert (scales.dims, scales.box, weights.dims, weights.box) == ((m_cap, 3), (128, 1), (k // 2, g * n), (64, 128))
@@ -400,3 +405,20 @@ def test_ws_plan_and_checks():
     rhs, rs = jnp.zeros((2, 64, 64), jnp.int8), jnp.zeros((2, 64, 1), jnp.int32)
     with pytest.raises(ValueError, match=r"alignment must be a multiple of 128, got 64"):
         ws.w4a8_contig_ws(lhs, sa, rhs, rs, jnp.zeros((256,), jnp.int32), alignment=64)
+
+
+def test_registry_contig_runs_the_warp_specialized_kernel_where_the_alignment_allows(monkeypatch):
+    """On a GPU the "w4a8" backend's contig op runs the warp-specialized kernel when the alignment is a
+    multiple of its 128-row blocks and the register-operand kernel otherwise (here with both kernels
+    replaced by recorders and the interpreter switched off)."""
+    from custom_calls import w4a8_backend
+    from custom_calls.cuda import w4a8_contig_ws
+
+    calls = []
+    monkeypatch.setattr(w4a8_backend, "_interpreting", lambda: False)
+    monkeypatch.setattr(w4a8_contig_ws, "w4a8_contig_ws", lambda *a, alignment: calls.append(("ws", alignment)))
+    monkeypatch.setattr(cw, "w4a8_contig_cuda", lambda *a, alignment: calls.append(("rs", alignment)))
+    for alignment in (128, 256, 64, 32):
+        w4a8_backend.grouped_gemm_contig(None, None, None, lhs_scale=None, rhs_scale=None, recipe="mxfp4", arch=90,
+                                         alignment=alignment)
+    assert calls == [("ws", 128), ("ws", 256), ("rs", 64), ("rs", 32)]

@@ -6,15 +6,19 @@
 // a weight row's times a token's. Here a block is 128 tokens x 128 weight rows, one FP4 -> FP8 tile, so
 // the weights' block scale sf128 is one number per K block and the promotion is DeepGEMM's (one FFMA per
 // accumulator); and the tile is widened once for all 128 tokens:
-//   warp group 0 (producer): thread 0 issues TMA copies of each K block's tokens (128-byte swizzle), the
-//     tile's 4-bit rows and the token scales into a ring slot (barrier `full`); every thread then widens
-//     its four (row, 32-group c) units: words 4c..4c+3 of the row, one table, their even bytes to bytes
-//     32q + 4c and odd bytes to 32q + 16 + 4c of the row's 128, which is the W4A8 column order the tokens
-//     have, stored at the 128-byte swizzle: the wgmma's K-major image, built by the threads. A proxy fence
-//     and the barrier `widened` hand it over;
-//   warp groups 1 and 2 (consumers): 64 tokens each, SS wgmma m64n128k32 (tokens A, widened weights B),
+//   warp groups 0 and 1 (producers, 256 threads): thread 0 issues TMA copies of each K block's tokens
+//     (128-byte swizzle), the tile's 4-bit rows and the token scales into a ring slot (barrier `full`);
+//     thread t then widens row t / 2, 32-groups 2h and 2h + 1 (h = t % 2): words 4c..4c+3 of the row, one
+//     table per group, their even bytes to bytes 32q + 4c and odd bytes to 32q + 16 + 4c of the row's 128,
+//     which is the W4A8 column order the tokens have, stored at the 128-byte swizzle: the wgmma's K-major
+//     image, built by the threads. A proxy fence and the barrier `widened` hand it over;
+//   warp groups 2 and 3 (consumers): 64 tokens each, SS wgmma m64n128k32 (tokens A, widened weights B),
 //     then acc += part * (token scale x sf128); their arrivals on `empty` free the slot for the copies of
 //     K block kb + STAGES, which thread 0 issues after widening kb + 1.
+// Measured on one H100 (BENCHMARKS.md): with one producer warp group the widening alone took as long as
+// the MMAs alone, and a block ran no faster than the register-operand kernel; two producer warp groups
+// (the consumers keep their 146 registers through setmaxnreg: 56 for producers, 200 for consumers) and the
+// rows' scale words loaded one K block ahead made it 1.12x faster at V4's GEMM1.
 //
 // The generated translation unit defines, before this text: W4A8_WS_N, W4A8_WS_K, W4A8_WS_STAGES; then
 // w4a8_sm90_common.cuh and wgmma_m64n128k32_ss(d, desc_a, desc_b, accumulate). Dynamic shared memory:
@@ -28,11 +32,12 @@ constexpr int TOKEN_BYTES = BLOCK * 128, WIDE_BYTES = BLOCK * 128, W4_BYTES = BL
 // a ring slot: tokens and widened weights first (the 128-byte swizzle repeats every 1024 bytes)
 constexpr int SLOT = (TOKEN_BYTES + WIDE_BYTES + W4_BYTES + SCALE_BYTES + 1023) / 1024 * 1024;
 static_assert(K % 128 == 0, "K must be a multiple of 128");
+constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 200;  // 256 x 56 + 256 x 200 = 65536
 static_assert(STAGES >= 2 && STAGES <= 5, "STAGES must be in [2, 5]");
 
 }  // namespace moe_jax_w4a8_ws
 
-extern "C" __global__ void __launch_bounds__(384, 1)
+extern "C" __global__ void __launch_bounds__(512, 1)
 moe_jax_w4a8_contig_ws_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens_map,
                             const __grid_constant__ moe_jax_w4a8::TmaDesc scales_map,
                             const __grid_constant__ moe_jax_w4a8::TmaDesc weights_map,
@@ -41,14 +46,14 @@ moe_jax_w4a8_contig_ws_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
   using namespace moe_jax_w4a8;
   using namespace moe_jax_w4a8_ws;
   extern __shared__ uint8_t ring_smem[];  // STAGES slots from the first 1024-byte boundary
-  __shared__ __align__(8) uint64_t bars[3 * STAGES];  // full (1 + the copies' bytes), widened (128), empty (256)
+  __shared__ __align__(8) uint64_t bars[3 * STAGES];  // full (1 + the copies' bytes), widened (256), empty (256)
   __shared__ uint2 tables[32];  // table_words of every 5-bit index
 
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
   const int mb = blockIdx.y * BLOCK, wrow0 = blockIdx.x * BLOCK;
   const int g = m_indices[mb];  // a block lies in one expert's segment (the alignment is a multiple of 128)
   if (g < 0) {  // a padding block: zeros, and no copies (no barrier is left waiting)
-    for (int i = tid; i < BLOCK * BLOCK; i += 384) {
+    for (int i = tid; i < BLOCK * BLOCK; i += 512) {
       const int m = mb + i / BLOCK, n = wrow0 + i % BLOCK;
       if (n < N) d[static_cast<size_t>(m) * N + n] = __float2bfloat16_rn(0.f);
     }
@@ -79,7 +84,7 @@ moe_jax_w4a8_contig_ws_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full(s), 1);
-      mbar_init(widened(s), 128);
+      mbar_init(widened(s), 256);
       mbar_init(empty(s), 256);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -87,46 +92,49 @@ moe_jax_w4a8_contig_ws_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
   }
   __syncthreads();  // the tables and the barriers, before anyone reads or waits
 
-  if (wg == 0) {
-    // Producer. Unit i of thread t: row t / 4 + 32 i, 32-group c = t % 4. The four rows sit at the same
-    // row of their 8-row swizzle atoms, so the eight (k32 step, even / odd) chunk offsets are the
-    // thread's constants and the rows 4096 bytes apart.
-    const int c = t % 4, r0 = t / 4;
+  if (wg < 2) {
+    // Producers. Thread tid: row r = tid / 2 of the tile, 32-groups 2h and 2h + 1 (h = tid % 2), which are
+    // 8 bytes of each 16-byte (k32 step, even / odd) chunk of the row; the row's swizzle fixes the chunks.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
+    const int r = tid / 2, h = tid % 2;
+    const bool row_ok = wrow0 + r < N;
+    const uint32_t* srow = sw + (static_cast<size_t>(g) * N + wrow0 + r) * KB;
     uint32_t chunk[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) chunk[j] = r0 * 128 + 4 * c + ((j ^ (r0 % 8)) * 16);
-    bool row_ok[4];
-    const uint32_t* srow[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      row_ok[i] = wrow0 + r0 + 32 * i < N;
-      srow[i] = sw + (static_cast<size_t>(g) * N + wrow0 + r0 + 32 * i) * KB;
-    }
+    for (int j = 0; j < 8; ++j) chunk[j] = r * 128 + ((j ^ (r % 8)) * 16) + 8 * h;
+    // the row's scale word one K block ahead: its load is in flight while the previous block is widened
+    // (table 0 for rows past N: their columns of D are not written)
+    uint32_t next_sword = row_ok ? __ldg(srow) : 0u;
 #pragma unroll 1
     for (int kb = 0; kb < KB; ++kb) {
       const int s = kb % STAGES;
-      uint32_t sword[4];  // table 0 for rows past N: their columns of D are not written
-#pragma unroll
-      for (int i = 0; i < 4; ++i) sword[i] = row_ok[i] ? __ldg(srow[i] + kb) : 0u;
+      const uint32_t sword = next_sword;
+      next_sword = row_ok && kb + 1 < KB ? __ldg(srow + kb + 1) : 0u;
       mbar_wait(full(s), (kb / STAGES) & 1);
       const uint8_t* w4 = ring_ptr + s * SLOT + TOKEN_BYTES + WIDE_BYTES;
       uint8_t* wide = ring_ptr + s * SLOT + TOKEN_BYTES;
+      uint4 v[2];
+      uint2 tw[2];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint4 v = *reinterpret_cast<const uint4*>(w4 + (r0 + 32 * i) * 64 + 16 * c);
-        const uint2 tw = tables[(sword[i] >> (8 + 5 * c)) & 31u];
-        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+      for (int i = 0; i < 2; ++i) {
+        const int c = 2 * h + i;
+        v[i] = *reinterpret_cast<const uint4*>(w4 + r * 64 + 16 * c);
+        tw[i] = tables[(sword >> (8 + 5 * c)) & 31u];
+      }
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          uint32_t even, odd;
-          widen(words[q], tw.x, tw.y, even, odd);
-          *reinterpret_cast<uint32_t*>(wide + chunk[2 * q] + 4096 * i) = even;
-          *reinterpret_cast<uint32_t*>(wide + chunk[2 * q + 1] + 4096 * i) = odd;
+      for (int q = 0; q < 4; ++q) {
+        uint32_t even[2], odd[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const uint32_t word = q == 0 ? v[i].x : q == 1 ? v[i].y : q == 2 ? v[i].z : v[i].w;
+          widen(word, tw[i].x, tw[i].y, even[i], odd[i]);
         }
+        *reinterpret_cast<uint2*>(wide + chunk[2 * q]) = make_uint2(even[0], even[1]);
+        *reinterpret_cast<uint2*>(wide + chunk[2 * q + 1]) = make_uint2(odd[0], odd[1]);
       }
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the threads' stores, for the wgmma
       mbar_arrive(widened(s));
-      if (t == 0 && kb >= 1 && kb - 1 + STAGES < KB) {  // the slot of K block kb - 1, once both consumers are done
+      if (tid == 0 && kb >= 1 && kb - 1 + STAGES < KB) {  // the slot of K block kb - 1, once both consumers are done
         mbar_wait(empty((kb - 1) % STAGES), ((kb - 1) / STAGES) & 1);
         issue(kb - 1 + STAGES);
       }
@@ -134,8 +142,9 @@ moe_jax_w4a8_contig_ws_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
     return;
   }
 
-  // Consumers: warp group wg takes tokens 64 (wg - 1) .. + 63 of the block.
-  const int cw = wg - 1, warp = t / 32, gid = (t % 32) / 4, c = t % 4;
+  // Consumers: warp group wg takes tokens 64 (wg - 2) .. + 63 of the block.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
+  const int cw = wg - 2, warp = t / 32, gid = (t % 32) / 4, c = t % 4;
   float acc[64], part[64];
 #pragma unroll
   for (int j = 0; j < 64; ++j) acc[j] = 0.f;
