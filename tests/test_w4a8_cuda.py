@@ -360,8 +360,8 @@ def test_compiles_for_sm90a_without_spills(cfg, contig, tmp_path, monkeypatch):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("stages", [2, 4, 5])
-def test_ws_compiles_for_sm90a_without_spills(stages, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stages,scale_words", [(2, "prefetch"), (4, "prefetch"), (4, "shared"), (5, "shared")])
+def test_ws_compiles_for_sm90a_without_spills(stages, scale_words, tmp_path, monkeypatch):
     """The warp-specialized contig kernel compiles for sm_90a: SS FP8 wgmma, no local memory, within the
     registers of 512 threads on one SM at launch; the producers give registers back and the consumers take
     them (setmaxnreg: 256 x 56 + 256 x 200 = the SM's 65536)."""
@@ -369,7 +369,7 @@ def test_ws_compiles_for_sm90a_without_spills(stages, tmp_path, monkeypatch):
     from custom_calls.native.compiler import compile_cubin
 
     monkeypatch.setenv("MOE_JAX_CACHE_DIR", str(tmp_path))
-    cfg = ws.W4A8WsConfig(stages)
+    cfg = ws.W4A8WsConfig(stages, scale_words)
     res = _resources(compile_cubin(ws.kernel_name(cfg, n=4096, k=4096), ws.source(cfg, n=4096, k=4096), 90).path)
     assert res["stack"] == 0 and res["wgmma"] == 4 and res["hmma"] == 0, res
     assert res["reg"] * ws.THREADS <= 65536, res
@@ -386,14 +386,25 @@ def test_ws_plan_and_checks():
 
     g, m_cap, n, k = 4, 1024, 200, 384
     plan = ws.plan(ws.W4A8WsConfig(), "/x.cubin", g=g, m_cap=m_cap, n=n, k=k)
-    assert (plan.grid, plan.grid_yz, plan.block, plan.smem) == (2, (8, 1), 512, ws.smem_bytes(ws.W4A8WsConfig()))
+    assert (plan.grid, plan.grid_yz, plan.block, plan.smem) == (2, (8, 1), 512, ws.smem_bytes(ws.W4A8WsConfig(), k))
     tokens, scales, weights = plan.tmaps
     assert (tokens.dims, tokens.box, tokens.swizzle) == ((k, m_cap), (128, 128), 128)
     assert (scales.dims, scales.box, weights.dims, weights.box) == ((m_cap, 3), (128, 1), (k // 2, g * n), (64, 128))
     plan.check()
     plan.check_operands((m_cap * k, 3 * m_cap * 4, g * n * k // 2, g * n * 3 * 4, 4 * m_cap, 2 * m_cap * n))
     # four slots of (16 + 16 + 8 KB + 512 B -> 41 KB) and the alignment
-    assert ws.smem_bytes(ws.W4A8WsConfig(4)) == 4 * 41984 + 1024
+    assert ws.smem_bytes(ws.W4A8WsConfig(4), 4096) == 4 * 41984 + 1024
+    # the tile's scale words in shared memory: 128 rows of K/128 words, padded to an odd count
+    assert ws.smem_bytes(ws.W4A8WsConfig(4, "shared"), 4096) == 4 * 41984 + 1024 + 128 * 33 * 4
+    assert ws.smem_bytes(ws.W4A8WsConfig(4, "shared"), 384) == 4 * 41984 + 1024 + 128 * 3 * 4
+    assert ws.plan(ws.W4A8WsConfig(4, "shared"), "/x.cubin", g=g, m_cap=m_cap, n=n, k=7168).smem == (
+        4 * 41984 + 1024 + 128 * 57 * 4)
+    with pytest.raises(ValueError, match=r"W4A8WsConfig\(stages=5, scale_words='shared'\) at K 7168: 240128 bytes of "
+                                         r"shared memory per block, at most 232448"):
+        ws.plan(ws.W4A8WsConfig(5, "shared"), "/x.cubin", g=g, m_cap=m_cap, n=n, k=7168)
+    with pytest.raises(ValueError, match=r"W4A8WsConfig.scale_words: expected one of \('prefetch', 'shared'\), "
+                                         r"got 'global'"):
+        ws.W4A8WsConfig(4, "global")
     for bad in (1, 6, True):
         with pytest.raises(ValueError, match=rf"W4A8WsConfig.stages: expected an int in \[2, 5\], got {bad!r}"):
             ws.W4A8WsConfig(bad)

@@ -30,23 +30,34 @@ BLOCK = 128  # tokens and weight rows of a block
 THREADS = 512  # two producer warp groups and two consumers
 
 
+SCALE_WORDS = ("prefetch", "shared")
+
+
 @dataclasses.dataclass(frozen=True)
 class W4A8WsConfig:
     """stages: ring slots in shared memory, each one K block of the tokens, the widened and the 4-bit
-    weight tile and the token scales (`smem_bytes`); 2 to 5 fit an SM90 block."""
+    weight tile and the token scales (`smem_bytes`); 2 to 5 fit an SM90 block.
+    scale_words: where the producers find their rows' scale words: "prefetch", loaded from global memory
+    one K block ahead; "shared", the tile's words copied into shared memory before the first K block
+    (128 x (K/128 | 1) words more shared memory)."""
 
     stages: int = 4
+    scale_words: str = "prefetch"
 
     def __post_init__(self) -> None:
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or not 2 <= self.stages <= 5:
             raise ValueError(f"W4A8WsConfig.stages: expected an int in [2, 5], got {self.stages!r}")
+        if self.scale_words not in SCALE_WORDS:
+            raise ValueError(f"W4A8WsConfig.scale_words: expected one of {SCALE_WORDS}, got {self.scale_words!r}")
 
 
-def smem_bytes(cfg: W4A8WsConfig) -> int:
+def smem_bytes(cfg: W4A8WsConfig, k: int) -> int:
     """Dynamic shared memory of a block: `stages` slots of (tokens 128 x 128 B, the widened tile 128 x 128 B,
     the 4-bit tile 128 x 64 B, 128 token scales), each rounded up to 1024 B, and 1024 B to align the first
-    (the kernel's SLOT)."""
-    return cfg.stages * align(BLOCK * 128 + BLOCK * 128 + BLOCK * 64 + BLOCK * 4, 1024) + 1024
+    (the kernel's SLOT); scale_words "shared": the tile's scale words after them, 128 rows of K/128 | 1
+    words."""
+    ring = cfg.stages * align(BLOCK * 128 + BLOCK * 128 + BLOCK * 64 + BLOCK * 4, 1024) + 1024
+    return ring + (BLOCK * ((k // 128) | 1) * 4 if cfg.scale_words == "shared" else 0)
 
 
 def source(cfg: W4A8WsConfig, *, n: int, k: int) -> str:
@@ -54,22 +65,23 @@ def source(cfg: W4A8WsConfig, *, n: int, k: int) -> str:
     from shared memory: `wgmma_m64n128k32_ss`), the kernel."""
     if k % 128:
         raise ValueError(f"k: the W4A8 kernel needs a multiple of 128, got {k}")
-    head = f"#include <cstdint>\n#define W4A8_WS_N {n}\n#define W4A8_WS_K {k}\n#define W4A8_WS_STAGES {cfg.stages}\n"
+    head = (f"#include <cstdint>\n#define W4A8_WS_N {n}\n#define W4A8_WS_K {k}\n#define W4A8_WS_STAGES {cfg.stages}\n"
+            f"#define W4A8_WS_SHARED_SCALES {int(cfg.scale_words == 'shared')}\n")
     return (head + COMMON_SOURCE.read_text() + wgmma_function("wgmma_m64n128k32_ss", BLOCK, a_in_registers=False)
             + KERNEL_SOURCE.read_text())
 
 
 def kernel_name(cfg: W4A8WsConfig, *, n: int, k: int) -> str:
-    return f"w4a8_contig_ws_sm90_n{n}_k{k}_s{cfg.stages}"
+    return f"w4a8_contig_ws_sm90_n{n}_k{k}_s{cfg.stages}_{cfg.scale_words}"
 
 
 def plan(cfg: W4A8WsConfig, cubin: str, *, g: int, m_cap: int, n: int, k: int) -> LaunchPlan:
     """Operands 0 lhs, 1 lhs_scale, 2 rhs, 3 rhs_scale, 4 m_indices, 5 D; grid (weight tiles, token blocks);
     `w4a8_gemm.tensor_maps` with boxes of 128 tokens and 128 weight rows."""
-    smem = smem_bytes(cfg)
+    smem = smem_bytes(cfg, k)
     if smem > MAX_SMEM:
-        raise ValueError(f"W4A8WsConfig(stages={cfg.stages}): {smem} bytes of shared memory per block, at most "
-                         f"{MAX_SMEM}")
+        raise ValueError(f"W4A8WsConfig(stages={cfg.stages}, scale_words={cfg.scale_words!r}) at K {k}: {smem} bytes "
+                         f"of shared memory per block, at most {MAX_SMEM}; fewer stages, or scale_words='prefetch'")
     if m_cap % BLOCK:
         raise ValueError(f"M_cap: the warp-specialized W4A8 kernel takes blocks of {BLOCK} rows, got {m_cap}")
     if m_cap // BLOCK > MAX_GRID_YZ:

@@ -20,9 +20,16 @@
 // (the consumers keep their 146 registers through setmaxnreg: 56 for producers, 200 for consumers) and the
 // rows' scale words loaded one K block ahead made it 1.12x faster at V4's GEMM1.
 //
-// The generated translation unit defines, before this text: W4A8_WS_N, W4A8_WS_K, W4A8_WS_STAGES; then
+// Where a producer finds its row's scale word (W4A8_WS_SHARED_SCALES): 0, loaded from global memory one K
+// block ahead; 1, from the tile's scale words, which all threads copy into shared memory after the ring
+// before the first K block (rows padded to an odd word count, so a warp's 16 rows read distinct banks).
+// A load still in flight when a producer fences its stores for the wgmma (fence.proxy.async) is waited
+// for there, so the first form may pay the load's latency every K block.
+//
+// The generated translation unit defines, before this text: W4A8_WS_N, W4A8_WS_K, W4A8_WS_STAGES,
+// W4A8_WS_SHARED_SCALES; then
 // w4a8_sm90_common.cuh and wgmma_m64n128k32_ss(d, desc_a, desc_b, accumulate). Dynamic shared memory:
-// `w4a8_gemm.ws_smem_bytes`.
+// `w4a8_contig_ws.smem_bytes`.
 
 namespace moe_jax_w4a8_ws {
 
@@ -32,6 +39,7 @@ constexpr int TOKEN_BYTES = BLOCK * 128, WIDE_BYTES = BLOCK * 128, W4_BYTES = BL
 // a ring slot: tokens and widened weights first (the 128-byte swizzle repeats every 1024 bytes)
 constexpr int SLOT = (TOKEN_BYTES + WIDE_BYTES + W4_BYTES + SCALE_BYTES + 1023) / 1024 * 1024;
 static_assert(K % 128 == 0, "K must be a multiple of 128");
+constexpr int SW_LD = KB | 1;  // shared scale words: a row's stride in words
 constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 200;  // 256 x 56 + 256 x 200 = 65536
 static_assert(STAGES >= 2 && STAGES <= 5, "STAGES must be in [2, 5]");
 
@@ -90,26 +98,41 @@ moe_jax_w4a8_contig_ws_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     for (int kb = 0; kb < STAGES && kb < KB; ++kb) issue(kb);
   }
-  __syncthreads();  // the tables and the barriers, before anyone reads or waits
+#if W4A8_WS_SHARED_SCALES
+  uint32_t* tile_sw = reinterpret_cast<uint32_t*>(ring_ptr + STAGES * SLOT);  // (BLOCK, SW_LD); rows past N: 0
+  for (int i = tid; i < BLOCK * KB; i += 512) {
+    const int row = i / KB;
+    tile_sw[row * SW_LD + i % KB] = wrow0 + row < N ? __ldg(sw + (static_cast<size_t>(g) * N + wrow0) * KB + i) : 0u;
+  }
+#endif
+  __syncthreads();  // the tables, the barriers (and the scale words), before anyone reads or waits
 
   if (wg < 2) {
     // Producers. Thread tid: row r = tid / 2 of the tile, 32-groups 2h and 2h + 1 (h = tid % 2), which are
     // 8 bytes of each 16-byte (k32 step, even / odd) chunk of the row; the row's swizzle fixes the chunks.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
     const int r = tid / 2, h = tid % 2;
-    const bool row_ok = wrow0 + r < N;
-    const uint32_t* srow = sw + (static_cast<size_t>(g) * N + wrow0 + r) * KB;
     uint32_t chunk[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) chunk[j] = r * 128 + ((j ^ (r % 8)) * 16) + 8 * h;
+#if W4A8_WS_SHARED_SCALES
+    const uint32_t* row_sw = tile_sw + r * SW_LD;
+#else
     // the row's scale word one K block ahead: its load is in flight while the previous block is widened
     // (table 0 for rows past N: their columns of D are not written)
+    const bool row_ok = wrow0 + r < N;
+    const uint32_t* srow = sw + (static_cast<size_t>(g) * N + wrow0 + r) * KB;
     uint32_t next_sword = row_ok ? __ldg(srow) : 0u;
+#endif
 #pragma unroll 1
     for (int kb = 0; kb < KB; ++kb) {
       const int s = kb % STAGES;
+#if W4A8_WS_SHARED_SCALES
+      const uint32_t sword = row_sw[kb];
+#else
       const uint32_t sword = next_sword;
       next_sword = row_ok && kb + 1 < KB ? __ldg(srow + kb + 1) : 0u;
+#endif
       mbar_wait(full(s), (kb / STAGES) & 1);
       const uint8_t* w4 = ring_ptr + s * SLOT + TOKEN_BYTES + WIDE_BYTES;
       uint8_t* wide = ring_ptr + s * SLOT + TOKEN_BYTES;

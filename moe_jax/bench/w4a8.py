@@ -15,7 +15,7 @@ form stores (values + scales); "x FP8" is DeepGEMM's time over the row's, pass b
 difference to DeepGEMM's output over the rows below masked_m (accumulation order only: both compute on the
 same e4m3 values and block scales). Contig: ``--prefill-tokens`` x top-k routes in one uniform draw, each
 expert's rows aligned to 128 (the layer's contig layout), the CUDA tilings of ``--contig-configs`` and the
-warp-specialized contig kernel (`custom_calls.cuda.w4a8_contig_ws`) at each of ``--ws-stages``; TFLOPS on the
+warp-specialized contig kernel (`custom_calls.cuda.w4a8_contig_ws`) at each of ``--ws-configs``; TFLOPS on the
 real rows instead of TB/s.
 
 Needs an SM90 GPU (exits with status 2 elsewhere). Table on stdout, progress on stderr; ``--json PATH``
@@ -51,17 +51,19 @@ def parse_configs(text: str) -> list:
     return configs
 
 
-def parse_ws_stages(text: str) -> tuple:
-    """``"4;3"`` -> (4, 3), each a valid `W4A8WsConfig.stages`; ``""`` -> ()."""
+def parse_ws_configs(text: str) -> tuple:
+    """``"4,prefetch;4,shared"`` -> W4A8WsConfig(stages, scale_words) per item; ``""`` -> ()."""
     from custom_calls.cuda.w4a8_contig_ws import W4A8WsConfig
 
-    try:
-        stages = tuple(int(t) for t in text.split(";") if t.strip())
-    except ValueError:
-        raise ValueError(f"--ws-stages: expected stage counts separated by ';', got {text!r}") from None
-    for st in stages:
-        W4A8WsConfig(st)
-    return stages
+    configs = []
+    for item in (t.strip() for t in text.split(";") if t.strip()):
+        stages, _, scale_words = item.partition(",")
+        try:
+            configs.append(W4A8WsConfig(int(stages), scale_words.strip()))
+        except ValueError as exc:
+            raise ValueError(f"--ws-configs: expected 'stages,scale_words' items separated by ';', got {item!r}: "
+                             f"{exc}") from None
+    return tuple(configs)
 
 
 def uniform_rows(tokens: int, top_k: int, seed: int = 0, cap: int = M_PAD):
@@ -114,10 +116,10 @@ def _operands(n: int, k: int, seed: int, x_shape: tuple, real=None):
     return {"fp8": (a8, sa, *mxfp4_to_fp8_block(packed, sf32)), "w4a8": (a4, sa, *mxfp4_to_w4a8(packed, sf32))}
 
 
-def _kernels(configs: list, expected_m: int, contig: bool = False, ws_stages: tuple = ()) -> dict:
+def _kernels(configs: list, expected_m: int, contig: bool = False, ws_configs: tuple = ()) -> dict:
     """label -> (fn(a, sa, w, s, masked_m | m_indices), weight form "fp8" | "w4a8"); contig: also the
-    warp-specialized kernel at each of `ws_stages`."""
-    from custom_calls.cuda.w4a8_contig_ws import W4A8WsConfig, w4a8_contig_ws
+    warp-specialized kernel at each of `ws_configs`."""
+    from custom_calls.cuda.w4a8_contig_ws import w4a8_contig_ws
     from custom_calls.cuda.w4a8_gemm import w4a8_contig_cuda, w4a8_masked_cuda
     from custom_calls.grouped_gemm import m_grouped_gemm_contig, m_grouped_gemm_masked
     from custom_calls.triton.w4a8_gemm_kernel import w4a8_contig, w4a8_masked
@@ -146,15 +148,14 @@ def _kernels(configs: list, expected_m: int, contig: bool = False, ws_stages: tu
     out = {"deep_gemm fp8 (FP4->FP8)": (fp8, "fp8"), "triton w4a8": (triton, "w4a8")}
     for cfg in configs:
         out[f"cuda t{cfg.token_tiles} wg{cfg.warpgroups} s{cfg.stages} b{cfg.min_blocks}"] = (cuda(cfg), "w4a8")
-    for stages in ws_stages if contig else ():
-        ws_cfg = W4A8WsConfig(stages)
-        out[f"cuda warp-specialized s{stages}"] = (
+    for ws_cfg in ws_configs if contig else ():
+        out[f"cuda ws s{ws_cfg.stages} {ws_cfg.scale_words}"] = (
             lambda a, sa, w, s, mi, c=ws_cfg: w4a8_contig_ws(a, sa, w, s, mi, alignment=ALIGNMENT, config=c), "w4a8")
     return out
 
 
 def sweep(name: str, n: int, k: int, rows: list, configs: list, expected_m: int, *, passes: int, iters: int,
-          log, contig: bool = False, ws_stages: tuple = ()) -> list[dict]:
+          log, contig: bool = False, ws_configs: tuple = ()) -> list[dict]:
     """Rows of one GEMM shape: every kernel on every row set (masked_m per set; contig: one m_indices),
     `passes` passes."""
     import jax
@@ -171,7 +172,7 @@ def sweep(name: str, n: int, k: int, rows: list, configs: list, expected_m: int,
         operands = _operands(n, k, n + k, (NUM_EXPERTS, M_PAD, k))
         valid = [np.arange(M_PAD)[None, :] < mm[:, None] for mm in rows]
     real_rows = sum(int(v.sum()) for v in valid)
-    kernels = _kernels(configs, expected_m, contig, ws_stages)
+    kernels = _kernels(configs, expected_m, contig, ws_configs)
     by_form = {form: [(*ops, jnp.asarray(idx)) for idx in rows] for form, ops in operands.items()}
     want = [np.asarray(jax.jit(kernels["deep_gemm fp8 (FP4->FP8)"][0])(*s), np.float32) for s in by_form["fp8"]]
     diffs = {}
@@ -217,8 +218,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="masked (decode, default) or contig (prefill)")
     p.add_argument("--contig-configs", default="8,1,4,2", metavar="LIST",
                    help="CUDA contig tilings, as --configs (default '8,1,4,2', the layer's)")
-    p.add_argument("--ws-stages", default="4;3", metavar="LIST",
-                   help="contig: stage counts of the warp-specialized kernel, ';'-separated (default '4;3'; '' for none)")
+    p.add_argument("--ws-configs", default="4,prefetch;4,shared", metavar="LIST",
+                   help="contig: warp-specialized kernel configs 'stages,scale_words', ';'-separated (default "
+                        "'4,prefetch;4,shared'; '' for none)")
     p.add_argument("--prefill-tokens", type=int, default=4096, help="contig tokens (default 4096)")
     p.add_argument("--rows", choices=("layer", "uniform"), default="layer",
                    help="rows per expert: the benchmark layer's own routing (default) or one uniform draw")
@@ -236,7 +238,7 @@ def run(args) -> int:
     contig = args.layout == "contig"
     try:
         configs = parse_configs(args.contig_configs if contig else args.configs)
-        ws_stages = parse_ws_stages(args.ws_stages)
+        ws_configs = parse_ws_configs(args.ws_configs)
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2
@@ -263,7 +265,7 @@ def run(args) -> int:
     rows = []
     for name, n, k in (("GEMM1", 2 * inter, h), ("GEMM2", h, inter)):
         rows += sweep(name, n, k, indices, configs, expected_m, passes=args.passes, iters=args.iters, log=log,
-                      contig=contig, ws_stages=ws_stages)
+                      contig=contig, ws_configs=ws_configs)
     print_table(rows, row_sets, tile, contig)
     log(f"# done in {time.perf_counter() - t0:.0f} s")
     if args.json:
