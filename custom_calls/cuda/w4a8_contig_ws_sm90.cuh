@@ -15,10 +15,12 @@
 //   warp groups 2 and 3 (consumers): 64 tokens each, SS wgmma m64n128k32 (tokens A, widened weights B),
 //     then acc += part * (token scale x sf128); their arrivals on `empty` free the slot for the copies of
 //     K block kb + STAGES, which thread 0 issues after widening kb + 1.
-// Measured on one H100 (BENCHMARKS.md): with one producer warp group the widening alone took as long as
-// the MMAs alone, and a block ran no faster than the register-operand kernel; two producer warp groups
-// (the consumers keep their 146 registers through setmaxnreg: 56 for producers, 200 for consumers) and the
-// rows' scale words loaded one K block ahead made it 1.12x faster at V4's GEMM1.
+// Measured on one H100 (BENCHMARKS.md): with one producer warp group the producers alone (no MMA) took
+// as long as the whole register-operand kernel, and the kernel was no faster than it; two producer warp
+// groups (the consumers keep their 146 registers through setmaxnreg: 56 for producers, 200 for
+// consumers) and the rows' scale words loaded one K block ahead made it 1.09-1.11x faster at V4's GEMM1
+// and 1.03x at GEMM2. It still executes 3x DeepGEMM's instructions per MMA, and they do not all issue
+// within the tensor core's time.
 //
 // Where a producer finds its row's scale word (W4A8_WS_SHARED_SCALES): 0, loaded from global memory one K
 // block ahead; 1, from the tile's scale words, which all threads copy into shared memory after the ring
