@@ -226,6 +226,15 @@ def w4a8_to_fp8_block(values: jax.Array, scales: jax.Array) -> tuple[jax.Array, 
     return w, block[..., ::W4A8_BLOCK, :]
 
 
+def w4a8_to_fp8_block_lhs_order(values: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`w4a8_to_fp8_block` with each whole 128-column block of the e4m3 weights stored in the W4A8 column
+    order: the rhs of an FP8 block-scaled GEMM whose lhs is in that order (`to_w4a8_lhs_order`). Both
+    operands permute the same columns within each block, which one block scale covers, so the GEMM sums
+    the same products as on the column-order pair."""
+    w, sf = w4a8_to_fp8_block(values, scales)
+    return to_w4a8_lhs_order(w), sf
+
+
 __all__ = ["E4M3_TABLES", "LHS_ORDER", "LHS_POSITION", "NUM_TABLES", "W4A8_BLOCK", "from_w4a8_lhs_order", "group_tiles",
            "mxfp4_to_w4a8", "pack_w4a8_words", "split_w4a8_scales", "table_words", "to_w4a8_lhs_order",
-           "unpack_w4a8_words", "untile_groups", "w4a8_to_fp8_block", "widen_w4a8"]
+           "unpack_w4a8_words", "untile_groups", "w4a8_to_fp8_block", "w4a8_to_fp8_block_lhs_order", "widen_w4a8"]

@@ -262,6 +262,18 @@ def test_kernels_compile_for_sm90_and_sm100(arch):
     assert _resources(c)["stack"] == 0
 
 
+def test_w4a8_expand_kernel_compiles_for_sm90():
+    """The W4A8 -> FP8 expansion compiles for sm_90a with the GEMMs' byte permutes (prmt), 16-byte stores
+    of the widened tile, no spills."""
+    from custom_calls.triton.w4a8_expand_kernel import TILE, w4a8_expand_kernel
+
+    c = _compile(w4a8_expand_kernel, {"w_ptr": "*i8", "sw_ptr": "*i32", "out_ptr": "*fp8e4nv", "sf_ptr": "*fp32"},
+                 dict(N=4096, K=4096, TILE_N=TILE, PRMT=True), 90)
+    ptx = c.asm["ptx"]
+    assert "prmt.b32" in ptx and re.search(r"st\.global(?:\.\w+)*\.v4\.", ptx) and c.asm["cubin"]
+    assert _resources(c)["stack"] == 0
+
+
 def test_fused_input_kernel_compiles_for_sm90():
     """The fused MoE kernel's input stage (SM90 only, as the kernel it feeds) at the layer's prefill
     and decode tilings: vector loads, e4m3 conversions, 64-bit id stores, the early trigger for a

@@ -40,7 +40,7 @@ CASES = [
     "host_quant_configs", "host_permute_configs", "host_act_configs", "host_unpermute_config",
     "host_rank_config", "host_route_config", "host_dispatch_map_configs", "host_fused_input_configs",
     "router_partials", "host_fused_input_routed", "w4a8_table_words", "host_w4a8_masked", "host_w4a8_contig",
-    "layer_w4a8",
+    "layer_w4a8", "w4a8_expand",
 ]
 
 
@@ -54,7 +54,7 @@ FAST_CASES = {"quant_ue8m0_image", "quant_mxfp8_partial_group", "permute_contig_
               "dispatch_rank_e5", "dispatch_map_contig_one_launch", "dispatch_map_masked_one_launch",
               "route_sigmoid_grouped_bias", "route_sqrtsoftplus_bias", "router_partials", "host_fused_input_routed",
               "w4a8_table_words", "host_w4a8_masked", "host_w4a8_contig", "permute_masked_w4a8_order",
-              "act_masked_w4a8_order"}
+              "act_masked_w4a8_order", "w4a8_expand"}
 SLOW_CASES = set(CASES) - FAST_CASES
 assert FAST_CASES <= set(CASES), FAST_CASES - set(CASES)
 
@@ -1547,6 +1547,34 @@ def case_host_w4a8_contig():
                                       widen="shifts")).astype(np.float64)
         _w4a8_check(d, want, bound, m_indices >= 0, f"contig {cfg}")
         assert (d[m_indices < 0] == 0).all(), f"contig {cfg}: padding rows not 0"
+
+
+def case_w4a8_expand():
+    """The W4A8 -> FP8 expansion (widen="shifts") equals its reference bit for bit: odd N (a partial last row
+    tile), every e4m3 table; and writes every element: with no zero code and one scale per group (every
+    32-group 2^6 above its block scale: normal e4m3 values) no output byte is 0 or 0x80, so an unwritten
+    one would show; the block scales against the float64 maximum of each tile's 32-group scales / 2^6."""
+    import jax.numpy as jnp
+
+    from custom_calls.triton.w4a8_expand_kernel import w4a8_expand
+    from layouts.fp4 import pack_e2m1
+    from layouts.w4a8 import mxfp4_to_w4a8, w4a8_to_fp8_block_lhs_order
+
+    rng = _rng(83)
+    g, n, k = 2, 200, 384
+    codes, sf32, w, sw = _w4a8_weights(rng, g, n, k)
+    got_w, got_s = w4a8_expand(w, sw, widen="shifts")
+    want_w, want_s = w4a8_to_fp8_block_lhs_order(w, sw)
+    np.testing.assert_array_equal(np.asarray(got_w).view(np.uint8), np.asarray(want_w).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(got_s), np.asarray(want_s))
+    tiles = np.pad(sf32.astype(np.float64), ((0, 0), (0, 256 - n), (0, 0))).reshape(g, 2, 128, k // 128, 4)
+    np.testing.assert_array_equal(np.asarray(got_s), tiles.max(axis=(2, 4)) / 2.0**6)
+    codes = rng.choice(np.r_[1:8, 9:16], (g, n, k)).astype(np.uint8)
+    sf = np.broadcast_to(2.0 ** rng.integers(-20, -2, (g, 1, 1)), (g, n, k // 32)).astype(np.float32)
+    w, sw = mxfp4_to_w4a8(pack_e2m1(jnp.asarray(codes)), jnp.asarray(np.ascontiguousarray(sf)))
+    got = np.asarray(w4a8_expand(w, sw, widen="shifts")[0]).view(np.uint8)
+    assert not np.isin(got, (0, 0x80)).any()
+    np.testing.assert_array_equal(got, np.asarray(w4a8_to_fp8_block_lhs_order(w, sw)[0]).view(np.uint8))
 
 
 def case_layer_w4a8():

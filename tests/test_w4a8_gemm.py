@@ -72,6 +72,29 @@ def test_reference_equals_the_fp4_to_fp8_path_bit_for_bit():
     np.testing.assert_array_equal(np.asarray(d4).view(np.uint16), np.asarray(d8).view(np.uint16))
 
 
+def test_weights_expanded_in_the_w4a8_order_pair_with_the_w4a8_lhs():
+    """Prefill by expansion (`custom_calls.triton.w4a8_expand_kernel`): the FP8 weights in the W4A8 column
+    order with the lhs as the layer writes it (that order) are the FP4 -> FP8 path's operands with both
+    operands' columns permuted alike within each block, so the FP8 GEMM gives the W4A8 GEMM's result (to
+    the fp32 summation order), and undoing the permutation gives the FP4 -> FP8 weights bit for bit."""
+    from layouts.w4a8 import w4a8_to_fp8_block_lhs_order
+
+    codes, sf32, packed, a, sa = _operands(5, spread=20)
+    w, sw = mxfp4_to_w4a8(packed, sf32)
+    w8, s8 = w4a8_to_fp8_block_lhs_order(w, sw)
+    w8_plain, s8_plain = mxfp4_to_fp8_block(packed, sf32)
+    np.testing.assert_array_equal(np.asarray(from_w4a8_lhs_order(w8)).view(np.uint8), np.asarray(w8_plain).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(s8), np.asarray(s8_plain))
+    masked_m = jnp.array([7, 100, 128], jnp.int32)
+    kw = dict(expected_m=32, lhs_scale=sa, backend="reference", arch=90)
+    d4 = np.asarray(m_grouped_gemm_masked(a, w, masked_m, rhs_scale=sw, recipe="mxfp4", **kw), np.float32)
+    d8 = np.asarray(m_grouped_gemm_masked(a, w8, masked_m, rhs_scale=s8, recipe="fp8_block", **kw), np.float32)
+    valid = np.arange(128)[None, :] < np.asarray(masked_m)[:, None]
+    want, mag = _model(codes, sf32, a, sa)
+    assert np.abs(want[valid]).max() > 0
+    np.testing.assert_allclose(d8[valid], d4[valid], rtol=2**-7, atol=1e-6 * mag[valid].max())
+
+
 def test_lhs_order_is_a_permutation_of_each_whole_128_column_block():
     """The W4A8 column order: byte 32s + 16e + 4c + i of a block holds column 32c + 8s + 2i + e (thread
     column c's 32-group, k32 step s, even / odd half e, byte i); a partial last block stays in place."""

@@ -129,3 +129,31 @@ def test_w4a8_contig_on_gpu(alignment, n, k):
         diff = np.abs(fast[rows] - d8[rows])
         print(f"W4A8 contig vs DeepGEMM FP8: max |diff| {diff.max():.3e} (max |out| {np.abs(d8).max():.3e})")
         assert diff.max() <= 2**-7 * np.abs(d8).max()
+
+
+@pytest.mark.parametrize("n,k", [(200, 384), (4096, 2048)])
+def test_w4a8_expand_then_deep_gemm_on_gpu(n, k):
+    """Prefill by expansion: the Triton expansion (PTX byte permutes) equals its reference bit for bit
+    (odd N: a partial last row tile), and DeepGEMM's FP8 contig GEMM on the expanded weights with the lhs
+    in the W4A8 column order agrees with the W4A8 contig op within accumulation order."""
+    from custom_calls.grouped_gemm import m_grouped_gemm_contig
+    from custom_calls.triton.w4a8_expand_kernel import w4a8_expand
+    from layouts.w4a8 import w4a8_to_fp8_block_lhs_order
+
+    packed, sf32, a, sa, m_indices = _contig_operands(n + k + 7, 4, n, k)
+    w, sw = mxfp4_to_w4a8(packed, sf32)
+    w8, s8 = jax.jit(w4a8_expand)(w, sw)
+    want_w, want_s = w4a8_to_fp8_block_lhs_order(w, sw)
+    np.testing.assert_array_equal(np.asarray(w8).view(np.uint8), np.asarray(want_w).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(s8), np.asarray(want_s))
+    if n % 64:  # DeepGEMM's N granularity
+        return
+    mi = jnp.asarray(m_indices)
+    kw = dict(lhs_scale=sa, arch=90, alignment=128)
+    d8 = np.asarray(m_grouped_gemm_contig(a, w8, mi, rhs_scale=s8, recipe="fp8_block", backend="deep_gemm", **kw),
+                    np.float32)
+    d4 = np.asarray(m_grouped_gemm_contig(a, w, mi, rhs_scale=sw, recipe="mxfp4", backend="auto", **kw), np.float32)
+    rows = m_indices >= 0
+    diff = np.abs(d8[rows] - d4[rows])
+    print(f"expand + DeepGEMM FP8 vs W4A8 contig: max |diff| {diff.max():.3e} (max |out| {np.abs(d4).max():.3e})")
+    assert diff.max() <= 2**-7 * np.abs(d4[rows]).max()

@@ -15,8 +15,9 @@ form stores (values + scales); "x FP8" is DeepGEMM's time over the row's, pass b
 difference to DeepGEMM's output over the rows below masked_m (accumulation order only: both compute on the
 same e4m3 values and block scales). Contig: ``--prefill-tokens`` x top-k routes in one uniform draw, each
 expert's rows aligned to 128 (the layer's contig layout), the CUDA tilings of ``--contig-configs`` and the
-warp-specialized contig kernel (`custom_calls.cuda.w4a8_contig_ws`) at each of ``--ws-configs``; TFLOPS on the
-real rows instead of TB/s.
+warp-specialized contig kernel (`custom_calls.cuda.w4a8_contig_ws`) at each of ``--ws-configs``, and the 4-bit
+weights widened to FP8 in memory (`custom_calls.triton.w4a8_expand_kernel`) then DeepGEMM's FP8 GEMM, both
+timed; TFLOPS on the real rows instead of TB/s.
 
 Needs an SM90 GPU (exits with status 2 elsewhere). Table on stdout, progress on stderr; ``--json PATH``
 writes the rows.
@@ -146,6 +147,13 @@ def _kernels(configs: list, expected_m: int, contig: bool = False, ws_configs: t
             return w4a8_masked(a, sa, w, s, mm, expected_m=expected_m)
 
     out = {"deep_gemm fp8 (FP4->FP8)": (fp8, "fp8"), "triton w4a8": (triton, "w4a8")}
+    if contig:
+        from custom_calls.triton.w4a8_expand_kernel import w4a8_expand
+
+        def expand_then_fp8(a, sa, w, s, mi):  # a in the W4A8 column order, as the expanded weights
+            return fp8(a, sa, *w4a8_expand(w, s), mi)
+
+        out["expand + deep_gemm fp8"] = (expand_then_fp8, "w4a8")
     for cfg in configs:
         out[f"cuda t{cfg.token_tiles} wg{cfg.warpgroups} s{cfg.stages} b{cfg.min_blocks}"] = (cuda(cfg), "w4a8")
     for ws_cfg in ws_configs if contig else ():

@@ -1,0 +1,76 @@
+"""W4A8 weights widened to FP8 in memory: prefill through DeepGEMM's FP8 contig GEMM instead of a W4A8 one.
+
+values (G, N, K/2) int8 and scales (G, N, K/128) int32 (`layouts.w4a8`) -> e4m3 (G, N, K) with each
+128-column block in the W4A8 column order, and the block scales sf128 (G, ceil(N/128), K/128) f32: the
+fp8_block rhs of an FP8 GEMM whose lhs is in the W4A8 column order, as the layer's producers write it
+for this weight form (`layouts.w4a8.w4a8_to_fp8_block_lhs_order` is the reference, bit for bit).
+
+Why: at prefill the W4A8 GEMMs widen every weight tile once per token block, and that work does not
+hide under the MMA (BENCHMARKS.md: the contig GEMM at 0.49-0.53x DeepGEMM's FP8 kernel); widening the
+slice once per call costs one pass over the 4-bit weights and one write of the FP8 ones, after which
+the FP8 kernel runs at its own speed. `bench w4a8 --layout contig` times this pair beside the W4A8
+kernels; the registry does not choose it.
+
+One program widens a 128-row x 128-column tile (`w4a8_gemm_kernel._widen_tile`, the same byte
+permutes as the GEMMs; widen="shifts" under Triton's interpreter) and writes its block scale, the
+UE8M0 byte of the tile's first row's scale word (every row of a 128-row tile holds the same).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from custom_calls.triton.launch import triton_call
+from custom_calls.triton.w4a8_gemm_kernel import WIDEN_MODES, _widen_tile
+from layouts.checks import ceil_div
+
+TILE = 128  # weight rows and columns a program widens: one block scale
+
+
+@triton.jit
+def w4a8_expand_kernel(w_ptr, sw_ptr, out_ptr, sf_ptr, N: tl.constexpr, K: tl.constexpr, TILE_N: tl.constexpr,
+                       PRMT: tl.constexpr):
+    """Program (row tile, K block, group): rows pid_n * TILE_N .. of group g (TILE_N = 128, one block
+    scale), columns kb * 128 .. ."""
+    pid_n = tl.program_id(0)
+    kb = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
+    KB: tl.constexpr = K // 128
+    n = pid_n * TILE_N + tl.arange(0, TILE_N)
+    ok = n < N
+    rows = g * N + n.to(tl.int64)
+    word = tl.load(sw_ptr + rows * KB + kb, mask=ok, other=0)
+    w = _widen_tile(w_ptr + rows[:, None] * (K // 2) + kb * 64 + tl.arange(0, 64)[None, :], word, ok, TILE_N, PRMT)
+    tl.store(out_ptr + rows[:, None] * K + kb * 128 + tl.arange(0, 128)[None, :], w, mask=ok[:, None])
+    first = tl.load(sw_ptr + (g * N + pid_n * TILE_N) * KB + kb)  # row pid_n * TILE_N < N
+    tl.store(sf_ptr + (g * tl.cdiv(N, TILE_N) + pid_n) * KB + kb, ((first & 0xFF) << 23).to(tl.float32, bitcast=True))
+
+
+def w4a8_expand(values: jax.Array, scales: jax.Array, *, widen: str = "prmt") -> tuple[jax.Array, jax.Array]:
+    """values (G, N, K/2) int8, scales (G, N, K/128) int32, K a multiple of 128 -> (e4m3 (G, N, K) in the
+    W4A8 column order, sf128 (G, ceil(N/128), K/128) f32), as `layouts.w4a8.w4a8_to_fp8_block_lhs_order`.
+    widen: "prmt" (PTX, GPU) or "shifts" (the same bytes by integer ops, what the interpreter runs)."""
+    if widen not in WIDEN_MODES:
+        raise ValueError(f"widen: expected one of {WIDEN_MODES}, got {widen!r}")
+    if values.ndim != 3 or values.dtype != jnp.int8:
+        raise ValueError(f"values: expected (G, N, K/2) int8, got {tuple(values.shape)} {values.dtype}")
+    g, n, half_k = values.shape
+    k = 2 * half_k
+    if k % 128:
+        raise ValueError(f"values: K = 2 x {half_k} = {k} must be a multiple of 128 (whole W4A8 blocks)")
+    if tuple(scales.shape) != (g, n, k // 128) or scales.dtype != jnp.int32:
+        raise ValueError(f"scales: expected {(g, n, k // 128)} int32 (values {tuple(values.shape)}), got "
+                         f"{tuple(scales.shape)} {scales.dtype}")
+    nt = ceil_div(n, TILE)
+    out, sf = triton_call(values, scales, kernel=w4a8_expand_kernel,
+                          out_shape=[jax.ShapeDtypeStruct((g, n, k), jnp.float8_e4m3fn),
+                                     jax.ShapeDtypeStruct((g, nt, k // 128), jnp.float32)],
+                          grid=(nt, k // 128, g), num_warps=4, name="w4a8_expand", N=n, K=k, TILE_N=TILE,
+                          PRMT=widen == "prmt")
+    return out, sf
+
+
+__all__ = ["TILE", "w4a8_expand", "w4a8_expand_kernel"]
