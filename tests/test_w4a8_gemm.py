@@ -83,7 +83,8 @@ def test_weights_expanded_in_the_w4a8_order_pair_with_the_w4a8_lhs():
     w, sw = mxfp4_to_w4a8(packed, sf32)
     w8, s8 = w4a8_to_fp8_block_lhs_order(w, sw)
     w8_plain, s8_plain = mxfp4_to_fp8_block(packed, sf32)
-    np.testing.assert_array_equal(np.asarray(from_w4a8_lhs_order(w8)).view(np.uint8), np.asarray(w8_plain).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(from_w4a8_lhs_order(w8)).view(np.uint8),
+                                  np.asarray(w8_plain).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(s8), np.asarray(s8_plain))
     masked_m = jnp.array([7, 100, 128], jnp.int32)
     kw = dict(expected_m=32, lhs_scale=sa, backend="reference", arch=90)
@@ -256,3 +257,23 @@ def test_gpu_environment_asks_for_nvcc_and_triton(monkeypatch):
     assert w4a8.environment("cpu", op=OP_CONTIG, **contig) == ""  # the interpreter runs the Triton kernels
     monkeypatch.setattr(w4a8, "triton_environment", lambda platform, **static: "triton: not installed")
     assert w4a8.environment("gpu", op=OP_CONTIG, **contig) == "triton: not installed"
+
+
+def test_expansion_checks_its_operands_by_name():
+    """`w4a8_expand` refuses, naming the argument, the expected and the actual: a widen mode it does not
+    have, values not (G, N, K/2) int8, K not whole W4A8 blocks, scales of the wrong shape or dtype."""
+    pytest.importorskip("triton")
+    from custom_calls.triton.w4a8_expand_kernel import w4a8_expand
+
+    values, scales = jnp.zeros((2, 64, 128), jnp.int8), jnp.zeros((2, 64, 2), jnp.int32)
+    cases = [((values, scales, "ptx"), r"widen: expected one of \('prmt', 'shifts'\), got 'ptx'"),
+             ((values[0], scales, "prmt"), r"values: expected \(G, N, K/2\) int8, got \(64, 128\) int8"),
+             ((values.astype(jnp.uint8), scales, "prmt"),
+              r"values: expected \(G, N, K/2\) int8, got \(2, 64, 128\) uint8"),
+             ((values[..., :96], scales, "prmt"), r"values: K = 2 x 96 = 192 must be a multiple of 128"),
+             ((values, scales[..., :1], "prmt"), r"scales: expected \(2, 64, 2\) int32 \(values \(2, 64, 128\)\), "
+                                                 r"got \(2, 64, 1\) int32"),
+             ((values, scales.astype(jnp.float32), "prmt"), r"scales: expected \(2, 64, 2\) int32 .* float32")]
+    for (v, s, widen), match in cases:
+        with pytest.raises(ValueError, match=match):
+            w4a8_expand(v, s, widen=widen)
