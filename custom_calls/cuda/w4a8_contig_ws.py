@@ -2,7 +2,7 @@
 widen each K block's 128 x 128 weight tile into shared memory, two run SS wgmmas over it, with
 DeepGEMM's one-FFMA promotion (the tile's block scale is one number per K block). The registry's contig
 op on an SM90 GPU where the alignment is a multiple of 128 (`custom_calls.w4a8_backend`): measured
-1.09-1.11x the register-operand kernel (`w4a8_gemm.w4a8_contig_cuda`) at V4's GEMM1 and 1.03x at GEMM2
+1.09-1.13x the register-operand kernel (`w4a8_gemm.w4a8_contig_cuda`) at V4's GEMM1 and 1.03-1.04x at GEMM2
 on one H100, with bit-identical outputs (BENCHMARKS.md).
 
 Operands as `w4a8_gemm.w4a8_contig_cuda`'s: lhs (M_cap, K) e4m3 in the W4A8 column order, lhs_scale

@@ -18,8 +18,8 @@
 // Measured on one H100 (BENCHMARKS.md): with one producer warp group the producers alone (no MMA) took
 // as long as the whole register-operand kernel, and the kernel was no faster than it; two producer warp
 // groups (the consumers keep their 146 registers through setmaxnreg: 56 for producers, 200 for
-// consumers) and the rows' scale words loaded one K block ahead made it 1.09-1.11x faster at V4's GEMM1
-// and 1.03x at GEMM2. It still executes 3x DeepGEMM's instructions per MMA, and they do not all issue
+// consumers) and the rows' scale words loaded one K block ahead made it 1.09-1.13x faster at V4's GEMM1
+// and 1.03-1.04x at GEMM2. It still executes 3x DeepGEMM's instructions per MMA, and they do not all issue
 // within the tensor core's time.
 //
 // Where a producer finds its row's scale word (W4A8_WS_SHARED_SCALES): 0, loaded from global memory one K

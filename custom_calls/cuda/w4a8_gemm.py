@@ -84,7 +84,7 @@ def heuristic_config(expected_m: int) -> W4A8CudaConfig:
 # Prefill: 64 tokens a block, one warp group, two blocks per SM: the fastest of this kernel's tilings
 # measured (BENCHMARKS.md, W4A8 prefill), 1.8x the Triton contig kernel and 0.47x DeepGEMM's FP8 kernel.
 # The registry's contig op where the alignment is not a multiple of 128; otherwise the warp-specialized
-# kernel (`w4a8_contig_ws`, 1.03-1.11x this one) runs.
+# kernel (`w4a8_contig_ws`, 1.03-1.13x this one) runs.
 CONTIG_CONFIG = W4A8CudaConfig(token_tiles=8, warpgroups=1, stages=4, min_blocks=2)
 
 

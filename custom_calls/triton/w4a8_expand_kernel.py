@@ -6,7 +6,7 @@ fp8_block rhs of an FP8 GEMM whose lhs is in the W4A8 column order, as the layer
 for this weight form (`layouts.w4a8.w4a8_to_fp8_block_lhs_order` is the reference, bit for bit).
 
 Why: at prefill the W4A8 GEMMs widen every weight tile once per token block, and that work does not
-hide under the MMA (BENCHMARKS.md: the contig GEMM at 0.49-0.53x DeepGEMM's FP8 kernel); widening the
+hide under the MMA (BENCHMARKS.md: the contig GEMM at 0.48-0.53x DeepGEMM's FP8 kernel); widening the
 slice once per call costs one pass over the 4-bit weights and one write of the FP8 ones, after which
 the FP8 kernel runs at its own speed. `bench w4a8 --layout contig` times this pair beside the W4A8
 kernels; the registry does not choose it.
