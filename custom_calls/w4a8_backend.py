@@ -41,7 +41,7 @@ def _widen() -> str:
 
 def environment(platform: str, *, op: str | None = None, settings=None, **static) -> str:
     """The registry's environment check: Triton's (the interpreter on the CPU) and on a GPU the native
-    toolchain and an SM90 device (the CUDA kernel of both ops)."""
+    toolchain and an SM90 device (the CUDA kernels of both ops)."""
     del op  # both ops need the same
     reason = triton_environment(platform, **static)
     if reason or platform != "gpu":

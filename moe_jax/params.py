@@ -27,7 +27,7 @@ GEMM form (after `prepare_params(params, config)`): the rhs operands of
     mxfp4, arch 100      values stay int8-packed; scales packed MN-major (path A)
     mxfp4, arch 90       FP4 -> FP8 dequant to fp8_block (path B); the GEMMs then run fp8_block/90;
                          with config.mxfp4_sm90_form "w4a8": kept 4-bit (path E, `layouts.w4a8`),
-                         the GEMMs run mxfp4/90 (backend "w4a8": one CUDA kernel, both layouts)
+                         the GEMMs run mxfp4/90 (backend "w4a8": CUDA kernels, both layouts)
 `params.gemm_recipe` / `params.gemm_arch` (static pytree metadata) say which form the params are in
 (None: checkpoint form).
 

@@ -84,7 +84,7 @@ def test_no_two_modules_import_each_other():
 # imports no other custom_calls module; core may not import a kernel family (the families load
 # lazily, through the registry); the kernel families share a level, so none imports another; the
 # compositions are above them: the fused ops' SM90 composition (Triton kernels around the DeepGEMM
-# fused kernel) and the W4A8 backend (the CUDA kernel on a GPU, the Triton kernels under the interpreter).
+# fused kernel) and the W4A8 backend (the CUDA kernels on a GPU, the Triton kernels under the interpreter).
 # settings (read by everything) < native launcher < ops and registry < kernel families < their composition
 CUSTOM_CALLS_LEVELS = {"settings": 0, "native": 1, "core": 2, "deep_gemm": 3, "triton": 3, "cuda": 3,
                        "fused_moe_sm90": 4, "w4a8_backend": 4}
