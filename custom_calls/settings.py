@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Literal, Mapping
 
 GEMM_TUNING_MODES = ("off", "cached")
+W4A8_PREFILL_MODES = ("auto", "kernel", "expand")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,11 @@ ENVIRONMENT = (
     EnvironmentVariable("MOE_JAX_DEEP_GEMM_SM100", "KernelSettings.allow_unverified_sm100",
                         "`1` allows the SM100 DeepGEMM kernels, compiled but never run by this project, on an "
                         "SM100 device; default `0`"),
+    EnvironmentVariable("MOE_JAX_W4A8_PREFILL", "KernelSettings.w4a8_prefill",
+                        "how the W4A8 (mxfp4 on SM90) contig GEMMs run: `kernel`, the 4-bit weights widened inside "
+                        "the GEMM; `expand`, widened to a temporary FP8 copy, then DeepGEMM's FP8 GEMM; `auto` "
+                        "(default): `expand` where the contig capacity holds enough rows per expert "
+                        "(`custom_calls.w4a8_backend.EXPAND_MIN_ROWS_PER_EXPERT`)"),
     EnvironmentVariable("MOE_JAX_NUM_SMS", "KernelSettings.num_sms",
                         "SM count the DeepGEMM kernels are planned for (default: the device's)"),
     EnvironmentVariable("MOE_JAX_CACHE_DIR", "ToolchainLocations.cache_dir",
@@ -77,12 +83,17 @@ class KernelSettings:
     allow_unverified_sm100: run the SM100 DeepGEMM kernels on an SM100 device (compiled and
       unit-tested here, never run by this project).
     num_sms: the SM count the kernels are planned for (persistent grids); None -> the device's.
+    w4a8_prefill: the W4A8 contig GEMMs (`custom_calls.w4a8_backend`): "kernel" widens the 4-bit
+      weights inside the GEMM; "expand" widens them to a temporary FP8 copy (G x N x K bytes) and runs
+      DeepGEMM's FP8 GEMM on it; "auto" expands where the contig capacity has at least
+      `EXPAND_MIN_ROWS_PER_EXPERT` rows per expert (the tensor core, not the weights, bounds the GEMM).
     """
 
     gemm_tuning: Literal["off", "cached"] = "off"
     command_buffer: bool = False
     allow_unverified_sm100: bool = False
     num_sms: int | None = None
+    w4a8_prefill: Literal["auto", "kernel", "expand"] = "auto"
 
     def __post_init__(self) -> None:
         if self.gemm_tuning not in GEMM_TUNING_MODES:
@@ -94,6 +105,9 @@ class KernelSettings:
         if self.num_sms is not None and (isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int)
                                          or self.num_sms < 1):
             raise ValueError(f"KernelSettings.num_sms: expected None or an int >= 1, got {self.num_sms!r}")
+        if self.w4a8_prefill not in W4A8_PREFILL_MODES:
+            raise ValueError(f"KernelSettings.w4a8_prefill: expected one of {W4A8_PREFILL_MODES}, "
+                             f"got {self.w4a8_prefill!r}")
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> "KernelSettings":
@@ -106,9 +120,12 @@ class KernelSettings:
         sms = _variable(environ, "MOE_JAX_NUM_SMS")
         if sms is not None and not (sms.isdigit() and int(sms) >= 1):
             raise ValueError(f"$MOE_JAX_NUM_SMS: expected a positive integer, got {sms!r}")
+        prefill = _variable(environ, "MOE_JAX_W4A8_PREFILL") or "auto"
+        if prefill not in W4A8_PREFILL_MODES:
+            raise ValueError(f"$MOE_JAX_W4A8_PREFILL: expected one of {W4A8_PREFILL_MODES}, got {prefill!r}")
         return cls(gemm_tuning=tuning, command_buffer=_bool_variable(environ, "MOE_JAX_DEEP_GEMM_COMMAND_BUFFER"),
                    allow_unverified_sm100=_bool_variable(environ, "MOE_JAX_DEEP_GEMM_SM100"),
-                   num_sms=int(sms) if sms is not None else None)
+                   num_sms=int(sms) if sms is not None else None, w4a8_prefill=prefill)
 
 
 def resolve_settings(settings: KernelSettings | None) -> KernelSettings:

@@ -8,7 +8,11 @@ the weights go from registers into the tensor core) at `heuristic_config(expecte
 runs the warp-specialized one (`custom_calls.cuda.w4a8_contig_ws`: the weight tile widened once into
 shared memory for 128 tokens, measured faster) where the alignment is a multiple of its 128-row blocks,
 else the register-operand kernel at `contig_config(alignment)`; the two compute the same sums in the same
-order (bit-identical outputs in the GPU tests). The Triton kernels of the same ops
+order (bit-identical outputs in the GPU tests). Or contig runs by expansion (`KernelSettings.w4a8_prefill`,
+`contig_form`): the weights widened to a temporary FP8 copy in the W4A8 column order
+(`custom_calls.triton.w4a8_expand_kernel`), then DeepGEMM's FP8 contig GEMM, whose lhs the layer already
+writes in that order; where many rows share each expert the tensor core bounds the GEMM and the FP8
+kernel's speed pays for the copy. The Triton kernels of the same ops
 (`custom_calls.triton.w4a8_gemm_kernel`, measured slower: BENCHMARKS.md) stay as the CPU path. Under
 Triton's interpreter (CPU tests) both layouts run them: they read the same weight format and compute
 the same sums, and the GPU tests compare them with the CUDA kernel. The GPU needs what "triton" needs
@@ -22,10 +26,16 @@ import importlib
 import jax
 
 from custom_calls.backends import register, set_environment
+from custom_calls.settings import KernelSettings, resolve_settings
 from custom_calls.triton.support import environment as triton_environment
 from custom_calls.triton.support import supports_w4a8_contig, supports_w4a8_masked
 
 BACKEND = "w4a8"
+# Rows of contig capacity per expert (M_cap / G) from which w4a8_prefill="auto" expands: there the GEMM is
+# bound by the tensor core, where DeepGEMM's FP8 kernel is about twice the W4A8 kernels' speed, and the
+# expansion (one read of the 4-bit weights, one write of the FP8 copy) costs less than it saves
+# (BENCHMARKS.md [w4exp]). Below it the weights' bytes bound the GEMM and the 4-bit kernel reads half.
+EXPAND_MIN_ROWS_PER_EXPERT = 512
 
 
 def _interpreting() -> bool:
@@ -52,11 +62,57 @@ def environment(platform: str, *, op: str | None = None, settings=None, **static
     return f"the CUDA W4A8 kernel: {reason}" if reason else ""
 
 
+def _expand_reason(*, m_cap: int, n: int, k: int, num_groups: int, alignment: int) -> str:
+    """Why DeepGEMM's FP8 contig GEMM cannot take the expanded weights ("" if it can)."""
+    import jax.numpy as jnp
+
+    from custom_calls.deep_gemm.ops import static_supports_contig
+
+    ok, reason = static_supports_contig(m_cap=m_cap, n=n, k=k, num_groups=num_groups, recipe="fp8_block", arch=90,
+                                        alignment=alignment, lhs_dtype=jnp.float8_e4m3fn, rhs_dtype=jnp.float8_e4m3fn)
+    return "" if ok else f"w4a8_prefill='expand' runs DeepGEMM's FP8 contig GEMM on the widened weights: {reason}"
+
+
+def contig_form(*, m_cap: int, n: int, k: int, num_groups: int, alignment: int,
+                settings: KernelSettings | None = None) -> str:
+    """How the contig op runs these static shapes: "kernel" (the 4-bit weights widened inside the GEMM) or
+    "expand" (`KernelSettings.w4a8_prefill`; "auto": "expand" from `EXPAND_MIN_ROWS_PER_EXPERT` rows of
+    capacity per expert, where DeepGEMM takes the shapes)."""
+    mode = resolve_settings(settings).w4a8_prefill
+    if mode == "auto":
+        many_rows = m_cap // max(num_groups, 1) >= EXPAND_MIN_ROWS_PER_EXPERT
+        expandable = not _expand_reason(m_cap=m_cap, n=n, k=k, num_groups=num_groups, alignment=alignment)
+        return "expand" if many_rows and expandable else "kernel"
+    return mode
+
+
+def supports_contig(*, m_cap: int, n: int, k: int, num_groups: int, recipe: str, arch: int, alignment: int,
+                    settings: KernelSettings | None = None, **static) -> tuple[bool, str]:
+    """`supports_w4a8_contig`, and with w4a8_prefill='expand' what DeepGEMM's FP8 contig GEMM takes."""
+    ok, reason = supports_w4a8_contig(k=k, recipe=recipe, arch=arch, alignment=alignment, **static)
+    if ok and resolve_settings(settings).w4a8_prefill == "expand":
+        reason = _expand_reason(m_cap=m_cap, n=n, k=k, num_groups=num_groups, alignment=alignment)
+        ok = not reason
+    return ok, reason
+
+
 def grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, *, lhs_scale: jax.Array,
                         rhs_scale: jax.Array, recipe: str, arch: int, alignment: int, settings=None) -> jax.Array:
     """As `custom_calls.grouped_gemm.m_grouped_gemm_contig` for the W4A8 form of mxfp4 on arch 90:
-    lhs (M_cap, K) e4m3, rhs (G, N, K/2) int8 words, rhs_scale (G, N, K/128) int32 -> (M_cap, N) bf16."""
-    del recipe, arch, settings  # one format (supports_w4a8_contig); no tuning settings of its own
+    lhs (M_cap, K) e4m3, rhs (G, N, K/2) int8 words, rhs_scale (G, N, K/128) int32 -> (M_cap, N) bf16.
+    By expansion (`contig_form`) a temporary (G, N, K) e4m3 copy of rhs lives for the call."""
+    del recipe, arch  # one format (supports_w4a8_contig)
+    g, n, _ = rhs.shape
+    form = contig_form(m_cap=lhs.shape[0], n=n, k=lhs.shape[1], num_groups=g, alignment=alignment, settings=settings)
+    if form == "expand":
+        from custom_calls.grouped_gemm import m_grouped_gemm_contig
+        from custom_calls.triton.w4a8_expand_kernel import w4a8_expand
+
+        wide, wide_scale = w4a8_expand(rhs, rhs_scale, widen=_widen())
+        # the reference GEMM under the interpreter: the CPU tests' stand-in for DeepGEMM
+        return m_grouped_gemm_contig(lhs, wide, m_indices, lhs_scale=lhs_scale, rhs_scale=wide_scale,
+                                     recipe="fp8_block", arch=90, alignment=alignment, assume_canonical=True,
+                                     backend="reference" if _interpreting() else "deep_gemm", settings=settings)
     if _interpreting():
         from custom_calls.triton import w4a8_gemm_kernel
 
@@ -87,11 +143,12 @@ def grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *, 
 
 def _register() -> None:
     gemm = importlib.import_module("custom_calls.grouped_gemm")
-    register(gemm.OP_CONTIG, BACKEND, grouped_gemm_contig, supports_w4a8_contig)
+    register(gemm.OP_CONTIG, BACKEND, grouped_gemm_contig, supports_contig)
     register(gemm.OP_MASKED, BACKEND, grouped_gemm_masked, supports_w4a8_masked)
     set_environment(BACKEND, environment)
 
 
 _register()
 
-__all__ = ["BACKEND", "grouped_gemm_contig", "grouped_gemm_masked"]
+__all__ = ["BACKEND", "EXPAND_MIN_ROWS_PER_EXPERT", "contig_form", "grouped_gemm_contig", "grouped_gemm_masked",
+           "supports_contig"]

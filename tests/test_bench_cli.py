@@ -588,6 +588,11 @@ def test_temp_memory_line_says_whose_goal_it_is(capsys):
     bench_layer.print_table([_table_result(dict(temp_MB=1.5, implementations=ran))], ["auto", "reference"],
                             "test device", 1000.0)
     assert "temp 2 MB (goal <= 2 MB ok)" in capsys.readouterr().out
+    expanded = {"m_grouped_gemm_contig": "deep_gemm,w4a8"}  # the W4A8 contig op by expansion
+    bench_layer.print_table([_table_result(dict(temp_MB=3.0, implementations=expanded))], ["auto", "reference"],
+                            "test device", 1000.0)
+    assert ("temp 3 MB (goal <= 2 MB OVER; includes the FP8 copy of the W4A8 weights that w4a8_prefill='expand' "
+            "writes)") in capsys.readouterr().out
 
 
 def test_progress_says_why_its_total_shrinks(capsys):

@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_defaults_from_an_empty_environment():
     assert KernelSettings.from_environment({}) == KernelSettings()
     assert KernelSettings() == KernelSettings(gemm_tuning="off", command_buffer=False, allow_unverified_sm100=False,
-                                              num_sms=None)
+                                              num_sms=None, w4a8_prefill="auto")
     # set but empty is unset
     empty = {v.name: "" for v in ENVIRONMENT}
     assert KernelSettings.from_environment(empty) == KernelSettings()
@@ -31,8 +31,8 @@ def test_defaults_from_an_empty_environment():
 
 def test_each_variable_sets_its_field():
     env = {"MOE_JAX_GEMM_TUNING": "cached", "MOE_JAX_DEEP_GEMM_COMMAND_BUFFER": "1",
-           "MOE_JAX_DEEP_GEMM_SM100": "1", "MOE_JAX_NUM_SMS": "78"}
-    assert KernelSettings.from_environment(env) == KernelSettings("cached", True, True, 78)
+           "MOE_JAX_DEEP_GEMM_SM100": "1", "MOE_JAX_NUM_SMS": "78", "MOE_JAX_W4A8_PREFILL": "expand"}
+    assert KernelSettings.from_environment(env) == KernelSettings("cached", True, True, 78, "expand")
     where = ToolchainLocations.from_environment({"MOE_JAX_NVCC": "/x/nvcc", "CUDA_HOME": "/cuda", "CUDA_PATH": "/p",
                                                  "MOE_JAX_CXX": "/usr/bin/c++", "MOE_JAX_CACHE_DIR": "/c"})
     assert where == ToolchainLocations("/x/nvcc", (pathlib.Path("/cuda"), pathlib.Path("/p")), "/usr/bin/c++", "/c")
@@ -45,6 +45,8 @@ def test_each_variable_sets_its_field():
     ("MOE_JAX_DEEP_GEMM_SM100", "true", r"\$MOE_JAX_DEEP_GEMM_SM100: expected '0' or '1', got 'true'"),
     ("MOE_JAX_NUM_SMS", "0", r"\$MOE_JAX_NUM_SMS: expected a positive integer, got '0'"),
     ("MOE_JAX_NUM_SMS", "132.0", r"\$MOE_JAX_NUM_SMS: expected a positive integer, got '132.0'"),
+    ("MOE_JAX_W4A8_PREFILL", "fp8",
+     r"\$MOE_JAX_W4A8_PREFILL: expected one of \('auto', 'kernel', 'expand'\), got 'fp8'"),
 ])
 def test_a_bad_variable_is_named_with_the_expected_and_the_actual_value(name, value, match):
     with pytest.raises(ValueError, match=match):
@@ -57,6 +59,8 @@ def test_a_bad_variable_is_named_with_the_expected_and_the_actual_value(name, va
     ({"allow_unverified_sm100": "1"}, TypeError, "KernelSettings.allow_unverified_sm100: expected a bool"),
     ({"num_sms": 0}, ValueError, "KernelSettings.num_sms: expected None or an int >= 1, got 0"),
     ({"num_sms": True}, ValueError, "KernelSettings.num_sms: expected None or an int >= 1, got True"),
+    ({"w4a8_prefill": "widen"}, ValueError,
+     r"KernelSettings.w4a8_prefill: expected one of \('auto', 'kernel', 'expand'\), got 'widen'"),
 ])
 def test_bad_fields_are_refused(kwargs, exc, match):
     with pytest.raises(exc, match=match):

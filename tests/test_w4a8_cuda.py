@@ -418,18 +418,32 @@ def test_ws_plan_and_checks():
         ws.w4a8_contig_ws(lhs, sa, rhs, rs, jnp.zeros((256,), jnp.int32), alignment=64)
 
 
-def test_registry_contig_runs_the_warp_specialized_kernel_where_the_alignment_allows(monkeypatch):
-    """On a GPU the "w4a8" backend's contig op runs the warp-specialized kernel when the alignment is a
-    multiple of its 128-row blocks and the register-operand kernel otherwise (here with both kernels
-    replaced by recorders and the interpreter switched off)."""
-    from custom_calls import w4a8_backend
+def test_registry_contig_runs_the_form_the_settings_and_alignment_ask_for(monkeypatch):
+    """On a GPU the "w4a8" backend's contig op runs, in the kernel form, the warp-specialized kernel when the
+    alignment is a multiple of its 128-row blocks and the register-operand kernel otherwise; by expansion
+    (`KernelSettings.w4a8_prefill`), the Triton expansion then DeepGEMM's FP8 contig GEMM on its output
+    (here with every kernel replaced by a recorder and the interpreter switched off)."""
+    import jax
+
+    from custom_calls import KernelSettings, grouped_gemm, w4a8_backend
     from custom_calls.cuda import w4a8_contig_ws
+    from custom_calls.triton import w4a8_expand_kernel
 
     calls = []
     monkeypatch.setattr(w4a8_backend, "_interpreting", lambda: False)
     monkeypatch.setattr(w4a8_contig_ws, "w4a8_contig_ws", lambda *a, alignment: calls.append(("ws", alignment)))
     monkeypatch.setattr(cw, "w4a8_contig_cuda", lambda *a, alignment: calls.append(("rs", alignment)))
+    monkeypatch.setattr(w4a8_expand_kernel, "w4a8_expand",
+                        lambda w, s, *, widen: calls.append(("expand", widen)) or ("wide", "wide_scale"))
+    monkeypatch.setattr(grouped_gemm, "m_grouped_gemm_contig",
+                        lambda a, w, mi, *, rhs_scale, recipe, backend, **kw: calls.append((w, rhs_scale, recipe, backend)))
+    lhs = jax.ShapeDtypeStruct((256, 128), jnp.float8_e4m3fn)
+    rhs = jax.ShapeDtypeStruct((2, 64, 64), jnp.int8)
     for alignment in (128, 256, 64, 32):
-        w4a8_backend.grouped_gemm_contig(None, None, None, lhs_scale=None, rhs_scale=None, recipe="mxfp4", arch=90,
-                                         alignment=alignment)
+        w4a8_backend.grouped_gemm_contig(lhs, rhs, None, lhs_scale=None, rhs_scale=None, recipe="mxfp4", arch=90,
+                                         alignment=alignment, settings=KernelSettings())
     assert calls == [("ws", 128), ("ws", 256), ("rs", 64), ("rs", 32)]
+    calls.clear()
+    w4a8_backend.grouped_gemm_contig(lhs, rhs, None, lhs_scale=None, rhs_scale=None, recipe="mxfp4", arch=90,
+                                     alignment=128, settings=KernelSettings(w4a8_prefill="expand"))
+    assert calls == [("expand", "prmt"), ("wide", "wide_scale", "fp8_block", "deep_gemm")]

@@ -154,6 +154,71 @@ def test_backends_say_who_serves_it():
     assert not ok and "alignment: the W4A8 contig kernel needs a multiple of 64, got 32" in reason
 
 
+def test_contig_form_follows_w4a8_prefill():
+    """`KernelSettings.w4a8_prefill`: "auto" expands from `EXPAND_MIN_ROWS_PER_EXPERT` rows of contig
+    capacity per expert, where DeepGEMM's FP8 contig GEMM takes the shapes, else runs the kernel; a forced
+    "expand" that DeepGEMM cannot run is refused, naming the argument."""
+    from custom_calls import KernelSettings
+    from custom_calls.w4a8_backend import EXPAND_MIN_ROWS_PER_EXPERT as rows
+    from custom_calls.w4a8_backend import contig_form
+
+    auto, kernel, expand = (KernelSettings(w4a8_prefill=m) for m in ("auto", "kernel", "expand"))
+    shape = dict(n=4096, k=4096, num_groups=32, alignment=128)
+    assert contig_form(m_cap=32 * rows, settings=auto, **shape) == "expand"
+    assert contig_form(m_cap=32 * rows - 128, settings=auto, **shape) == "kernel"
+    assert contig_form(m_cap=32 * rows, settings=kernel, **shape) == "kernel"
+    assert contig_form(m_cap=128, settings=expand, **shape) == "expand"
+    assert contig_form(m_cap=32 * rows, settings=auto, **dict(shape, n=4032 + 8)) == "kernel"  # N % 64
+    assert contig_form(m_cap=32 * rows, settings=auto, **dict(shape, alignment=256)) == "kernel"
+    big = dict(m_cap=32 * rows, n=4096, k=4096, num_groups=32, recipe="mxfp4", arch=90, alignment=128,
+               lhs_dtype=jnp.float8_e4m3fn, rhs_dtype=jnp.int8)
+    for settings in (auto, kernel, expand):
+        assert static_supports(OP_CONTIG, "w4a8", **big, settings=settings) == (True, "")
+    assert static_supports(OP_CONTIG, "w4a8", **dict(big, n=4040), settings=auto) == (True, "")
+    prefix = "w4a8_prefill='expand' runs DeepGEMM's FP8 contig GEMM on the widened weights: "
+    assert static_supports(OP_CONTIG, "w4a8", **dict(big, n=4040), settings=expand) == (
+        False, prefix + "N must be a positive multiple of 64, got 4040")
+    assert static_supports(OP_CONTIG, "w4a8", **dict(big, alignment=256), settings=expand) == (
+        False, prefix + "alignment must be 128 (the kernels' BLOCK_M), got 256")
+
+
+def test_contig_by_expansion_gives_the_w4a8_gemm(monkeypatch):
+    """The "w4a8" contig op by expansion (the expansion's reference standing in for its Triton kernel, which
+    the interpreter case checks bit for bit, and the reference FP8 GEMM for DeepGEMM's, as under the
+    interpreter): the W4A8 reference GEMM's output to the fp32 summation order, padding rows 0."""
+    import custom_calls.w4a8_backend as backend
+    from custom_calls import KernelSettings
+    from custom_calls.grouped_gemm import m_grouped_gemm_contig
+    from custom_calls.triton import w4a8_expand_kernel
+    from layouts.w4a8 import w4a8_to_fp8_block_lhs_order
+
+    expanded = []
+
+    def expand(w, s, *, widen):
+        expanded.append(w.shape)
+        return w4a8_to_fp8_block_lhs_order(w, s)
+
+    monkeypatch.setattr(backend, "_interpreting", lambda: True)
+    monkeypatch.setattr(w4a8_expand_kernel, "w4a8_expand", expand)
+    rng = np.random.default_rng(11)
+    g, n, k = 3, 192, 384
+    codes = rng.integers(0, 16, (g, n, k), dtype=np.uint8)
+    sf32 = (2.0 ** rng.integers(-20, -8, (g, n, k // 32))).astype(np.float32)
+    w, sw = mxfp4_to_w4a8(pack_e2m1(jnp.asarray(codes)), jnp.asarray(sf32))
+    m_indices = np.r_[[0] * 100, [-1] * 28, [1] * 128, [2] * 50, [-1] * 78, [-1] * 128].astype(np.int32)
+    x = rng.standard_normal((m_indices.size, k)) * rng.uniform(0.1, 10, (m_indices.size, 1)) * (m_indices >= 0)[:, None]
+    a, sa = W4A8.quantize_lhs(jnp.asarray(x.astype(np.float32)))
+    kw = dict(lhs_scale=sa, rhs_scale=sw, recipe="mxfp4", arch=90, alignment=128)
+    got = np.asarray(backend.grouped_gemm_contig(a, w, jnp.asarray(m_indices), **kw,
+                                                 settings=KernelSettings(w4a8_prefill="expand")), np.float32)
+    assert expanded == [(g, n, k // 2)]
+    want = np.asarray(m_grouped_gemm_contig(a, w, jnp.asarray(m_indices), **kw, backend="reference"), np.float32)
+    rows = m_indices >= 0
+    assert np.abs(want[rows]).min() > 0
+    np.testing.assert_allclose(got[rows], want[rows], rtol=2**-7, atol=1e-6 * np.abs(want).max())
+    assert (got[~rows] == 0).all()
+
+
 # -- the layer -----------------------------------------------------------------------------------
 
 def _v4_small(**kw):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from custom_calls import KernelSettings
 from custom_calls.grouped_gemm import m_grouped_gemm_masked
 from custom_calls.triton.w4a8_gemm_kernel import W4A8Config, w4a8_masked
 from layouts import gemm_format
@@ -135,7 +136,8 @@ def test_w4a8_contig_on_gpu(alignment, n, k):
 def test_w4a8_expand_then_deep_gemm_on_gpu(n, k):
     """Prefill by expansion: the Triton expansion (PTX byte permutes) equals its reference bit for bit
     (odd N: a partial last row tile), and DeepGEMM's FP8 contig GEMM on the expanded weights with the lhs
-    in the W4A8 column order agrees with the W4A8 contig op within accumulation order."""
+    in the W4A8 column order agrees with the W4A8 contig kernel within accumulation order; the registry's
+    contig op by expansion (`KernelSettings.w4a8_prefill="expand"`) is that pair, bit for bit."""
     from custom_calls.grouped_gemm import m_grouped_gemm_contig
     from custom_calls.triton.w4a8_expand_kernel import w4a8_expand
     from layouts.w4a8 import w4a8_to_fp8_block_lhs_order
@@ -152,8 +154,13 @@ def test_w4a8_expand_then_deep_gemm_on_gpu(n, k):
     kw = dict(lhs_scale=sa, arch=90, alignment=128)
     d8 = np.asarray(m_grouped_gemm_contig(a, w8, mi, rhs_scale=s8, recipe="fp8_block", backend="deep_gemm", **kw),
                     np.float32)
-    d4 = np.asarray(m_grouped_gemm_contig(a, w, mi, rhs_scale=sw, recipe="mxfp4", backend="auto", **kw), np.float32)
+    d4 = np.asarray(m_grouped_gemm_contig(a, w, mi, rhs_scale=sw, recipe="mxfp4", backend="auto", **kw,
+                                          settings=KernelSettings(w4a8_prefill="kernel")), np.float32)
     rows = m_indices >= 0
     diff = np.abs(d8[rows] - d4[rows])
     print(f"expand + DeepGEMM FP8 vs W4A8 contig: max |diff| {diff.max():.3e} (max |out| {np.abs(d4).max():.3e})")
     assert diff.max() <= 2**-7 * np.abs(d4[rows]).max()
+    # the registry's contig op by expansion is that pair
+    by_expansion = m_grouped_gemm_contig(a, w, mi, rhs_scale=sw, recipe="mxfp4", backend="w4a8", **kw,
+                                         settings=KernelSettings(w4a8_prefill="expand"))
+    np.testing.assert_array_equal(np.asarray(by_expansion, np.float32), d8)

@@ -7,9 +7,11 @@ for this weight form (`layouts.w4a8.w4a8_to_fp8_block_lhs_order` is the referenc
 
 Why: at prefill the W4A8 GEMMs widen every weight tile once per token block, and that work does not
 hide under the MMA (BENCHMARKS.md: the contig GEMM at 0.48-0.53x DeepGEMM's FP8 kernel); widening the
-slice once per call costs one pass over the 4-bit weights and one write of the FP8 ones, after which
-the FP8 kernel runs at its own speed. `bench w4a8 --layout contig` times this pair beside the W4A8
-kernels; the registry does not choose it.
+slice once per call costs one pass over the 4-bit weights and one write of the FP8 ones (at the copy
+bandwidth on one H100), after which the FP8 kernel runs at its own speed: the pair is 0.70x DeepGEMM
+on the FP8 weights at V4's 4096-token prefill, against 0.53x for the W4A8 kernel. The "w4a8" backend's
+contig op runs it where `KernelSettings.w4a8_prefill` says (`custom_calls.w4a8_backend.contig_form`);
+`bench w4a8 --layout contig` times the pair beside the W4A8 kernels.
 
 One program widens a 128-row x 128-column tile (`w4a8_gemm_kernel._widen_tile`, the same byte
 permutes as the GEMMs; widen="shifts" under Triton's interpreter) and writes its block scale, the
