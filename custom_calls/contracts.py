@@ -257,6 +257,30 @@ def check_finite_scales(name: str, scale: jax.Array, what: str = "experts") -> N
 
 # ------------------------------------------------------------------ the user-facing wrapper
 
+def _is_traced(v: Any) -> bool:
+    return isinstance(v, jax.Array) or hasattr(v, "__array__")
+
+
+def _checkify_jit(run: Callable) -> Callable:
+    # compiled, not op by op: a layer's checks then cost one compile instead of one dispatch per op
+    return jax.jit(checkify.checkify(run, errors=checkify.user_checks))
+
+
+@functools.lru_cache(maxsize=64)
+def _checkified(fn: Callable, tree: Any, statics: tuple) -> Callable:
+    """The compiled checkified fn for one structure of arguments and one set of static values, kept, so
+    that calling `checked(fn)` again (or a new `checked(fn)`) with new array values compiles nothing."""
+    static = {i: v for i, _, v in statics}
+
+    def run(*arrays):
+        it = iter(arrays)
+        full = [static[i] if i in static else next(it) for i in range(tree.num_leaves)]
+        a, kw = jax.tree_util.tree_unflatten(tree, full)
+        return fn(*a, **kw)
+
+    return _checkify_jit(run)
+
+
 def checked(fn: Callable, *, throw: bool = True) -> Callable:
     """Runs `fn` with its checks functionalized (`checkify.checkify`, user checks, i.e. the
     `debug_checks=True` ones). throw=True: the wrapper returns fn's result and raises
@@ -266,10 +290,14 @@ def checked(fn: Callable, *, throw: bool = True) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any):
-        _, arrays, run = split_arrays(fn, args, kwargs,
-                                      lambda v: isinstance(v, jax.Array) or hasattr(v, "__array__"))
-        # compiled, not op by op: a layer's checks then cost one compile instead of one dispatch per op
-        err, out = jax.jit(checkify.checkify(run, errors=checkify.user_checks))(*arrays)
+        where, arrays, run = split_arrays(fn, args, kwargs, _is_traced)
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        statics = tuple((i, type(v), v) for i, v in enumerate(leaves) if i not in set(where))
+        try:
+            compiled = _checkified(fn, tree, statics)
+        except TypeError:  # an unhashable static argument: compiled for this call only
+            compiled = _checkify_jit(run)
+        err, out = compiled(*arrays)
         if throw:
             err.throw()
             return out
