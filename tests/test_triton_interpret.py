@@ -1586,7 +1586,7 @@ def case_layer_w4a8():
 
     from moe_jax import MoEConfig, init_params, moe_forward, prepare_params
 
-    cfg = MoEConfig.deepseek_v4(num_experts=16, hidden_size=256, intermediate_size=256, top_k=4, n_shared_experts=0,
+    cfg = MoEConfig.deepseek_v4(num_experts=8, hidden_size=256, intermediate_size=256, top_k=4, n_shared_experts=0,
                                 arch=90, mxfp4_sm90_form="w4a8")
     params = prepare_params(init_params(jax.random.key(0), cfg), cfg)
     x = jax.random.normal(jax.random.key(1), (40, 256), jnp.bfloat16)
