@@ -34,6 +34,7 @@ no check is traced at all. All functions here are pure and jit-able; shapes are 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -266,19 +267,28 @@ def _checkify_jit(run: Callable) -> Callable:
     return jax.jit(checkify.checkify(run, errors=checkify.user_checks))
 
 
-@functools.lru_cache(maxsize=64)
+# fn -> {(argument structure, static values): compiled}. Weak on fn, and `run` holds fn weakly, so a
+# dropped fn (a lambda closing over a layer's params, say) frees its programs and what they captured.
+_CHECKIFIED: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
+
+
 def _checkified(fn: Callable, tree: Any, statics: tuple) -> Callable:
-    """The compiled checkified fn for one structure of arguments and one set of static values, kept, so
-    that calling `checked(fn)` again (or a new `checked(fn)`) with new array values compiles nothing."""
-    static = {i: v for i, _, v in statics}
+    """The compiled checkified fn for one structure of arguments and one set of static values, kept while
+    fn lives, so that calling `checked(fn)` again (or a new `checked(fn)`) with new array values compiles
+    nothing. TypeError when fn cannot be referenced weakly or a static value is unhashable."""
+    per_fn = _CHECKIFIED.setdefault(fn, {})
+    compiled = per_fn.get((tree, statics))
+    if compiled is None:
+        fn_ref, static = weakref.ref(fn), {i: v for i, _, v in statics}
 
-    def run(*arrays):
-        it = iter(arrays)
-        full = [static[i] if i in static else next(it) for i in range(tree.num_leaves)]
-        a, kw = jax.tree_util.tree_unflatten(tree, full)
-        return fn(*a, **kw)
+        def run(*arrays):
+            it = iter(arrays)
+            full = [static[i] if i in static else next(it) for i in range(tree.num_leaves)]
+            a, kw = jax.tree_util.tree_unflatten(tree, full)
+            return fn_ref()(*a, **kw)  # traced only during a call, while the caller holds fn
 
-    return _checkify_jit(run)
+        compiled = per_fn[(tree, statics)] = _checkify_jit(run)
+    return compiled
 
 
 def checked(fn: Callable, *, throw: bool = True) -> Callable:
@@ -290,14 +300,14 @@ def checked(fn: Callable, *, throw: bool = True) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any):
-        where, arrays, run = split_arrays(fn, args, kwargs, _is_traced)
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        statics = tuple((i, type(v), v) for i, v in enumerate(leaves) if i not in set(where))
+        traced = [i for i, v in enumerate(leaves) if _is_traced(v)]
+        statics = tuple((i, type(v), v) for i, v in enumerate(leaves) if i not in set(traced))
         try:
             compiled = _checkified(fn, tree, statics)
         except TypeError:  # an unhashable static argument: compiled for this call only
-            compiled = _checkify_jit(run)
-        err, out = compiled(*arrays)
+            compiled = _checkify_jit(split_arrays(fn, args, kwargs, _is_traced)[2])
+        err, out = compiled(*[leaves[i] for i in traced])
         if throw:
             err.throw()
             return out

@@ -8,6 +8,7 @@ tests/test_conformance.py ("violations" cases)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import sys
@@ -217,7 +218,8 @@ def test_m_indices_violations_are_named(row, value, message):
 def test_checked_compiles_once_per_argument_structure_and_static_values():
     """`cc.checked(fn)` called again, or a new `cc.checked(fn)`, with new array values of the same shapes and
     the same static arguments reuses the compiled program (fn is traced once); a new static value or shape
-    traces again, and the results stay the values' own."""
+    traces again, a static that cannot be hashed traces every call, the results stay the values' own, and
+    the kept programs go when fn does."""
     traces = []
 
     def fn(x, *, scale):
@@ -234,6 +236,20 @@ def test_checked_compiles_once_per_argument_structure_and_static_values():
     assert traces == [2.0, 3.0, 3.0]
     cc.checked(fn)(a, scale=np.float32(3.0))  # an array-like static is traced, a new structure of arguments
     assert len(traces) == 4
+
+    def with_names(x, *, names):  # a set is a leaf that cannot be hashed: compiled for each call
+        traces.append(names)
+        return x
+
+    cc.checked(with_names)(a, names={"w13"})
+    cc.checked(with_names)(a, names={"w13"})
+    assert len(traces) == 6
+    from custom_calls import contracts
+
+    held = len(contracts._CHECKIFIED)
+    del fn
+    gc.collect()
+    assert len(contracts._CHECKIFIED) == held - 1  # the programs go with the function
 
 
 def test_checked_results_equal_unchecked():
