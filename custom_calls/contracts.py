@@ -34,7 +34,6 @@ no check is traced at all. All functions here are pure and jit-able; shapes are 
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any, Callable
 
 import jax
@@ -258,39 +257,6 @@ def check_finite_scales(name: str, scale: jax.Array, what: str = "experts") -> N
 
 # ------------------------------------------------------------------ the user-facing wrapper
 
-def _is_traced(v: Any) -> bool:
-    return isinstance(v, jax.Array) or hasattr(v, "__array__")
-
-
-def _checkify_jit(run: Callable) -> Callable:
-    # compiled, not op by op: a layer's checks then cost one compile instead of one dispatch per op
-    return jax.jit(checkify.checkify(run, errors=checkify.user_checks))
-
-
-# fn -> {(argument structure, static values): compiled}. Weak on fn, and `run` holds fn weakly, so a
-# dropped fn (a lambda closing over a layer's params, say) frees its programs and what they captured.
-_CHECKIFIED: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
-
-
-def _checkified(fn: Callable, tree: Any, statics: tuple) -> Callable:
-    """The compiled checkified fn for one structure of arguments and one set of static values, kept while
-    fn lives, so that calling `checked(fn)` again (or a new `checked(fn)`) with new array values compiles
-    nothing. TypeError when fn cannot be referenced weakly or a static value is unhashable."""
-    per_fn = _CHECKIFIED.setdefault(fn, {})
-    compiled = per_fn.get((tree, statics))
-    if compiled is None:
-        fn_ref, static = weakref.ref(fn), {i: v for i, _, v in statics}
-
-        def run(*arrays):
-            it = iter(arrays)
-            full = [static[i] if i in static else next(it) for i in range(tree.num_leaves)]
-            a, kw = jax.tree_util.tree_unflatten(tree, full)
-            return fn_ref()(*a, **kw)  # traced only during a call, while the caller holds fn
-
-        compiled = per_fn[(tree, statics)] = _checkify_jit(run)
-    return compiled
-
-
 def checked(fn: Callable, *, throw: bool = True) -> Callable:
     """Runs `fn` with its checks functionalized (`checkify.checkify`, user checks, i.e. the
     `debug_checks=True` ones). throw=True: the wrapper returns fn's result and raises
@@ -300,14 +266,10 @@ def checked(fn: Callable, *, throw: bool = True) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any):
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        traced = [i for i, v in enumerate(leaves) if _is_traced(v)]
-        statics = tuple((i, type(v), v) for i, v in enumerate(leaves) if i not in set(traced))
-        try:
-            compiled = _checkified(fn, tree, statics)
-        except TypeError:  # an unhashable static argument: compiled for this call only
-            compiled = _checkify_jit(split_arrays(fn, args, kwargs, _is_traced)[2])
-        err, out = compiled(*[leaves[i] for i in traced])
+        _, arrays, run = split_arrays(fn, args, kwargs,
+                                      lambda v: isinstance(v, jax.Array) or hasattr(v, "__array__"))
+        # compiled, not op by op: a layer's checks then cost one compile instead of one dispatch per op
+        err, out = jax.jit(checkify.checkify(run, errors=checkify.user_checks))(*arrays)
         if throw:
             err.throw()
             return out

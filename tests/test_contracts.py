@@ -8,7 +8,6 @@ tests/test_conformance.py ("violations" cases)."""
 
 from __future__ import annotations
 
-import gc
 import os
 import re
 import sys
@@ -213,43 +212,6 @@ def test_m_indices_violations_are_named(row, value, message):
     assert msg is not None and re.search(message, msg), msg
     with pytest.raises(checkify.JaxRuntimeError, match=message):
         cc.checked(_gemm_contig)(lhs, rhs, jnp.asarray(mi), ls, rs)
-
-
-def test_checked_compiles_once_per_argument_structure_and_static_values():
-    """`cc.checked(fn)` called again, or a new `cc.checked(fn)`, with new array values of the same shapes and
-    the same static arguments reuses the compiled program (fn is traced once); a new static value or shape
-    traces again, a static that cannot be hashed traces every call, the results stay the values' own, and
-    the kept programs go when fn does."""
-    traces = []
-
-    def fn(x, *, scale):
-        traces.append(scale)
-        return x * scale
-
-    a, b = jnp.arange(4.0), jnp.arange(4.0) + 10
-    np.testing.assert_array_equal(np.asarray(cc.checked(fn)(a, scale=2.0)), np.asarray(a) * 2)
-    np.testing.assert_array_equal(np.asarray(cc.checked(fn)(b, scale=2.0)), np.asarray(b) * 2)
-    err, out = cc.checked(fn, throw=False)(b, scale=2.0)
-    assert err.get() is None and traces == [2.0]
-    np.testing.assert_array_equal(np.asarray(cc.checked(fn)(b, scale=3.0)), np.asarray(b) * 3)
-    cc.checked(fn)(jnp.arange(5.0), scale=3.0)
-    assert traces == [2.0, 3.0, 3.0]
-    cc.checked(fn)(a, scale=np.float32(3.0))  # an array-like static is traced, a new structure of arguments
-    assert len(traces) == 4
-
-    def with_names(x, *, names):  # a set is a leaf that cannot be hashed: compiled for each call
-        traces.append(names)
-        return x
-
-    cc.checked(with_names)(a, names={"w13"})
-    cc.checked(with_names)(a, names={"w13"})
-    assert len(traces) == 6
-    from custom_calls import contracts
-
-    held = len(contracts._CHECKIFIED)
-    del fn
-    gc.collect()
-    assert len(contracts._CHECKIFIED) == held - 1  # the programs go with the function
 
 
 def test_checked_results_equal_unchecked():
