@@ -170,6 +170,13 @@ def test_contig_form_follows_w4a8_prefill():
     assert contig_form(m_cap=128, settings=expand, **shape) == "expand"
     assert contig_form(m_cap=32 * rows, settings=auto, **dict(shape, n=4032 + 8)) == "kernel"  # N % 64
     assert contig_form(m_cap=32 * rows, settings=auto, **dict(shape, alignment=256)) == "kernel"
+    from moe_jax import contig_capacity
+
+    # V4-Flash's prefill (top-6): the 32-expert slice expands at 4096 tokens (892 rows per expert), not at
+    # 2048 (508, a tie where the kernel form keeps the memory); all 256 experts on one GPU do not (223)
+    for tokens, experts, form in ((4096, 32, "expand"), (2048, 32, "kernel"), (4096, 256, "kernel")):
+        m_cap = contig_capacity(tokens, 6, experts, 128)
+        assert contig_form(m_cap=m_cap, settings=auto, **dict(shape, num_groups=experts)) == form, (tokens, experts)
     big = dict(m_cap=32 * rows, n=4096, k=4096, num_groups=32, recipe="mxfp4", arch=90, alignment=128,
                lhs_dtype=jnp.float8_e4m3fn, rhs_dtype=jnp.int8)
     for settings in (auto, kernel, expand):
