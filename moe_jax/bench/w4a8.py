@@ -15,9 +15,10 @@ form stores (values + scales); "x FP8" is DeepGEMM's time over the row's, pass b
 difference to DeepGEMM's output over the rows below masked_m (accumulation order only: both compute on the
 same e4m3 values and block scales). Contig: ``--prefill-tokens`` x top-k routes in one uniform draw, each
 expert's rows aligned to 128 (the layer's contig layout), the CUDA tilings of ``--contig-configs`` and the
-warp-specialized contig kernel (`custom_calls.cuda.w4a8_contig_ws`) at each of ``--ws-configs``, and the 4-bit
-weights widened to FP8 in memory (`custom_calls.triton.w4a8_expand_kernel`) then DeepGEMM's FP8 GEMM, both
-timed; TFLOPS on the real rows instead of TB/s.
+warp-specialized contig kernel (`custom_calls.cuda.w4a8_contig_ws`) at each of ``--ws-configs``, and the
+"w4a8" contig op by expansion (`KernelSettings(w4a8_prefill="expand")`: the 4-bit weights widened to FP8 in
+memory by `custom_calls.triton.w4a8_expand_kernel`, then DeepGEMM's FP8 GEMM), both timed; TFLOPS on the
+real rows instead of TB/s.
 
 Needs an SM90 GPU (exits with status 2 elsewhere). Table on stdout, progress on stderr; ``--json PATH``
 writes the rows.
@@ -148,10 +149,12 @@ def _kernels(configs: list, expected_m: int, contig: bool = False, ws_configs: t
 
     out = {"deep_gemm fp8 (FP4->FP8)": (fp8, "fp8"), "triton w4a8": (triton, "w4a8")}
     if contig:
-        from custom_calls.triton.w4a8_expand_kernel import w4a8_expand
+        from custom_calls import KernelSettings
 
-        def expand_then_fp8(a, sa, w, s, mi):  # a in the W4A8 column order, as the expanded weights
-            return fp8(a, sa, *w4a8_expand(w, s), mi)
+        def expand_then_fp8(a, sa, w, s, mi):  # the "w4a8" contig op by expansion, as the layer runs it
+            return m_grouped_gemm_contig(a, w, mi, lhs_scale=sa, rhs_scale=s, recipe="mxfp4", arch=90,
+                                         alignment=ALIGNMENT, backend="w4a8", assume_canonical=True,
+                                         settings=KernelSettings(w4a8_prefill="expand"))
 
         out["expand + deep_gemm fp8"] = (expand_then_fp8, "w4a8")
     for cfg in configs:
