@@ -18,6 +18,7 @@ extra names the extra to install.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib
 import json
@@ -100,8 +101,27 @@ def _inherit_site_packages(venv: Path) -> None:
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> dict:
     """Build sdist + wheel from a copy of the checkout, install the wheel into a fresh venv and run
-    CHECK there: {sdist, wheel, venv, check (CHECK's JSON), y (its layer output)}."""
-    tmp = tmp_path_factory.mktemp("dist")
+    CHECK there: {sdist, wheel, venv, check (CHECK's JSON), y (its layer output)}. Under pytest-xdist
+    the tests using it may land on different workers: the first builds into the run's shared temporary
+    directory under a file lock, the others wait for it and read its result (one build per run)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return _build_dist(tmp_path_factory.mktemp("dist"))
+    shared = tmp_path_factory.getbasetemp().parent / "moe_jax_dist"
+    shared.mkdir(exist_ok=True)
+    done = shared / "dist.json"
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            built = _build_dist(shared / "build")
+            done.write_text(json.dumps(dict(sdist=str(built["sdist"]), wheel=str(built["wheel"]),
+                                            venv=str(built["venv"]), check=built["check"])))
+    built = json.loads(done.read_text())
+    return dict(sdist=Path(built["sdist"]), wheel=Path(built["wheel"]), venv=Path(built["venv"]),
+                check=built["check"], y=np.load(shared / "build" / "y.npy"))
+
+
+def _build_dist(tmp: Path) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
     src = tmp / "src"  # setuptools writes build/ and *.egg-info into the tree it builds
     shutil.copytree(REPO, src, ignore=COPY_IGNORE)
     venv = tmp / "venv"
