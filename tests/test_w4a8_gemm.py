@@ -290,6 +290,23 @@ def test_bench_gemm_w4a8_rows_use_one_set_of_operands():
     np.testing.assert_array_equal(np.asarray(sf), np.asarray(s8))
 
 
+def test_bench_gemm_kernel_time_sums_the_kernels_of_a_call(monkeypatch):
+    """`bench gemm`'s kernel time of a call that runs two kernels (the W4A8 contig op by expansion: the
+    widening, then DeepGEMM's FP8 GEMM) is the sum of their medians, not the widening's alone; kernels
+    that match no needle (an XLA fusion) are left out."""
+    from moe_jax.bench import _timing, gemm
+
+    traced = {"w4a8_expand_kernel": [3e-4, 2e-4, 2.5e-4], "sm90_fp8_gemm_1d2d_impl<...>": [6e-4, 7e-4, 6.5e-4],
+              "loop_convert_fusion": [1e-5] * 3}
+    monkeypatch.setattr(_timing, "trace_kernels", lambda run: traced)
+    both = ("w4a8", "sm90_fp8_gemm_1d2d")
+    assert gemm._kernel_s(None, both) == pytest.approx(2.5e-4 + 6.5e-4)
+    assert gemm._kernel_s(None, "sm90_fp8_gemm_1d2d") == pytest.approx(6.5e-4)
+    traced.pop("sm90_fp8_gemm_1d2d_impl<...>")  # the kernel form: one W4A8 kernel, the second needle unmatched
+    assert gemm._kernel_s(None, both) == pytest.approx(2.5e-4)
+    assert gemm._kernel_s(None, ("deep_gemm_bf16",)) is None
+
+
 def test_flax_module_runs_the_4bit_form():
     """`moe_jax.nn.MoE` with mxfp4_sm90_form="w4a8": 4-bit experts, the same output bits as the FP8 form
     built from the same draws (shared expert included)."""

@@ -78,8 +78,8 @@ def warmup_shapes(plan: list[tuple[str, tuple]]) -> list:
 
 
 def _timeit(f, args, *, burst_rounds=3, burst_iters=10, sustained_iters=150, idle=1.0, kernel=None):
-    """(burst s, sustained s | None, kernel s | None). kernel: a substring of the GPU kernel's name;
-    its median device duration over one more burst, read from a profiler trace (the protocol of
+    """(burst s, sustained s | None, kernel s | None). kernel: a substring of the GPU kernel's name (or a
+    tuple, `_kernel_s`); its median device duration over one more burst, read from a profiler trace (the protocol of
     DeepGEMM's own benchmark, which times kernels, not dispatch)."""
     import jax
 
@@ -139,12 +139,16 @@ def _quant_inputs(key, g, rows, n, k):
     return x, w, qa, sa, qb, sb, a_deq, b_deq
 
 
-def _kernel_s(run, needle: str) -> float | None:
-    """Median device duration (s) of the kernels whose name contains ``needle`` while ``run()`` runs."""
+def _kernel_s(run, needle: str | tuple[str, ...]) -> float | None:
+    """Median device duration (s) of the kernels whose name contains ``needle`` while ``run()`` runs; a
+    tuple of needles: the sum of each matched needle's median, for a call that runs one kernel of each
+    (the W4A8 contig op by expansion: the widening, then DeepGEMM's FP8 GEMM). None: nothing matched."""
     from moe_jax.bench._timing import trace_kernels
 
-    durs = [d for name, ds in trace_kernels(run).items() if needle in name for d in ds]
-    return statistics.median(durs) if durs else None
+    traced = trace_kernels(run)
+    medians = [statistics.median(durs) for n in ((needle,) if isinstance(needle, str) else needle)
+               if (durs := [d for name, ds in traced.items() if n in name for d in ds])]
+    return sum(medians) if medians else None
 
 
 def launch_overhead(chain: int = 32, iters: int = 100, rounds: int = 9) -> dict:

@@ -1,6 +1,7 @@
-"""`bench gemm`'s W4A8 rows: MXFP4 weights kept 4-bit (backend "w4a8": the CUDA masked kernel, the Triton
-contig kernel) beside DeepGEMM's FP8 kernel on the FP4 -> FP8 expansion of the same weights, at each
-contig and masked shape.
+"""`bench gemm`'s W4A8 rows: MXFP4 weights kept 4-bit (backend "w4a8": the CUDA masked kernel; the contig op
+as `KernelSettings.w4a8_prefill` chooses, the warp-specialized kernel or the widening then DeepGEMM's FP8
+GEMM, whose kernel time is both kernels') beside DeepGEMM's FP8 kernel on the FP4 -> FP8 expansion of the
+same weights, at each contig and masked shape.
 
 The weights are the FP8 rows' random weights quantized to MXFP4; both rows compute on the same
 e4m3 operands and block scales (`layouts.w4a8`; the W4A8 row's tokens are the FP8 row's bytes in the
@@ -60,8 +61,9 @@ def bench_w4a8(kind: str, shape: str, w: Any, lhs: tuple, row: Callable, timeit:
     step("deep_gemm fp8 on the FP4->FP8 expansion")
     want = jax.block_until_ready(fp8())
     valid = (slice(None), slice(0, lhs[3])) if kind == "masked" else (slice(None),)
+    # the W4A8 contig op may widen the weights and then run DeepGEMM's FP8 GEMM (w4a8_prefill): both kernels
     for impl, f, b, sb, needle in (("deep_gemm fp8 (FP4->FP8)", fp8, w8, s8, "sm90_fp8_gemm_1d2d"),
-                                   (W4A8, w4a8, w4, s4, "w4a8")):
+                                   (W4A8, w4a8, w4, s4, ("w4a8", "sm90_fp8_gemm_1d2d"))):
         step(impl)
         out = jax.block_until_ready(f())
         iters = sustained_iters * (4 if kind == "masked" else 1)
