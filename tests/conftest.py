@@ -28,10 +28,10 @@ _FAST_COMPILE = "" if os.path.exists("/dev/nvidia0") else (
     " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8" + _FAST_COMPILE)
 # Many XLA:CPU programs are compiled again by another test, another pytest worker or a test's subprocess
-# (the examples, the bench, the packaging venv): there, JAX's persistent compilation cache keeps every
-# program under .pytest_cache, shared by the workers and the subprocesses (through the environment) and
-# reused by later runs. The cache key covers the program, the flags and the jax version, so a hit is the
-# same executable. A GPU run compiles as before.
+# (the examples, the bench, the packaging venv). Without an NVIDIA device, JAX's persistent compilation
+# cache keeps every program under .pytest_cache, shared by the workers and the subprocesses (through the
+# environment) and reused by later runs. Its key covers the program, the flags and the jax version, so a
+# hit is the same executable (each test still traces its own code). A GPU run compiles as before.
 if _FAST_COMPILE:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                           str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax_compilation_cache"))

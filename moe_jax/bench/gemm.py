@@ -79,8 +79,8 @@ def warmup_shapes(plan: list[tuple[str, tuple]]) -> list:
 
 def _timeit(f, args, *, burst_rounds=3, burst_iters=10, sustained_iters=150, idle=1.0, kernel=None):
     """(burst s, sustained s | None, kernel s | None). kernel: a substring of the GPU kernel's name (or a
-    tuple, `_kernel_s`); its median device duration over one more burst, read from a profiler trace (the protocol of
-    DeepGEMM's own benchmark, which times kernels, not dispatch)."""
+    tuple of them, `_kernel_s`); its median device duration over one more burst, read from a profiler
+    trace (the protocol of DeepGEMM's own benchmark, which times kernels, not dispatch)."""
     import jax
 
     jax.block_until_ready(f(*args))
