@@ -31,10 +31,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8" + 
 # (the examples, the bench, the packaging venv). Without an NVIDIA device, JAX's persistent compilation
 # cache keeps every program under .pytest_cache, shared by the workers and the subprocesses (through the
 # environment) and reused by later runs. Its key covers the program, the flags and the jax version, so a
-# hit is the same executable (each test still traces its own code). A GPU run compiles as before.
+# hit is the same executable (each test still traces its own code). A GPU run compiles as before. The
+# directory is one of pytest's cache directories (.pytest_cache/d/...), so `pytest --cache-clear` empties it.
 if _FAST_COMPILE:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                          str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax_compilation_cache"))
+                          str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "d" / "jax_compilation_cache"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
