@@ -81,11 +81,12 @@ def contig_form(*, m_cap: int, n: int, k: int, num_groups: int, alignment: int,
     "expand" (`KernelSettings.w4a8_prefill`; "auto": "expand" from `EXPAND_MIN_ROWS_PER_EXPERT` rows of
     capacity per expert, where DeepGEMM takes the shapes)."""
     mode = resolve_settings(settings).w4a8_prefill
-    if mode == "auto":
-        many_rows = m_cap // max(num_groups, 1) >= EXPAND_MIN_ROWS_PER_EXPERT
-        expandable = not _expand_reason(m_cap=m_cap, n=n, k=k, num_groups=num_groups, alignment=alignment)
-        return "expand" if many_rows and expandable else "kernel"
-    return mode
+    if mode != "auto":
+        return mode
+    # DeepGEMM's shape check only where the rows ask for the expansion (it imports the DeepGEMM host code)
+    expand = (m_cap // max(num_groups, 1) >= EXPAND_MIN_ROWS_PER_EXPERT
+              and not _expand_reason(m_cap=m_cap, n=n, k=k, num_groups=num_groups, alignment=alignment))
+    return "expand" if expand else "kernel"
 
 
 def supports_contig(*, m_cap: int, n: int, k: int, num_groups: int, recipe: str, arch: int, alignment: int,
