@@ -121,11 +121,11 @@ def grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, *,
 
         return w4a8_gemm_kernel.w4a8_contig(lhs, lhs_scale, rhs, rhs_scale, m_indices, alignment=alignment,
                                             widen=_widen())
-    from custom_calls.cuda import w4a8_contig_ws
+    from custom_calls.cuda import w4a8_contig_rs
     from custom_calls.cuda.w4a8_gemm import w4a8_contig_cuda
 
-    if alignment % w4a8_contig_ws.BLOCK == 0:
-        return w4a8_contig_ws.w4a8_contig_ws(lhs, lhs_scale, rhs, rhs_scale, m_indices, alignment=alignment)
+    if alignment % w4a8_contig_rs.BLOCK == 0:
+        return w4a8_contig_rs.w4a8_contig_rs(lhs, lhs_scale, rhs, rhs_scale, m_indices, alignment=alignment)
     return w4a8_contig_cuda(lhs, lhs_scale, rhs, rhs_scale, m_indices, alignment=alignment)
 
 

@@ -650,6 +650,18 @@ def test_w4a8_configs_and_rows():
     with pytest.raises(ValueError, match=r"W4A8WsConfig.scale_words: expected one of"):
         parse_ws_configs("4")
     assert main(["w4a8", "--layout", "contig", "--ws-configs", "x"]) == 2
+    # the persistent register-operand contig kernel's configs: parsed, checked, named when refused
+    from custom_calls.cuda.w4a8_contig_rs import W4A8RsConfig
+    from moe_jax.bench.w4a8 import parse_rs_configs
+
+    assert parse_rs_configs("6; 4,inline;") == (W4A8RsConfig(6), W4A8RsConfig(4, ahead=False))
+    assert parse_rs_configs("") == ()
+    with pytest.raises(ValueError, match=r"--rs-configs: .* got '9': W4A8RsConfig.stages: expected an int "
+                                         r"in \[2, 7\], got 9"):
+        parse_rs_configs("9")
+    with pytest.raises(ValueError, match=r"--rs-configs: .* got '6,behind': the second field is 'inline' or absent"):
+        parse_rs_configs("6,behind")
+    assert main(["w4a8", "--layout", "contig", "--rs-configs", "x"]) == 2
     assert uniform_rows(4096, 6, cap=4096).sum() == 4096 * 6
     mi = contig_indices(np.array([3, 0, 130]), 128)
     assert mi.shape == (384,) and (mi[:3] == 0).all() and (mi[3:128] == -1).all()
@@ -683,7 +695,7 @@ def test_w4a8_sweep_rows_on_the_reference(monkeypatch):
         return lambda a, sa, w, s, mm: m_grouped_gemm_masked(a, w, mm, expected_m=4, lhs_scale=sa, rhs_scale=s,
                                                              recipe=recipe, arch=90, backend="reference")
 
-    monkeypatch.setattr(bench, "_kernels", lambda configs, em, contig, ws_configs: {
+    monkeypatch.setattr(bench, "_kernels", lambda configs, em, contig, ws_configs, rs_configs: {
         "deep_gemm fp8 (FP4->FP8)": (ref("fp8_block"), "fp8"), "w4a8 a": (ref("mxfp4"), "w4a8")})
     monkeypatch.setattr(timing, "device_time", lambda fn, sets, rounds: {"total": 2e-6 if sets[0][2].dtype == "int8"
                                                                          else 3e-6})
@@ -702,7 +714,7 @@ def test_w4a8_sweep_rows_on_the_reference(monkeypatch):
         return lambda a, sa, w, s, mi: m_grouped_gemm_contig(a, w, mi, lhs_scale=sa, rhs_scale=s, recipe=recipe,
                                                              arch=90, alignment=128, backend="reference")
 
-    monkeypatch.setattr(bench, "_kernels", lambda configs, em, contig, ws_configs: {
+    monkeypatch.setattr(bench, "_kernels", lambda configs, em, contig, ws_configs, rs_configs: {
         "deep_gemm fp8 (FP4->FP8)": (cref("fp8_block"), "fp8"), "w4a8 a": (cref("mxfp4"), "w4a8")})
     mi = bench.contig_indices(rows)
     fp8, w4 = bench.sweep("GEMM1", 64, 256, [mi], [], 0, passes=1, iters=1, log=lambda *a: None, contig=True)

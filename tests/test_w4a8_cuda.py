@@ -198,6 +198,46 @@ def test_ws_contig_kernel_model_matches_the_float64_model():
     _check_contig(got, codes, sf32, a, sa, m_indices)
 
 
+def test_rs_contig_kernel_model_matches_the_float64_model():
+    """The persistent register-operand contig kernel (w4a8_contig_rs_sm90.cuh): block b takes tiles b, b + grid,
+    ... (token block major), each tile's 128 tokens and 128 weight rows per K block the masked kernel's data
+    movement (`_block_model` over 128 tokens), the block scale of a thread's rows r0 and r0 + 8 from r0's
+    word; every tile once, padding rows and all-padding tiles 0, a partial last weight tile (N 200), grids
+    of 1, 3 and more blocks than tiles."""
+    from custom_calls.cuda import w4a8_contig_rs as rs
+
+    n = 200
+    codes, sf32, values, scales, m_indices, a, sa = _contig_case(11, n)
+    a_bytes = np.asarray(a).view(np.uint8)
+    w_words, s_words = _words(values, scales)
+    token_scales = np.asarray(from_mn_major_tma_aligned(sa, m_indices.size)).astype(np.float64)
+    m_blocks, n_tiles = m_indices.size // 128, -(-n // 128)
+    for num_sms in (1, 3, 64):
+        grid = rs.grid_size(rs.W4A8RsConfig(num_sms=num_sms), m_cap=m_indices.size, n=n)
+        assert grid == min(num_sms, m_blocks * n_tiles)
+        got, seen = np.full((m_indices.size, n), np.nan), []
+        for b in range(grid):
+            for tile in range(b, m_blocks * n_tiles, grid):
+                seen.append(tile)
+                mb, wrow0 = tile // n_tiles * 128, tile % n_tiles * 128
+                rows, e = mb + np.arange(128), int(m_indices[mb])
+                cols = np.arange(wrow0, min(n, wrow0 + 128))
+                if e < 0:
+                    got[np.ix_(rows, cols)] = 0
+                    continue
+                r = np.arange(128)
+                r0 = np.where(r % 16 < 8, r, r - 8)  # a thread's first row, whose word gives the block scale
+                ok = wrow0 + r < n
+                sw = np.where(ok[:, None], s_words[e][np.minimum(wrow0 + r, n - 1)], 0).astype(np.uint32)
+                sw = (sw & ~np.uint32(0xFF)) | (sw[r0] & np.uint32(0xFF))
+                ww = np.where(ok[:, None], w_words[e][np.minimum(wrow0 + r, n - 1)], 0).astype(np.uint32)
+                block = _block_model(a_bytes[rows], token_scales[rows], ww, sw, 128)  # (weight rows, tokens)
+                block[:, m_indices[rows] < 0] = 0
+                got[np.ix_(rows, cols)] = block[:cols.size].T
+        assert sorted(seen) == list(range(m_blocks * n_tiles))
+        _check_contig(got, codes, sf32, a, sa, m_indices)
+
+
 def _contig_case(seed: int, n: int):
     """3 experts of N rows, K 256, M_cap 512: segments of 100, 128 and 6 rows (rows 256..383 all padding),
     tokens zero on the padding rows -> (codes, sf32, values, scales, m_indices, a, sa)."""
@@ -418,21 +458,74 @@ def test_ws_plan_and_checks():
         ws.w4a8_contig_ws(lhs, sa, rhs, rs, jnp.zeros((256,), jnp.int32), alignment=64)
 
 
+@needs_nvcc
+@pytest.mark.parametrize("stages,ahead", [(2, True), (6, False), (6, True), (7, False)])
+def test_rs_compiles_for_sm90a_without_spills(stages, ahead, tmp_path, monkeypatch):
+    """The persistent register-operand contig kernel compiles for sm_90a: four RS FP8 wgmmas, no local memory,
+    within the registers of 384 threads on one SM at launch; the producer warp group gives registers back and
+    the consumers take them (setmaxnreg: 128 x 40 + 256 x 232 <= the SM's 65536)."""
+    from custom_calls.cuda import w4a8_contig_rs as rs
+    from custom_calls.native.compiler import compile_cubin
+
+    monkeypatch.setenv("MOE_JAX_CACHE_DIR", str(tmp_path))
+    cfg = rs.W4A8RsConfig(stages, ahead=ahead)
+    res = _resources(compile_cubin(rs.kernel_name(cfg, n=4096, k=4096), rs.source(cfg, n=4096, k=4096), 90).path)
+    assert res["stack"] == 0 and res["wgmma"] == 4 and res["hmma"] == 0, res
+    assert res["reg"] * rs.THREADS <= 65536, res
+    counts = {kind: int(n, 16) for kind, n in res["setmaxreg"]}
+    assert counts == {"DEALLOC": 40, "TRY_ALLOC": 232}, res
+    assert 128 * counts["DEALLOC"] + 256 * counts["TRY_ALLOC"] <= 65536
+
+
+def test_rs_plan_and_checks():
+    """The persistent register-operand kernel's launch: one block per SM (at most one per tile), 384 threads,
+    the token blocks as its last argument, boxes of 128 tokens and 128 rows; refused by name: stages outside
+    [2, 7], num_sms not positive, shared memory past the SM's, M_cap or an alignment not a multiple of 128."""
+    from custom_calls.cuda import w4a8_contig_rs as rs
+    from custom_calls.native.launch_plan import ARG_U32
+
+    g, m_cap, n, k = 4, 1024, 200, 384
+    plan = rs.plan(rs.W4A8RsConfig(num_sms=132), "/x.cubin", g=g, m_cap=m_cap, n=n, k=k)
+    assert (plan.grid, plan.grid_yz, plan.block) == (16, (1, 1), 384)  # 8 token blocks x 2 weight tiles
+    assert rs.plan(rs.W4A8RsConfig(num_sms=5), "/x.cubin", g=g, m_cap=m_cap, n=n, k=k).grid == 5
+    assert (plan.args[-1].kind, plan.args[-1].value) == (ARG_U32, m_cap // 128)
+    tokens, scales, weights = plan.tmaps
+    assert (tokens.dims, tokens.box, tokens.swizzle) == ((k, m_cap), (128, 128), 128)
+    assert (scales.dims, scales.box, weights.dims, weights.box) == ((m_cap, 3), (128, 1), (k // 2, g * n), (64, 128))
+    plan.check()
+    plan.check_operands((m_cap * k, 3 * m_cap * 4, g * n * k // 2, g * n * 3 * 4, 4 * m_cap, 2 * m_cap * n))
+    # six slots of (16 + 8 KB + 512 B -> 25 KB), the alignment, the staging of 128 rows of 136 bf16
+    assert plan.smem == rs.smem_bytes(rs.W4A8RsConfig()) == 6 * 25600 + 1024 + 128 * 136 * 2
+    for bad in (1, 8, True):
+        with pytest.raises(ValueError, match=rf"W4A8RsConfig.stages: expected an int in \[2, 7\], got {bad!r}"):
+            rs.W4A8RsConfig(bad)
+    with pytest.raises(ValueError, match=r"W4A8RsConfig.num_sms: expected a positive int or None, got 0"):
+        rs.W4A8RsConfig(num_sms=0)
+    with pytest.raises(ValueError, match=r"M_cap: the W4A8 RS kernel takes tiles of 128 token rows, got 960"):
+        rs.plan(rs.W4A8RsConfig(), "/x.cubin", g=g, m_cap=960, n=n, k=k)
+    with pytest.raises(ValueError, match=r"k: the W4A8 kernel needs a multiple of 128, got 200"):
+        rs.source(rs.W4A8RsConfig(), n=64, k=200)
+    lhs, sa = jnp.zeros((256, 128), jnp.float8_e4m3fn), jnp.zeros((1, 256), jnp.float32)
+    rhs, rsw = jnp.zeros((2, 64, 64), jnp.int8), jnp.zeros((2, 64, 1), jnp.int32)
+    with pytest.raises(ValueError, match=r"alignment must be a multiple of 128, got 64"):
+        rs.w4a8_contig_rs(lhs, sa, rhs, rsw, jnp.zeros((256,), jnp.int32), alignment=64)
+
+
 def test_registry_contig_runs_the_form_the_settings_and_alignment_ask_for(monkeypatch):
-    """On a GPU the "w4a8" backend's contig op runs, in the kernel form, the warp-specialized kernel when the
-    alignment is a multiple of its 128-row blocks and the register-operand kernel otherwise; by expansion
+    """On a GPU the "w4a8" backend's contig op runs, in the kernel form, the persistent kernel when the
+    alignment is a multiple of its 128-row tiles and the per-block register-operand kernel otherwise; by expansion
     (`KernelSettings.w4a8_prefill`), the Triton expansion then DeepGEMM's FP8 contig GEMM on its output
     (here with every kernel replaced by a recorder and the interpreter switched off)."""
     import jax
 
     from custom_calls import KernelSettings, grouped_gemm, w4a8_backend
-    from custom_calls.cuda import w4a8_contig_ws
+    from custom_calls.cuda import w4a8_contig_rs
     from custom_calls.triton import w4a8_expand_kernel
 
     calls = []
     monkeypatch.setattr(w4a8_backend, "_interpreting", lambda: False)
-    monkeypatch.setattr(w4a8_contig_ws, "w4a8_contig_ws", lambda *a, alignment: calls.append(("ws", alignment)))
-    monkeypatch.setattr(cw, "w4a8_contig_cuda", lambda *a, alignment: calls.append(("rs", alignment)))
+    monkeypatch.setattr(w4a8_contig_rs, "w4a8_contig_rs", lambda *a, alignment: calls.append(("persistent", alignment)))
+    monkeypatch.setattr(cw, "w4a8_contig_cuda", lambda *a, alignment: calls.append(("per-block", alignment)))
     monkeypatch.setattr(w4a8_expand_kernel, "w4a8_expand",
                         lambda w, s, *, widen: calls.append(("expand", widen)) or ("wide", "wide_scale"))
     monkeypatch.setattr(grouped_gemm, "m_grouped_gemm_contig",
@@ -442,7 +535,7 @@ def test_registry_contig_runs_the_form_the_settings_and_alignment_ask_for(monkey
     for alignment in (128, 256, 64, 32):
         w4a8_backend.grouped_gemm_contig(lhs, rhs, None, lhs_scale=None, rhs_scale=None, recipe="mxfp4", arch=90,
                                          alignment=alignment, settings=KernelSettings())
-    assert calls == [("ws", 128), ("ws", 256), ("rs", 64), ("rs", 32)]
+    assert calls == [("persistent", 128), ("persistent", 256), ("per-block", 64), ("per-block", 32)]
     calls.clear()
     w4a8_backend.grouped_gemm_contig(lhs, rhs, None, lhs_scale=None, rhs_scale=None, recipe="mxfp4", arch=90,
                                      alignment=128, settings=KernelSettings(w4a8_prefill="expand"))

@@ -164,3 +164,42 @@ def test_w4a8_cuda_contig_ws(n, k, stages, scale_words):
     print(f"warp-specialized vs register-operand contig: max |diff| {diff.max():.3e}, "
           f"{np.mean(diff == 0) * 100:.1f} % identical")
     np.testing.assert_array_equal(out.view(np.uint32), rs.view(np.uint32))
+
+
+@pytest.mark.parametrize("n,k,stages,num_sms,ahead", [(4096, 2048, 6, None, False), (4096, 2048, 6, None, True),
+                                                      (200, 384, 2, 3, True), (584, 1152, 7, 5, False),
+                                                      (196, 128, 3, 1, True), (264, 256, 4, 2, False)])
+def test_w4a8_cuda_contig_rs(n, k, stages, num_sms, ahead):
+    """The persistent register-operand contig kernel writes every row of D (into a NaN-filled output): expert
+    rows against the reference, and bit for bit the register-operand contig kernel (the same products, the
+    same promotion), padding rows and all-padding tiles 0; a partial last weight tile (N 200, 196: not a
+    multiple of 8, the scalar stores), one K block, grids of 1 to 5 blocks (each block many tiles: the ring's
+    phases across tiles), each stage count, with and without the next K block widened ahead."""
+    from custom_calls.cuda import w4a8_contig_rs as rs
+    from custom_calls.cuda import w4a8_gemm as cw
+    from custom_calls.grouped_gemm import m_grouped_gemm_contig
+    from custom_calls.native.compiler import compile_cubin
+    from custom_calls.native.launch import launch
+    import jax.numpy as jnp
+
+    g = 4
+    packed, sf32, a, sa, m_indices = _contig_operands(n + k + 7, g, n, k)
+    m_cap = m_indices.size
+    w, sw = mxfp4_to_w4a8(packed, sf32)
+    mi = jnp.asarray(m_indices)
+    cfg = rs.W4A8RsConfig(stages, num_sms, ahead)
+    cubin = compile_cubin(rs.kernel_name(cfg, n=n, k=k), rs.source(cfg, n=n, k=k), 90)
+    plan = rs.plan(cfg, str(cubin.path), g=g, m_cap=m_cap, n=n, k=k)
+    run = jax.jit(lambda fill: launch(plan, [a, sa, w, sw, mi, fill], [jax.ShapeDtypeStruct(fill.shape, fill.dtype)],
+                                      {5: 0})[0])
+    out = np.asarray(run(jnp.full((m_cap, n), jnp.nan, jnp.bfloat16)), np.float32)
+    assert np.isfinite(out).all() and (out[m_indices < 0] == 0).all()
+    ref = np.asarray(m_grouped_gemm_contig(a, w, mi, lhs_scale=sa, rhs_scale=sw, recipe="mxfp4", arch=90,
+                                           alignment=128, backend="reference"), np.float32)
+    rows = m_indices >= 0
+    np.testing.assert_allclose(out[rows], ref[rows], rtol=2**-7, atol=1e-3 * np.abs(ref[rows]).max())
+    other = np.asarray(cw.w4a8_contig_cuda(a, sa, w, sw, mi, alignment=128), np.float32)
+    diff = np.abs(out[rows] - other[rows])
+    print(f"persistent register-operand vs register-operand contig: max |diff| {diff.max():.3e}, "
+          f"{np.mean(diff == 0) * 100:.1f} % identical")
+    np.testing.assert_array_equal(out.view(np.uint32), other.view(np.uint32))

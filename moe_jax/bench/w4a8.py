@@ -68,6 +68,23 @@ def parse_ws_configs(text: str) -> tuple:
     return tuple(configs)
 
 
+def parse_rs_configs(text: str) -> tuple:
+    """'6;6,inline' -> (W4A8RsConfig(6), W4A8RsConfig(6, ahead=False))."""
+    from custom_calls.cuda.w4a8_contig_rs import W4A8RsConfig
+
+    configs = []
+    for item in (t.strip() for t in text.split(";") if t.strip()):
+        stages, _, widen = item.partition(",")
+        try:
+            if widen.strip() not in ("", "inline"):
+                raise ValueError(f"the second field is 'inline' or absent, got {widen.strip()!r}")
+            configs.append(W4A8RsConfig(int(stages), ahead=widen.strip() != "inline"))
+        except ValueError as exc:
+            raise ValueError(f"--rs-configs: expected 'stages[,inline]' items separated by ';', got {item!r}: "
+                             f"{exc}") from None
+    return tuple(configs)
+
+
 def uniform_rows(tokens: int, top_k: int, seed: int = 0, cap: int = M_PAD):
     """(NUM_EXPERTS,) int32 rows per expert: one multinomial draw of tokens x top_k routes, capped at `cap`."""
     import numpy as np
@@ -118,9 +135,12 @@ def _operands(n: int, k: int, seed: int, x_shape: tuple, real=None):
     return {"fp8": (a8, sa, *mxfp4_to_fp8_block(packed, sf32)), "w4a8": (a4, sa, *mxfp4_to_w4a8(packed, sf32))}
 
 
-def _kernels(configs: list, expected_m: int, contig: bool = False, ws_configs: tuple = ()) -> dict:
+def _kernels(configs: list, expected_m: int, contig: bool = False, ws_configs: tuple = (),
+             rs_configs: tuple = ()) -> dict:
     """label -> (fn(a, sa, w, s, masked_m | m_indices), weight form "fp8" | "w4a8"); contig: also the
-    warp-specialized kernel at each of `ws_configs`."""
+    warp-specialized kernel at each of `ws_configs` and the persistent register-operand one at each of
+    `rs_configs`."""
+    from custom_calls.cuda.w4a8_contig_rs import w4a8_contig_rs
     from custom_calls.cuda.w4a8_contig_ws import w4a8_contig_ws
     from custom_calls.cuda.w4a8_gemm import w4a8_contig_cuda, w4a8_masked_cuda
     from custom_calls.grouped_gemm import m_grouped_gemm_contig, m_grouped_gemm_masked
@@ -162,11 +182,14 @@ def _kernels(configs: list, expected_m: int, contig: bool = False, ws_configs: t
     for ws_cfg in ws_configs if contig else ():
         out[f"cuda ws s{ws_cfg.stages} {ws_cfg.scale_words}"] = (
             lambda a, sa, w, s, mi, c=ws_cfg: w4a8_contig_ws(a, sa, w, s, mi, alignment=ALIGNMENT, config=c), "w4a8")
+    for rs_cfg in rs_configs if contig else ():
+        out[f"cuda rs s{rs_cfg.stages}{'' if rs_cfg.ahead else ' inline'}"] = (
+            lambda a, sa, w, s, mi, c=rs_cfg: w4a8_contig_rs(a, sa, w, s, mi, alignment=ALIGNMENT, config=c), "w4a8")
     return out
 
 
 def sweep(name: str, n: int, k: int, rows: list, configs: list, expected_m: int, *, passes: int, iters: int,
-          log, contig: bool = False, ws_configs: tuple = ()) -> list[dict]:
+          log, contig: bool = False, ws_configs: tuple = (), rs_configs: tuple = ()) -> list[dict]:
     """Rows of one GEMM shape: every kernel on every row set (masked_m per set; contig: one m_indices),
     `passes` passes."""
     import jax
@@ -183,7 +206,7 @@ def sweep(name: str, n: int, k: int, rows: list, configs: list, expected_m: int,
         operands = _operands(n, k, n + k, (NUM_EXPERTS, M_PAD, k))
         valid = [np.arange(M_PAD)[None, :] < mm[:, None] for mm in rows]
     real_rows = sum(int(v.sum()) for v in valid)
-    kernels = _kernels(configs, expected_m, contig, ws_configs)
+    kernels = _kernels(configs, expected_m, contig, ws_configs, rs_configs)
     by_form = {form: [(*ops, jnp.asarray(idx)) for idx in rows] for form, ops in operands.items()}
     want = [np.asarray(jax.jit(kernels["deep_gemm fp8 (FP4->FP8)"][0])(*s), np.float32) for s in by_form["fp8"]]
     diffs = {}
@@ -232,6 +255,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ws-configs", default="4,prefetch;4,shared", metavar="LIST",
                    help="contig: warp-specialized kernel configs 'stages,scale_words', ';'-separated (default "
                         "'4,prefetch;4,shared'; '' for none)")
+    p.add_argument("--rs-configs", default="6", metavar="LIST",
+                   help="contig: persistent register-operand kernel configs 'stages[,inline]' (inline: each K block "
+                        "widened just before its MMA), ';'-separated (default '6'; '' for none)")
     p.add_argument("--prefill-tokens", type=int, default=4096, help="contig tokens (default 4096)")
     p.add_argument("--rows", choices=("layer", "uniform"), default="layer",
                    help="rows per expert: the benchmark layer's own routing (default) or one uniform draw")
@@ -250,6 +276,7 @@ def run(args) -> int:
     try:
         configs = parse_configs(args.contig_configs if contig else args.configs)
         ws_configs = parse_ws_configs(args.ws_configs)
+        rs_configs = parse_rs_configs(args.rs_configs)
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2
@@ -276,7 +303,7 @@ def run(args) -> int:
     rows = []
     for name, n, k in (("GEMM1", 2 * inter, h), ("GEMM2", h, inter)):
         rows += sweep(name, n, k, indices, configs, expected_m, passes=args.passes, iters=args.iters, log=log,
-                      contig=contig, ws_configs=ws_configs)
+                      contig=contig, ws_configs=ws_configs, rs_configs=rs_configs)
     print_table(rows, row_sets, tile, contig)
     log(f"# done in {time.perf_counter() - t0:.0f} s")
     if args.json:

@@ -1,0 +1,229 @@
+// W4A8 contig GEMM on SM90, persistent and warp-specialized, the weights the wgmma's register operand:
+// D[m, n] = sum_k A[m, k] * W[m_indices[m], n, k], rows with m_indices -1 written as 0. Operands as
+// w4a8_gemm_sm90.cuh's contig layout.
+//
+// Why this shape: the warp-specialized kernel (w4a8_contig_ws_sm90.cuh) widens each weight tile into
+// shared memory, which costs stores, a proxy fence and a barrier per K block on top of the widening, and
+// its producers cannot issue that work within the tensor core's time. Here each consumer thread widens
+// its own fragment of the weights in registers (the masked kernel's fragment order, w4a8_gemm_sm90.cuh)
+// and hands it to the tensor core directly; the tokens are the wgmma's shared-memory operand, 128 of them
+// (N = 128), so each widened word feeds 128 tokens:
+//   warp group 0 (producer): one thread issues each K block's TMA copies into a ring slot (the tile's 128
+//     tokens at the 128-byte swizzle, its 128 4-bit weight rows, the tokens' scales; barrier `full`),
+//     tile after tile, a slot refilled once the eight consumer warps have arrived on `empty`;
+//   warp groups 1 and 2 (consumers): weight rows 64 (wg - 1) .. + 63 of the tile each; per K block a
+//     thread reads its 16 bytes of two rows, widens them (two `prmt` a word), runs four RS wgmma
+//     m64n128k32 and promotes: acc += part * (token scale x sf128), sf128 the tile's block scale.
+// A block loops over tiles blockIdx.x, + gridDim.x, ... (token block major, so the blocks at work share
+// the tokens and one expert's weights in L2); the producer runs ahead into the next tile while the
+// consumers write the last one out through shared memory (rows of 16-byte stores).
+//
+// The generated translation unit defines, before this text: W4A8_RS_N, W4A8_RS_K, W4A8_RS_STAGES, W4A8_RS_AHEAD
+// (1: K block kb + 1 widened while K block kb's MMA runs); then
+// w4a8_sm90_common.cuh and wgmma_m64n128k32_rs(d, a, desc, accumulate). Dynamic shared memory:
+// `w4a8_contig_rs.smem_bytes`.
+
+namespace moe_jax_w4a8_rs {
+
+constexpr int N = W4A8_RS_N, K = W4A8_RS_K, STAGES = W4A8_RS_STAGES, KB = K / 128;
+constexpr int BLOCK = 128;  // tokens and weight rows of a tile
+constexpr int N_TILES = (N + BLOCK - 1) / BLOCK;
+constexpr int TOKEN_BYTES = BLOCK * 128, W4_BYTES = BLOCK * 64, SCALE_BYTES = BLOCK * 4;
+constexpr int SLOT = (TOKEN_BYTES + W4_BYTES + SCALE_BYTES + 1023) / 1024 * 1024;
+constexpr int OUT_LD = BLOCK + 8;  // the output staging's row stride in bf16: a warp's stores hit 16 banks
+constexpr int CONSUMER_WARPS = 8;
+constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;  // 128 x 40 + 256 x 232 <= 65536
+static_assert(K % 128 == 0, "K must be a multiple of 128");
+static_assert(STAGES >= 2 && STAGES <= 7, "STAGES must be in [2, 7]");
+
+}  // namespace moe_jax_w4a8_rs
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens_map,
+                            const __grid_constant__ moe_jax_w4a8::TmaDesc scales_map,
+                            const __grid_constant__ moe_jax_w4a8::TmaDesc weights_map,
+                            const uint32_t* __restrict__ sw, const int* __restrict__ m_indices,
+                            __nv_bfloat16* __restrict__ d, const uint32_t m_blocks) {
+  using namespace moe_jax_w4a8;
+  using namespace moe_jax_w4a8_rs;
+  extern __shared__ uint8_t ring_smem[];  // STAGES slots from the first 1024-byte boundary, then the staging
+  __shared__ __align__(8) uint64_t bars[2 * STAGES];  // full (1 + the copies' bytes), empty (8 warps)
+  __shared__ uint2 tables[32];                        // table_words of every 5-bit index
+
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int num_tiles = static_cast<int>(m_blocks) * N_TILES;
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(ring_smem));
+  const uint32_t ring = (raw + 1023u) & ~1023u;
+  uint8_t* ring_ptr = ring_smem + (ring - raw);
+  __nv_bfloat16* staging = reinterpret_cast<__nv_bfloat16*>(ring_ptr + STAGES * SLOT);  // (BLOCK tokens, OUT_LD)
+  const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(&bars[0]));
+  auto full = [&](int s) { return bar0 + 8 * s; };
+  auto empty = [&](int s) { return bar0 + 8 * (STAGES + s); };
+  if (tid < 32) {
+    uint32_t lo, hi;
+    table_words(tid, lo, hi);
+    tables[tid] = make_uint2(lo, hi);
+  }
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full(s), 1);
+      mbar_init(empty(s), CONSUMER_WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();  // the tables and the barriers, before anyone reads or waits
+
+  if (wg == 0) {
+    // Producer: K block after K block of each real tile (a padding tile has no copies), slot it % STAGES
+    // refilled once its previous K block's eight consumer warps arrived.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
+    if (tid == 0) {
+      int it = 0;
+      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        const int mb = (tile / N_TILES) * BLOCK, wrow0 = (tile % N_TILES) * BLOCK;
+        const int g = m_indices[mb];  // a tile's tokens lie in one expert's segment (alignment % 128 == 0)
+        if (g < 0) continue;
+        for (int kb = 0; kb < KB; ++kb, ++it) {
+          const int s = it % STAGES;
+          if (it >= STAGES) mbar_wait(empty(s), ((it / STAGES) - 1) & 1);
+          const uint32_t slot = ring + s * SLOT;
+          mbar_expect_tx(full(s), TOKEN_BYTES + W4_BYTES + SCALE_BYTES);
+          tma_load_2d(slot, &tokens_map, full(s), kb * 128, mb);
+          tma_load_2d(slot + TOKEN_BYTES, &weights_map, full(s), kb * 64, g * N + wrow0);
+          tma_load_2d(slot + TOKEN_BYTES + W4_BYTES, &scales_map, full(s), mb, kb);
+        }
+      }
+    }
+    return;
+  }
+
+  // Consumers: warp group cw takes the tile's weight rows 64 cw .. + 63; thread (warp, gid, c) rows
+  // r0 = 64 cw + 16 warp + gid and r0 + 8, 32-group c of each K block (the register fragment's order).
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
+  const int cw = wg - 1, t = tid % 128, warp = t / 32, lane = t % 32, gid = lane / 4, c = lane % 4;
+  const int r0 = 64 * cw + 16 * warp + gid;
+  int it = 0;
+#pragma unroll 1
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const int mb = (tile / N_TILES) * BLOCK, wrow0 = (tile % N_TILES) * BLOCK;
+    const int g = m_indices[mb];
+    float acc[64];
+#pragma unroll
+    for (int j = 0; j < 64; ++j) acc[j] = 0.f;
+    if (g >= 0) {
+      // the rows' scale words, one K block ahead (rows past N: table 0, block scale 0; not written out)
+      const bool ok0 = wrow0 + r0 < N, ok1 = wrow0 + r0 + 8 < N;
+      const uint32_t* srow = sw + (static_cast<size_t>(g) * N + wrow0 + r0) * KB;
+      auto load_words = [&](int kb, uint32_t& w0, uint32_t& w1) {
+        w0 = ok0 ? __ldg(srow + kb) : 0u;
+        w1 = ok1 ? __ldg(srow + 8 * KB + kb) : 0u;
+      };
+      // thread's fragment of K block (slot s) per k32 step: a0 (r0, even), a1 (r0 + 8, even), a2 (r0, odd),
+      // a3 (r0 + 8, odd); returns the tile's block scale (one per 128 x 128 FP4 -> FP8 tile: every real
+      // row's word holds it)
+      auto widen_block = [&](int s, uint32_t sword0, uint32_t sword1, uint32_t (&frag)[4][4]) {
+        const uint8_t* slot = ring_ptr + s * SLOT;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint4 v = *reinterpret_cast<const uint4*>(slot + TOKEN_BYTES + (r0 + 8 * h) * 64 + 16 * c);
+          const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+          const uint2 tw = tables[((h ? sword1 : sword0) >> (8 + 5 * c)) & 31u];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) widen(words[q], tw.x, tw.y, frag[q][h], frag[q][2 + h]);
+        }
+        return __uint_as_float((sword0 & 0xFFu) << 23);
+      };
+      float part[64];
+      auto mma = [&](int s, const uint32_t (&frag)[4][4]) {
+#pragma unroll
+        for (int j = 0; j < 64; ++j) fence_operand(part[j]);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        const uint64_t desc = smem_desc_sw128(ring + s * SLOT);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) wgmma_m64n128k32_rs(part, frag[q], desc + 2 * q, q > 0);
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      };
+      // acc += part * (token scale x sf128); part[4 u + j]: weight row r0 + 8 (j / 2), token 8 u + 2 c + j % 2.
+      // The token scales are read before the warp frees the slot.
+      auto promote = [&](int s, float sf128) {
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+        for (int j = 0; j < 64; ++j) fence_operand(part[j]);
+        const float* token_scale = reinterpret_cast<const float*>(ring_ptr + s * SLOT + TOKEN_BYTES + W4_BYTES);
+        float2 ts[16];
+#pragma unroll
+        for (int u = 0; u < 16; ++u) ts[u] = *reinterpret_cast<const float2*>(token_scale + 8 * u + 2 * c);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(s));  // this warp is done with the slot
+#pragma unroll
+        for (int u = 0; u < 16; ++u) {
+          const float s0 = ts[u].x * sf128, s1 = ts[u].y * sf128;
+          acc[4 * u + 0] = fmaf(s0, part[4 * u + 0], acc[4 * u + 0]);
+          acc[4 * u + 1] = fmaf(s1, part[4 * u + 1], acc[4 * u + 1]);
+          acc[4 * u + 2] = fmaf(s0, part[4 * u + 2], acc[4 * u + 2]);
+          acc[4 * u + 3] = fmaf(s1, part[4 * u + 3], acc[4 * u + 3]);
+        }
+      };
+      uint32_t next0, next1;
+      load_words(0, next0, next1);
+#if W4A8_RS_AHEAD
+      // K block kb + 1 widened while K block kb's MMA runs (a second fragment set)
+      uint32_t frag[4][4], ahead[4][4];
+      mbar_wait(full(it % STAGES), (it / STAGES) & 1);
+      float sf128 = widen_block(it % STAGES, next0, next1, frag);
+      if (KB > 1) load_words(1, next0, next1);
+#pragma unroll 1
+      for (int kb = 0; kb < KB; ++kb, ++it) {
+        const int s = it % STAGES;
+        mma(s, frag);
+        const float sf_this = sf128;
+        if (kb + 1 < KB) {
+          const int s1 = (it + 1) % STAGES;
+          mbar_wait(full(s1), ((it + 1) / STAGES) & 1);
+          sf128 = widen_block(s1, next0, next1, ahead);
+          if (kb + 2 < KB) load_words(kb + 2, next0, next1);
+        }
+        promote(s, sf_this);
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) frag[q][i] = ahead[q][i];
+      }
+#else
+#pragma unroll 1
+      for (int kb = 0; kb < KB; ++kb, ++it) {
+        const int s = it % STAGES;
+        const uint32_t sword0 = next0, sword1 = next1;
+        if (kb + 1 < KB) load_words(kb + 1, next0, next1);
+        mbar_wait(full(s), (it / STAGES) & 1);
+        uint32_t frag[4][4];
+        const float sf128 = widen_block(s, sword0, sword1, frag);
+        mma(s, frag);
+        promote(s, sf128);
+      }
+#endif
+    }
+    // Out through shared memory: the warp group's 64 columns of the tile's 128 token rows, then 16-byte
+    // stores along each row (the segment's padding rows and a padding tile: 0).
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");  // the last tile's rows are out
+#pragma unroll
+    for (int u = 0; u < 16; ++u)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        staging[(8 * u + 2 * c + (j & 1)) * OUT_LD + r0 + 8 * (j >> 1)] = __float2bfloat16_rn(acc[4 * u + j]);
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
+#pragma unroll 1
+    for (int i = t; i < BLOCK * 8; i += 128) {
+      const int row = i / 8, col = 64 * cw + 8 * (i % 8), m = mb + row, n = wrow0 + col;
+      if (n >= N) continue;
+      const bool real = m_indices[m] >= 0;
+      __nv_bfloat16* p = d + static_cast<size_t>(m) * N + n;
+      if (N % 8 == 0) {
+        const uint4 v = real ? *reinterpret_cast<const uint4*>(staging + row * OUT_LD + col) : make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(p) = v;
+      } else {
+        for (int e = 0; e < 8 && n + e < N; ++e) p[e] = real ? staging[row * OUT_LD + col + e] : __float2bfloat16_rn(0.f);
+      }
+    }
+  }
+}
