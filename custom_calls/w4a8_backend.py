@@ -5,10 +5,10 @@ DeepGEMM, which has no W4A8 kernel. Registered when the registry first needs it.
 
 Kernels: on an SM90 GPU masked (decode) runs the register-operand CUDA kernel (`custom_calls.cuda.w4a8_gemm`:
 the weights go from registers into the tensor core) at `heuristic_config(expected_m)`; contig (prefill)
-runs the warp-specialized one (`custom_calls.cuda.w4a8_contig_ws`: the weight tile widened once into
-shared memory for 128 tokens, measured faster) where the alignment is a multiple of its 128-row blocks,
-else the register-operand kernel at `contig_config(alignment)`; the two compute the same sums in the same
-order (bit-identical outputs in the GPU tests). Or contig runs by expansion (`KernelSettings.w4a8_prefill`,
+runs the persistent one (`custom_calls.cuda.w4a8_contig_rs`: each widened weight fragment feeds 128 tokens,
+measured faster) where the alignment is a multiple of its 128-row tiles, else the per-block register-operand
+kernel at `contig_config(alignment)`; the two compute the same sums in the same order (bit-identical outputs
+in the GPU tests). Or contig runs by expansion (`KernelSettings.w4a8_prefill`,
 `contig_form`): the weights widened to a temporary FP8 copy in the W4A8 column order
 (`custom_calls.triton.w4a8_expand_kernel`), then DeepGEMM's FP8 contig GEMM, whose lhs the layer already
 writes in that order; where many rows share each expert the tensor core bounds the GEMM and the FP8

@@ -638,19 +638,7 @@ def test_w4a8_configs_and_rows():
     assert (uniform_rows(128, 6) == rows).all() and (uniform_rows(128, 6, seed=1) != rows).any()
     # --layout contig: the prefill draw uncapped, each expert's rows aligned to 128 (the layer's contig layout)
     assert main(["w4a8", "--layout", "contig", "--contig-configs", "16,2,4"]) == 2
-    # the warp-specialized contig kernel's configs: parsed, checked, named when refused
-    from custom_calls.cuda.w4a8_contig_ws import W4A8WsConfig
-    from moe_jax.bench.w4a8 import parse_ws_configs
-
-    assert parse_ws_configs("4,prefetch; 3, shared;") == (W4A8WsConfig(4), W4A8WsConfig(3, "shared"))
-    assert parse_ws_configs("") == ()
-    with pytest.raises(ValueError, match=r"--ws-configs: .* got '6,prefetch': W4A8WsConfig.stages: expected an int "
-                                         r"in \[2, 5\], got 6"):
-        parse_ws_configs("6,prefetch")
-    with pytest.raises(ValueError, match=r"W4A8WsConfig.scale_words: expected one of"):
-        parse_ws_configs("4")
-    assert main(["w4a8", "--layout", "contig", "--ws-configs", "x"]) == 2
-    # the persistent register-operand contig kernel's configs: parsed, checked, named when refused
+    # the persistent contig kernel's configs: parsed, checked, named when refused
     from custom_calls.cuda.w4a8_contig_rs import W4A8RsConfig
     from moe_jax.bench.w4a8 import parse_rs_configs
 
@@ -695,7 +683,7 @@ def test_w4a8_sweep_rows_on_the_reference(monkeypatch):
         return lambda a, sa, w, s, mm: m_grouped_gemm_masked(a, w, mm, expected_m=4, lhs_scale=sa, rhs_scale=s,
                                                              recipe=recipe, arch=90, backend="reference")
 
-    monkeypatch.setattr(bench, "_kernels", lambda configs, em, contig, ws_configs, rs_configs: {
+    monkeypatch.setattr(bench, "_kernels", lambda configs, em, contig, rs_configs: {
         "deep_gemm fp8 (FP4->FP8)": (ref("fp8_block"), "fp8"), "w4a8 a": (ref("mxfp4"), "w4a8")})
     monkeypatch.setattr(timing, "device_time", lambda fn, sets, rounds: {"total": 2e-6 if sets[0][2].dtype == "int8"
                                                                          else 3e-6})
@@ -714,7 +702,7 @@ def test_w4a8_sweep_rows_on_the_reference(monkeypatch):
         return lambda a, sa, w, s, mi: m_grouped_gemm_contig(a, w, mi, lhs_scale=sa, rhs_scale=s, recipe=recipe,
                                                              arch=90, alignment=128, backend="reference")
 
-    monkeypatch.setattr(bench, "_kernels", lambda configs, em, contig, ws_configs, rs_configs: {
+    monkeypatch.setattr(bench, "_kernels", lambda configs, em, contig, rs_configs: {
         "deep_gemm fp8 (FP4->FP8)": (cref("fp8_block"), "fp8"), "w4a8 a": (cref("mxfp4"), "w4a8")})
     mi = bench.contig_indices(rows)
     fp8, w4 = bench.sweep("GEMM1", 64, 256, [mi], [], 0, passes=1, iters=1, log=lambda *a: None, contig=True)

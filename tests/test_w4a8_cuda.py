@@ -143,61 +143,6 @@ def _contig_kernel_model(a, sa, values, scales, m_indices, token_tiles):
     return out
 
 
-def _ws_block_model(a_rows, scale_rows, w_words, s_words, tile):
-    """One block of the warp-specialized contig kernel (w4a8_contig_ws_sm90.cuh), following its data
-    movement: per K block, TMA copies the 128 tokens with the 128-byte swizzle; the producer's unit (row r,
-    32-group c) widens words 4c..4c+3 of the row with one table and stores the even bytes of word 4c + q at
-    bytes 32q + 4c and the odd ones at 32q + 16 + 4c of the row's 128, under the swizzle (rows past N: table
-    0); each consumer reads its 64 tokens (A) and the 128 widened rows (B) through K-major descriptors, k32
-    step s 32 bytes along, and promotes with token scale x the tile's sf128 (row 128 tile's scale word).
-    a_rows (128, K) uint8, scale_rows (128, K/128) f64, w_words (N, K/8) / s_words (N, K/128) the
-    expert's words -> (128 tokens, 128 weight rows) f64."""
-    k, n = a_rows.shape[1], w_words.shape[0]
-    r = np.arange(128)
-    rows = tile * 128 + r
-    ok = rows < n
-    rows = np.minimum(rows, n - 1)
-    acc = np.zeros((128, 128))
-    for kb in range(k // 128):
-        tokens = _tma_image(a_rows[:, kb * 128:(kb + 1) * 128])
-        sw = np.where(ok, s_words[rows, kb], 0).astype(np.uint32)
-        wide = np.zeros(128 * 128, np.uint8)
-        for c in range(4):  # the producer's stores
-            for q in range(4):
-                word = np.where(ok, w_words[rows, kb * 16 + 4 * c + q], 0).astype(np.uint32)
-                for e, val in enumerate(_widen(word, sw, c)):
-                    for b in range(4):
-                        wide[128 * r + (((2 * q + e) ^ (r % 8)) * 16) + 4 * c + b] = (val >> (8 * b)) & 0xFF
-        sf128 = np.ldexp(1.0, int(s_words[tile * 128, kb] & 0xFF) - 127)
-        part = np.zeros((128, 128))
-        for s in range(4):
-            part += _k_major_step(tokens, s) @ _k_major_step(wide, s).T  # (tokens, 32) . (weight rows, 32)^T
-        acc += part * scale_rows[:, kb][:, None] * sf128
-    return acc
-
-
-def test_ws_contig_kernel_model_matches_the_float64_model():
-    """The warp-specialized contig kernel's data movement (`_ws_block_model`: the producer's widened tile in
-    the tokens' column order at the swizzle the descriptor reads) computes the GEMM: the expert of each
-    128-row block, padding rows and all-padding blocks 0, a partial last weight tile (N 200)."""
-    n = 200
-    codes, sf32, values, scales, m_indices, a, sa = _contig_case(9, n)
-    a_bytes = np.asarray(a).view(np.uint8)
-    w_words, s_words = _words(values, scales)
-    token_scales = np.asarray(from_mn_major_tma_aligned(sa, m_indices.size)).astype(np.float64)
-    got = np.zeros((m_indices.size, n))
-    for mb in range(0, m_indices.size, 128):
-        e = int(m_indices[mb])
-        if e >= 0:
-            rows = mb + np.arange(128)
-            for tile in range(-(-n // 128)):
-                cols = np.arange(tile * 128, min(n, tile * 128 + 128))
-                block = _ws_block_model(a_bytes[rows], token_scales[rows], w_words[e], s_words[e], tile)
-                got[np.ix_(rows, cols)] = block[:, :cols.size]
-    got[m_indices < 0] = 0
-    _check_contig(got, codes, sf32, a, sa, m_indices)
-
-
 def test_rs_contig_kernel_model_matches_the_float64_model():
     """The persistent register-operand contig kernel (w4a8_contig_rs_sm90.cuh): block b takes tiles b, b + grid,
     ... (token block major), each tile's 128 tokens and 128 weight rows per K block the masked kernel's data
@@ -397,65 +342,6 @@ def test_compiles_for_sm90a_without_spills(cfg, contig, tmp_path, monkeypatch):
     res = _resources(compile_cubin(cw.kernel_name(cfg, n=4096, k=4096, m_pad=256, contig=contig), src, 90).path)
     assert res["stack"] == 0 and res["wgmma"] > 0 and res["hmma"] == 0, res
     assert res["reg"] * 128 * cfg.warpgroups * cfg.min_blocks <= 65536, res
-
-
-@needs_nvcc
-@pytest.mark.parametrize("stages,scale_words", [(2, "prefetch"), (4, "prefetch"), (4, "shared"), (5, "shared")])
-def test_ws_compiles_for_sm90a_without_spills(stages, scale_words, tmp_path, monkeypatch):
-    """The warp-specialized contig kernel compiles for sm_90a: SS FP8 wgmma, no local memory, within the
-    registers of 512 threads on one SM at launch; the producers give registers back and the consumers take
-    them (setmaxnreg: 256 x 56 + 256 x 200 = the SM's 65536)."""
-    from custom_calls.cuda import w4a8_contig_ws as ws
-    from custom_calls.native.compiler import compile_cubin
-
-    monkeypatch.setenv("MOE_JAX_CACHE_DIR", str(tmp_path))
-    cfg = ws.W4A8WsConfig(stages, scale_words)
-    res = _resources(compile_cubin(ws.kernel_name(cfg, n=4096, k=4096), ws.source(cfg, n=4096, k=4096), 90).path)
-    assert res["stack"] == 0 and res["wgmma"] == 4 and res["hmma"] == 0, res
-    assert res["reg"] * ws.THREADS <= 65536, res
-    counts = {kind: int(n, 16) for kind, n in res["setmaxreg"]}
-    assert counts == {"DEALLOC": 56, "TRY_ALLOC": 200}, res
-    assert 256 * counts["DEALLOC"] + 256 * counts["TRY_ALLOC"] <= 65536
-
-
-def test_ws_plan_and_checks():
-    """The warp-specialized kernel's launch: a block per 128 weight rows x 128 tokens, 512 threads, boxes of
-    128 tokens and 128 rows; refused by name: stages outside [2, 5], M_cap or an alignment not a multiple
-    of 128, K not a multiple of 128."""
-    from custom_calls.cuda import w4a8_contig_ws as ws
-
-    g, m_cap, n, k = 4, 1024, 200, 384
-    plan = ws.plan(ws.W4A8WsConfig(), "/x.cubin", g=g, m_cap=m_cap, n=n, k=k)
-    assert (plan.grid, plan.grid_yz, plan.block, plan.smem) == (2, (8, 1), 512, ws.smem_bytes(ws.W4A8WsConfig(), k))
-    tokens, scales, weights = plan.tmaps
-    assert (tokens.dims, tokens.box, tokens.swizzle) == ((k, m_cap), (128, 128), 128)
-    assert (scales.dims, scales.box, weights.dims, weights.box) == ((m_cap, 3), (128, 1), (k // 2, g * n), (64, 128))
-    plan.check()
-    plan.check_operands((m_cap * k, 3 * m_cap * 4, g * n * k // 2, g * n * 3 * 4, 4 * m_cap, 2 * m_cap * n))
-    # four slots of (16 + 16 + 8 KB + 512 B -> 41 KB) and the alignment
-    assert ws.smem_bytes(ws.W4A8WsConfig(4), 4096) == 4 * 41984 + 1024
-    # the tile's scale words in shared memory: 128 rows of K/128 words, padded to an odd count
-    assert ws.smem_bytes(ws.W4A8WsConfig(4, "shared"), 4096) == 4 * 41984 + 1024 + 128 * 33 * 4
-    assert ws.smem_bytes(ws.W4A8WsConfig(4, "shared"), 384) == 4 * 41984 + 1024 + 128 * 3 * 4
-    assert ws.plan(ws.W4A8WsConfig(4, "shared"), "/x.cubin", g=g, m_cap=m_cap, n=n, k=7168).smem == (
-        4 * 41984 + 1024 + 128 * 57 * 4)
-    with pytest.raises(ValueError, match=r"W4A8WsConfig\(stages=5, scale_words='shared'\) at K 7168: 240128 bytes of "
-                                         r"shared memory per block, at most 232448"):
-        ws.plan(ws.W4A8WsConfig(5, "shared"), "/x.cubin", g=g, m_cap=m_cap, n=n, k=7168)
-    with pytest.raises(ValueError, match=r"W4A8WsConfig.scale_words: expected one of \('prefetch', 'shared'\), "
-                                         r"got 'global'"):
-        ws.W4A8WsConfig(4, "global")
-    for bad in (1, 6, True):
-        with pytest.raises(ValueError, match=rf"W4A8WsConfig.stages: expected an int in \[2, 5\], got {bad!r}"):
-            ws.W4A8WsConfig(bad)
-    with pytest.raises(ValueError, match=r"M_cap: the warp-specialized W4A8 kernel takes blocks of 128 rows, got 960"):
-        ws.plan(ws.W4A8WsConfig(), "/x.cubin", g=g, m_cap=960, n=n, k=k)
-    with pytest.raises(ValueError, match=r"k: the W4A8 kernel needs a multiple of 128, got 200"):
-        ws.source(ws.W4A8WsConfig(), n=64, k=200)
-    lhs, sa = jnp.zeros((256, 128), jnp.float8_e4m3fn), jnp.zeros((1, 256), jnp.float32)
-    rhs, rs = jnp.zeros((2, 64, 64), jnp.int8), jnp.zeros((2, 64, 1), jnp.int32)
-    with pytest.raises(ValueError, match=r"alignment must be a multiple of 128, got 64"):
-        ws.w4a8_contig_ws(lhs, sa, rhs, rs, jnp.zeros((256,), jnp.int32), alignment=64)
 
 
 @needs_nvcc

@@ -128,44 +128,6 @@ def test_w4a8_cuda_contig(alignment, n, k, cfg):
         assert diff.max() <= 2**-7 * scale
 
 
-@pytest.mark.parametrize("n,k,stages,scale_words", [(4096, 2048, 4, "prefetch"), (4096, 2048, 4, "shared"),
-                                                    (200, 384, 2, "shared"), (584, 1152, 5, "prefetch"),
-                                                    (264, 128, 3, "shared")])
-def test_w4a8_cuda_contig_ws(n, k, stages, scale_words):
-    """The warp-specialized contig kernel writes every row of D (into a NaN-filled output): expert rows
-    against the reference, and bit for bit the register-operand contig kernel (the same sums in the same
-    order), padding rows and all-padding blocks 0; a partial last weight tile, one K block, each stage
-    count, both places of the scale words."""
-    from custom_calls.cuda import w4a8_contig_ws as ws
-    from custom_calls.cuda import w4a8_gemm as cw
-    from custom_calls.grouped_gemm import m_grouped_gemm_contig
-    from custom_calls.native.compiler import compile_cubin
-    from custom_calls.native.launch import launch
-    import jax.numpy as jnp
-
-    g = 4
-    packed, sf32, a, sa, m_indices = _contig_operands(n + k + 5, g, n, k)
-    m_cap = m_indices.size
-    w, sw = mxfp4_to_w4a8(packed, sf32)
-    mi = jnp.asarray(m_indices)
-    cfg = ws.W4A8WsConfig(stages, scale_words)
-    cubin = compile_cubin(ws.kernel_name(cfg, n=n, k=k), ws.source(cfg, n=n, k=k), 90)
-    plan = ws.plan(cfg, str(cubin.path), g=g, m_cap=m_cap, n=n, k=k)
-    run = jax.jit(lambda fill: launch(plan, [a, sa, w, sw, mi, fill], [jax.ShapeDtypeStruct(fill.shape, fill.dtype)],
-                                      {5: 0})[0])
-    out = np.asarray(run(jnp.full((m_cap, n), jnp.nan, jnp.bfloat16)), np.float32)
-    assert np.isfinite(out).all() and (out[m_indices < 0] == 0).all()
-    ref = np.asarray(m_grouped_gemm_contig(a, w, mi, lhs_scale=sa, rhs_scale=sw, recipe="mxfp4", arch=90,
-                                           alignment=128, backend="reference"), np.float32)
-    rows = m_indices >= 0
-    np.testing.assert_allclose(out[rows], ref[rows], rtol=2**-7, atol=1e-3 * np.abs(ref[rows]).max())
-    rs = np.asarray(cw.w4a8_contig_cuda(a, sa, w, sw, mi, alignment=128), np.float32)
-    diff = np.abs(out[rows] - rs[rows])
-    print(f"warp-specialized vs register-operand contig: max |diff| {diff.max():.3e}, "
-          f"{np.mean(diff == 0) * 100:.1f} % identical")
-    np.testing.assert_array_equal(out.view(np.uint32), rs.view(np.uint32))
-
-
 @pytest.mark.parametrize("n,k,stages,num_sms,ahead", [(4096, 2048, 6, None, False), (4096, 2048, 6, None, True),
                                                       (200, 384, 2, 3, True), (584, 1152, 7, 5, False),
                                                       (196, 128, 3, 1, True), (264, 256, 4, 2, False)])

@@ -93,8 +93,8 @@ def test_w4a8_equals_deep_gemm_on_the_fp4_to_fp8_operands():
 def test_w4a8_contig_on_gpu(alignment, n, k):
     """Contig, the Triton kernel: PTX widening against the integer-shift one bit for bit, the reference within
     bf16 rounding, padding rows 0, and DeepGEMM's FP8 contig kernel on the FP4 -> FP8 operands within
-    accumulation order; the op through the registry is the warp-specialized CUDA kernel at alignment 128
-    (bit-identical to the register-operand one: the same sums in the same order) and the register-operand
+    accumulation order; the op through the registry is the persistent CUDA kernel at alignment 128
+    (bit-identical to the per-block register-operand one: the same sums in the same order) and the per-block
     kernel at 64, within bf16 rounding of the reference."""
     from custom_calls.grouped_gemm import m_grouped_gemm_contig
     from custom_calls.triton.w4a8_gemm_kernel import w4a8_contig
@@ -111,15 +111,15 @@ def test_w4a8_contig_on_gpu(alignment, n, k):
                      np.float32)
     np.testing.assert_allclose(fast, ref, rtol=2**-7, atol=1e-3 * np.abs(ref).max())
     # the op through the registry ("auto" on a GPU: backend "w4a8") runs a CUDA contig kernel
-    from custom_calls.cuda.w4a8_contig_ws import w4a8_contig_ws
+    from custom_calls.cuda.w4a8_contig_rs import w4a8_contig_rs
     from custom_calls.cuda.w4a8_gemm import w4a8_contig_cuda
 
     auto = np.asarray(m_grouped_gemm_contig(a, w, mi, rhs_scale=sw, recipe="mxfp4", backend="auto", **kw), np.float32)
     cuda = np.asarray(w4a8_contig_cuda(a, sa, w, sw, mi, alignment=alignment), np.float32)
     np.testing.assert_array_equal(auto.view(np.uint32), cuda.view(np.uint32))
     if alignment % 128 == 0:
-        ws = np.asarray(w4a8_contig_ws(a, sa, w, sw, mi, alignment=alignment), np.float32)
-        np.testing.assert_array_equal(ws.view(np.uint32), cuda.view(np.uint32))
+        persistent = np.asarray(w4a8_contig_rs(a, sa, w, sw, mi, alignment=alignment), np.float32)
+        np.testing.assert_array_equal(persistent.view(np.uint32), cuda.view(np.uint32))
     np.testing.assert_allclose(cuda, ref, rtol=2**-7, atol=1e-3 * np.abs(ref).max())
     assert (cuda[m_indices < 0] == 0).all()
     if alignment == 128:

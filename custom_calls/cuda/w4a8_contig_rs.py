@@ -62,7 +62,7 @@ def source(cfg: W4A8RsConfig, *, n: int, k: int) -> str:
         raise ValueError(f"k: the W4A8 kernel needs a multiple of 128, got {k}")
     head = (f"#include <cstdint>\n#define W4A8_RS_N {n}\n#define W4A8_RS_K {k}\n#define W4A8_RS_STAGES {cfg.stages}\n"
             f"#define W4A8_RS_AHEAD {int(cfg.ahead)}\n")
-    return (head + COMMON_SOURCE.read_text() + wgmma_function("wgmma_m64n128k32_rs", BLOCK, a_in_registers=True)
+    return (head + COMMON_SOURCE.read_text() + wgmma_function("wgmma_m64n128k32_rs", BLOCK)
             + KERNEL_SOURCE.read_text())
 
 

@@ -2,9 +2,9 @@
 // D[m, n] = sum_k A[m, k] * W[m_indices[m], n, k], rows with m_indices -1 written as 0. Operands as
 // w4a8_gemm_sm90.cuh's contig layout.
 //
-// Why this shape: the warp-specialized kernel (w4a8_contig_ws_sm90.cuh) widens each weight tile into
-// shared memory, which costs stores, a proxy fence and a barrier per K block on top of the widening, and
-// its producers cannot issue that work within the tensor core's time. Here each consumer thread widens
+// Why this shape: the warp-specialized kernel it replaced widened each weight tile into shared memory,
+// which cost stores, a proxy fence and a barrier per K block on top of the widening, and its producers
+// could not issue that work within the tensor core's time (docs/ARCHITECTURE.md). Here each consumer thread widens
 // its own fragment of the weights in registers (the masked kernel's fragment order, w4a8_gemm_sm90.cuh)
 // and hands it to the tensor core directly; the tokens are the wgmma's shared-memory operand, 128 of them
 // (N = 128), so each widened word feeds 128 tokens:

@@ -83,8 +83,8 @@ def heuristic_config(expected_m: int) -> W4A8CudaConfig:
 
 # Prefill: 64 tokens a block, one warp group, two blocks per SM: the fastest of this kernel's tilings
 # measured (BENCHMARKS.md, W4A8 prefill), 1.8x the Triton contig kernel and 0.47x DeepGEMM's FP8 kernel.
-# The registry's contig op where the alignment is not a multiple of 128; otherwise the warp-specialized
-# kernel (`w4a8_contig_ws`, 1.03-1.13x this one) runs.
+# The registry's contig op where the alignment is not a multiple of 128; otherwise the persistent kernel
+# (`w4a8_contig_rs`, 1.2x this one) runs.
 CONTIG_CONFIG = W4A8CudaConfig(token_tiles=8, warpgroups=1, stages=4, min_blocks=2)
 
 
@@ -108,25 +108,19 @@ def source(cfg: W4A8CudaConfig, *, n: int, k: int, m_pad: int = 0, contig: bool 
                    W4A8_STAGES=cfg.stages, W4A8_MIN_BLOCKS=cfg.min_blocks)
     head = "".join(f"#define {name} {value}\n" for name, value in defines.items())
     return ("#include <cstdint>\n" + head + COMMON_SOURCE.read_text()
-            + wgmma_function("wgmma_m64k32", 8 * cfg.token_tiles, a_in_registers=True)
+            + wgmma_function("wgmma_m64k32", 8 * cfg.token_tiles)
             + KERNEL_SOURCE.read_text())
 
 
-def wgmma_function(name: str, n: int, *, a_in_registers: bool) -> str:
-    """`name`(d, a | desc_a, desc(_b), accumulate): one m64nNk32 e4m3 MMA into fp32 d[N / 2] (D += / = A . B),
-    B from shared memory through its descriptor, A from four registers (the register-operand kernel's
-    weights) or shared memory (`a_in_registers=False`: the warp-specialized kernel's tokens)."""
+def wgmma_function(name: str, n: int) -> str:
+    """`name`(d, a, desc, accumulate): one m64nNk32 e4m3 MMA into fp32 d[N / 2] (D += / = A . B), A from four
+    registers (the W4A8 kernels' widened weights), B from shared memory through its descriptor."""
     d = ", ".join(f"%{i}" for i in range(n // 2))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(n // 2))
-    if a_in_registers:
-        a_param, b_param = "const uint32_t (&a)[4]", "uint64_t desc"
-        a_operand, b_index = "{" + ", ".join(f"%{n // 2 + i}" for i in range(4)) + "}", n // 2 + 4
-        inputs = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)'
-    else:
-        a_param, b_param = "uint64_t desc_a", "uint64_t desc_b"
-        a_operand, b_index = f"%{n // 2}", n // 2 + 1
-        inputs = '"l"(desc_a), "l"(desc_b)'
-    return (f"__device__ __forceinline__ void {name}(float (&d)[{n // 2}], {a_param}, {b_param}, bool accumulate) {{\n"
+    a_operand, b_index = "{" + ", ".join(f"%{n // 2 + i}" for i in range(4)) + "}", n // 2 + 4
+    inputs = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)'
+    return (f"__device__ __forceinline__ void {name}(float (&d)[{n // 2}], const uint32_t (&a)[4], uint64_t desc, "
+            f"bool accumulate) {{\n"
             f"  asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{b_index + 1}, 0;\\n"
             f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{d}}}, {a_operand}, %{b_index}, p, 1, 1;"
             f"\\n}}\\n\"\n"

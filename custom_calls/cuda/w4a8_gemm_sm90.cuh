@@ -31,7 +31,7 @@
 // beside the MMA (widening, and a promotion whose scale is a weight row's times a token's, two
 // operations per accumulator) does not hide under it (profiled: 4.7x DeepGEMM's instructions), and
 // issuing the next K block's MMA before the promotion was slower. Where the alignment allows, prefill
-// runs the warp-specialized kernel instead (w4a8_contig_ws_sm90.cuh).
+// runs the persistent kernel instead (w4a8_contig_rs_sm90.cuh).
 //
 // The generated translation unit defines, before this text: W4A8_CONTIG (0 or 1), W4A8_N, W4A8_K,
 // W4A8_M_PAD and W4A8_SA_LD (masked; contig takes its rows from the grid and has 0 here),

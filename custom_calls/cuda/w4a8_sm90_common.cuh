@@ -1,4 +1,4 @@
-// Device helpers of the W4A8 kernels on SM90 (w4a8_gemm_sm90.cuh, w4a8_contig_ws_sm90.cuh): the W4A8
+// Device helpers of the W4A8 kernels on SM90 (w4a8_gemm_sm90.cuh, w4a8_contig_rs_sm90.cuh): the W4A8
 // word widening (layouts/w4a8.py), shared-memory descriptors, mbarriers and TMA copies. The host code puts
 // this text before each kernel's.
 

@@ -1,5 +1,5 @@
 """`bench gemm`'s W4A8 rows: MXFP4 weights kept 4-bit (backend "w4a8": the CUDA masked kernel; the contig op
-as `KernelSettings.w4a8_prefill` chooses, the warp-specialized kernel or the widening then DeepGEMM's FP8
+as `KernelSettings.w4a8_prefill` chooses, the persistent contig kernel or the widening then DeepGEMM's FP8
 GEMM, whose kernel time is both kernels') beside DeepGEMM's FP8 kernel on the FP4 -> FP8 expansion of the
 same weights, at each contig and masked shape.
 

@@ -15,7 +15,7 @@ form stores (values + scales); "x FP8" is DeepGEMM's time over the row's, pass b
 difference to DeepGEMM's output over the rows below masked_m (accumulation order only: both compute on the
 same e4m3 values and block scales). Contig: ``--prefill-tokens`` x top-k routes in one uniform draw, each
 expert's rows aligned to 128 (the layer's contig layout), the CUDA tilings of ``--contig-configs`` and the
-warp-specialized contig kernel (`custom_calls.cuda.w4a8_contig_ws`) at each of ``--ws-configs``, and the
+persistent contig kernel (`custom_calls.cuda.w4a8_contig_rs`) at each of ``--rs-configs``, and the
 "w4a8" contig op by expansion (`KernelSettings(w4a8_prefill="expand")`: the 4-bit weights widened to FP8 in
 memory by `custom_calls.triton.w4a8_expand_kernel`, then DeepGEMM's FP8 GEMM), both timed; TFLOPS on the
 real rows instead of TB/s.
@@ -51,21 +51,6 @@ def parse_configs(text: str) -> list:
     if not configs:
         raise ValueError(f"--configs: expected at least one config, got {text!r}")
     return configs
-
-
-def parse_ws_configs(text: str) -> tuple:
-    """``"4,prefetch;4,shared"`` -> W4A8WsConfig(stages, scale_words) per item; ``""`` -> ()."""
-    from custom_calls.cuda.w4a8_contig_ws import W4A8WsConfig
-
-    configs = []
-    for item in (t.strip() for t in text.split(";") if t.strip()):
-        stages, _, scale_words = item.partition(",")
-        try:
-            configs.append(W4A8WsConfig(int(stages), scale_words.strip()))
-        except ValueError as exc:
-            raise ValueError(f"--ws-configs: expected 'stages,scale_words' items separated by ';', got {item!r}: "
-                             f"{exc}") from None
-    return tuple(configs)
 
 
 def parse_rs_configs(text: str) -> tuple:
@@ -135,13 +120,10 @@ def _operands(n: int, k: int, seed: int, x_shape: tuple, real=None):
     return {"fp8": (a8, sa, *mxfp4_to_fp8_block(packed, sf32)), "w4a8": (a4, sa, *mxfp4_to_w4a8(packed, sf32))}
 
 
-def _kernels(configs: list, expected_m: int, contig: bool = False, ws_configs: tuple = (),
-             rs_configs: tuple = ()) -> dict:
+def _kernels(configs: list, expected_m: int, contig: bool = False, rs_configs: tuple = ()) -> dict:
     """label -> (fn(a, sa, w, s, masked_m | m_indices), weight form "fp8" | "w4a8"); contig: also the
-    warp-specialized kernel at each of `ws_configs` and the persistent register-operand one at each of
-    `rs_configs`."""
+    persistent kernel at each of `rs_configs`."""
     from custom_calls.cuda.w4a8_contig_rs import w4a8_contig_rs
-    from custom_calls.cuda.w4a8_contig_ws import w4a8_contig_ws
     from custom_calls.cuda.w4a8_gemm import w4a8_contig_cuda, w4a8_masked_cuda
     from custom_calls.grouped_gemm import m_grouped_gemm_contig, m_grouped_gemm_masked
     from custom_calls.triton.w4a8_gemm_kernel import w4a8_contig, w4a8_masked
@@ -179,9 +161,6 @@ def _kernels(configs: list, expected_m: int, contig: bool = False, ws_configs: t
         out["expand + deep_gemm fp8"] = (expand_then_fp8, "w4a8")
     for cfg in configs:
         out[f"cuda t{cfg.token_tiles} wg{cfg.warpgroups} s{cfg.stages} b{cfg.min_blocks}"] = (cuda(cfg), "w4a8")
-    for ws_cfg in ws_configs if contig else ():
-        out[f"cuda ws s{ws_cfg.stages} {ws_cfg.scale_words}"] = (
-            lambda a, sa, w, s, mi, c=ws_cfg: w4a8_contig_ws(a, sa, w, s, mi, alignment=ALIGNMENT, config=c), "w4a8")
     for rs_cfg in rs_configs if contig else ():
         out[f"cuda rs s{rs_cfg.stages}{'' if rs_cfg.ahead else ' inline'}"] = (
             lambda a, sa, w, s, mi, c=rs_cfg: w4a8_contig_rs(a, sa, w, s, mi, alignment=ALIGNMENT, config=c), "w4a8")
@@ -189,7 +168,7 @@ def _kernels(configs: list, expected_m: int, contig: bool = False, ws_configs: t
 
 
 def sweep(name: str, n: int, k: int, rows: list, configs: list, expected_m: int, *, passes: int, iters: int,
-          log, contig: bool = False, ws_configs: tuple = (), rs_configs: tuple = ()) -> list[dict]:
+          log, contig: bool = False, rs_configs: tuple = ()) -> list[dict]:
     """Rows of one GEMM shape: every kernel on every row set (masked_m per set; contig: one m_indices),
     `passes` passes."""
     import jax
@@ -206,7 +185,7 @@ def sweep(name: str, n: int, k: int, rows: list, configs: list, expected_m: int,
         operands = _operands(n, k, n + k, (NUM_EXPERTS, M_PAD, k))
         valid = [np.arange(M_PAD)[None, :] < mm[:, None] for mm in rows]
     real_rows = sum(int(v.sum()) for v in valid)
-    kernels = _kernels(configs, expected_m, contig, ws_configs, rs_configs)
+    kernels = _kernels(configs, expected_m, contig, rs_configs)
     by_form = {form: [(*ops, jnp.asarray(idx)) for idx in rows] for form, ops in operands.items()}
     want = [np.asarray(jax.jit(kernels["deep_gemm fp8 (FP4->FP8)"][0])(*s), np.float32) for s in by_form["fp8"]]
     diffs = {}
@@ -252,9 +231,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="masked (decode, default) or contig (prefill)")
     p.add_argument("--contig-configs", default="8,1,4,2", metavar="LIST",
                    help="CUDA contig tilings, as --configs (default '8,1,4,2', the layer's)")
-    p.add_argument("--ws-configs", default="4,prefetch;4,shared", metavar="LIST",
-                   help="contig: warp-specialized kernel configs 'stages,scale_words', ';'-separated (default "
-                        "'4,prefetch;4,shared'; '' for none)")
     p.add_argument("--rs-configs", default="6", metavar="LIST",
                    help="contig: persistent register-operand kernel configs 'stages[,inline]' (inline: each K block "
                         "widened just before its MMA), ';'-separated (default '6'; '' for none)")
@@ -275,7 +251,6 @@ def run(args) -> int:
     contig = args.layout == "contig"
     try:
         configs = parse_configs(args.contig_configs if contig else args.configs)
-        ws_configs = parse_ws_configs(args.ws_configs)
         rs_configs = parse_rs_configs(args.rs_configs)
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
@@ -303,7 +278,7 @@ def run(args) -> int:
     rows = []
     for name, n, k in (("GEMM1", 2 * inter, h), ("GEMM2", h, inter)):
         rows += sweep(name, n, k, indices, configs, expected_m, passes=args.passes, iters=args.iters, log=log,
-                      contig=contig, ws_configs=ws_configs, rs_configs=rs_configs)
+                      contig=contig, rs_configs=rs_configs)
     print_table(rows, row_sets, tile, contig)
     log(f"# done in {time.perf_counter() - t0:.0f} s")
     if args.json:
