@@ -33,7 +33,7 @@ class W4A8RsConfig:
     """stages: ring slots in shared memory, each one K block of the tile's tokens, its 4-bit weight rows and
     the token scales (`smem_bytes`); 2 to 7 fit an SM90 block. num_sms: blocks of the persistent grid (at
     most one per tile); None: the device's SM count at trace time (132 without a device). ahead: each thread
-    widens K block kb + 1 while K block kb's MMA runs (a second fragment set in registers; measured 1.06-1.09x
+    widens K block kb + 1 while K block kb's MMA runs (a second fragment set in registers; measured 1.06-1.10x
     faster than widening each K block just before its MMA)."""
 
     stages: int = 6
