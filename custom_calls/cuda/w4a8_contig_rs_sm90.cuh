@@ -126,10 +126,8 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const uint4 v = *reinterpret_cast<const uint4*>(slot + TOKEN_BYTES + (r0 + 8 * h) * 64 + 16 * c);
-          const uint32_t words[4] = {v.x, v.y, v.z, v.w};
           const uint2 tw = tables[((h ? sword1 : sword0) >> (8 + 5 * c)) & 31u];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) widen(words[q], tw.x, tw.y, frag[q][h], frag[q][2 + h]);
+          widen_row(v, tw.x, tw.y, h, frag);
         }
         return __uint_as_float((sword0 & 0xFFu) << 23);
       };

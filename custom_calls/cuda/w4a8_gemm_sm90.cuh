@@ -143,12 +143,10 @@ moe_jax_w4a8_gemm_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens_map,
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint4 v = *reinterpret_cast<const uint4*>(slot + TOKEN_BYTES + (row0 - wrow0 + 8 * h) * 64 + 16 * c);
-        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
         uint32_t lo, hi;
         table_words((scale_ring[i][h] >> (8 + 5 * c)) & 31u, lo, hi);
         block_scale[h] = __uint_as_float((scale_ring[i][h] & 0xFFu) << 23);
-#pragma unroll
-        for (int s = 0; s < 4; ++s) widen(words[s], lo, hi, frag[s][h], frag[s][2 + h]);
+        widen_row(v, lo, hi, h, frag);
       }
       load_scales(scale_ring[i], kb + STAGES);
 

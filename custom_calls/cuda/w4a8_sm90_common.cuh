@@ -34,6 +34,15 @@ __device__ __forceinline__ void widen(uint32_t w, uint32_t lo, uint32_t hi, uint
   odd = prmt(lo, hi, (w >> 16) & 0x7777u) | ((w << 4) & 0x80808080u);
 }
 
+// Half h of a thread's register fragment of one K block (h = 0: its row r, 1: row r + 8): the row's 16 bytes
+// `v` (one word per k32 step q) widened with the row's table -> frag[q][h] (even columns), frag[q][2 + h]
+// (odd columns), the m64k32 A fragment's order.
+__device__ __forceinline__ void widen_row(const uint4 v, uint32_t lo, uint32_t hi, int h, uint32_t (&frag)[4][4]) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) widen(words[q], lo, hi, frag[q][h], frag[q][2 + h]);
+}
+
 // A K-major wgmma operand with the 128-byte swizzle TMA writes: 128-byte rows in atoms of 8 (SBO 1024);
 // k32 step s starts 32 bytes along the row (+2 in the address field).
 __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr) {
