@@ -146,9 +146,10 @@ def _contig_kernel_model(a, sa, values, scales, m_indices, token_tiles):
 def test_rs_contig_kernel_model_matches_the_float64_model():
     """The persistent register-operand contig kernel (w4a8_contig_rs_sm90.cuh): block b takes tiles b, b + grid,
     ... (token block major), each tile's 128 tokens and 128 weight rows per K block the masked kernel's data
-    movement (`_block_model` over 128 tokens), the block scale of a thread's rows r0 and r0 + 8 from r0's
-    word; every tile once, padding rows and all-padding tiles 0, a partial last weight tile (N 200), grids
-    of 1, 3 and more blocks than tiles."""
+    movement (`_block_model` over 128 tokens), the block scale of every row from the tile's first row's word
+    (the scaling warp's); every tile once, padding rows and all-padding tiles 0, a partial last weight tile
+    (N 200), grids of 1, 3 and more blocks than tiles; the scaling warp's permutation of the token scales is
+    the one the consumers read (`_scaled_scales_model`)."""
     from custom_calls.cuda import w4a8_contig_rs as rs
 
     n = 200
@@ -171,16 +172,40 @@ def test_rs_contig_kernel_model_matches_the_float64_model():
                     got[np.ix_(rows, cols)] = 0
                     continue
                 r = np.arange(128)
-                r0 = np.where(r % 16 < 8, r, r - 8)  # a thread's first row, whose word gives the block scale
                 ok = wrow0 + r < n
                 sw = np.where(ok[:, None], s_words[e][np.minimum(wrow0 + r, n - 1)], 0).astype(np.uint32)
-                sw = (sw & ~np.uint32(0xFF)) | (sw[r0] & np.uint32(0xFF))
+                sw = (sw & ~np.uint32(0xFF)) | (sw[0] & np.uint32(0xFF))  # the tile's block scale, from row 0
                 ww = np.where(ok[:, None], w_words[e][np.minimum(wrow0 + r, n - 1)], 0).astype(np.uint32)
                 block = _block_model(a_bytes[rows], token_scales[rows], ww, sw, 128)  # (weight rows, tokens)
                 block[:, m_indices[rows] < 0] = 0
                 got[np.ix_(rows, cols)] = block[:cols.size].T
         assert sorted(seen) == list(range(m_blocks * n_tiles))
         _check_contig(got, codes, sf32, a, sa, m_indices)
+    _scaled_scales_model()
+
+
+def _scaled_scales_model():
+    """The persistent kernel's scaled token scales: scaling-warp lane l writes tokens 4 l .. + 3 as two float2
+    at rows c = 2 (l % 2) + {0, 1}, columns 2 (l // 2) (SCALED_LD floats a row); consumer lane c reads its row
+    as 8 float4 and takes token 8 u + 2 c + b from float 2 u + b. Every token is written once, each consumer
+    reads its own 32 tokens, and a quarter warp's 16-byte loads (4 rows) fall in distinct banks."""
+    from custom_calls.cuda import w4a8_contig_rs as rs
+
+    ld = rs.SCALED_LD
+    cell = np.full(4 * ld, -1)
+    for lane in range(32):
+        for j, tok in enumerate(range(4 * lane, 4 * lane + 4)):
+            idx = (2 * (lane % 2) + j // 2) * ld + 2 * (lane // 2) + j % 2
+            assert cell[idx] == -1
+            cell[idx] = tok
+    assert sorted(cell[cell >= 0]) == list(range(128))
+    for c in range(4):
+        for u in range(16):
+            for b in range(2):
+                assert cell[c * ld + 2 * u + b] == 8 * u + 2 * c + b
+    for i in range(8):
+        banks = [set(range((c * ld + 4 * i) % 32, (c * ld + 4 * i) % 32 + 4)) for c in range(4)]
+        assert len(set().union(*banks)) == 16
 
 
 def _contig_case(seed: int, n: int):
@@ -347,7 +372,8 @@ def test_compiles_for_sm90a_without_spills(cfg, contig, tmp_path, monkeypatch):
 @needs_nvcc
 @pytest.mark.parametrize("stages,ahead", [(2, True), (6, False), (6, True), (7, False)])
 def test_rs_compiles_for_sm90a_without_spills(stages, ahead, tmp_path, monkeypatch):
-    """The persistent register-operand contig kernel compiles for sm_90a: four RS FP8 wgmmas, no local memory,
+    """The persistent register-operand contig kernel compiles for sm_90a: four RS FP8 wgmmas a K block (two K
+    blocks a loop iteration when widening ahead, so eight in the code), no local memory,
     within the registers of 384 threads on one SM at launch; the producer warp group gives registers back and
     the consumers take them (setmaxnreg: 128 x 40 + 256 x 232 <= the SM's 65536)."""
     from custom_calls.cuda import w4a8_contig_rs as rs
@@ -356,7 +382,7 @@ def test_rs_compiles_for_sm90a_without_spills(stages, ahead, tmp_path, monkeypat
     monkeypatch.setenv("MOE_JAX_CACHE_DIR", str(tmp_path))
     cfg = rs.W4A8RsConfig(stages, ahead=ahead)
     res = _resources(compile_cubin(rs.kernel_name(cfg, n=4096, k=4096), rs.source(cfg, n=4096, k=4096), 90).path)
-    assert res["stack"] == 0 and res["wgmma"] == 4 and res["hmma"] == 0, res
+    assert res["stack"] == 0 and res["wgmma"] == (8 if ahead else 4) and res["hmma"] == 0, res
     assert res["reg"] * rs.THREADS <= 65536, res
     counts = {kind: int(n, 16) for kind, n in res["setmaxreg"]}
     assert counts == {"DEALLOC": 40, "TRY_ALLOC": 232}, res
@@ -380,8 +406,9 @@ def test_rs_plan_and_checks():
     assert (scales.dims, scales.box, weights.dims, weights.box) == ((m_cap, 3), (128, 1), (k // 2, g * n), (64, 128))
     plan.check()
     plan.check_operands((m_cap * k, 3 * m_cap * 4, g * n * k // 2, g * n * 3 * 4, 4 * m_cap, 2 * m_cap * n))
-    # six slots of (16 + 8 KB + 512 B -> 25 KB), the alignment, the staging of 128 rows of 136 bf16
-    assert plan.smem == rs.smem_bytes(rs.W4A8RsConfig()) == 6 * 25600 + 1024 + 128 * 136 * 2
+    # six slots of (16 + 8 KB + 512 B -> 25 KB), the alignment, the staging of 128 rows of 136 bf16, six
+    # arrays of scaled token scales (4 rows of 36 f32)
+    assert plan.smem == rs.smem_bytes(rs.W4A8RsConfig()) == 6 * 25600 + 1024 + 128 * 136 * 2 + 6 * 4 * 36 * 4
     for bad in (1, 8, True):
         with pytest.raises(ValueError, match=rf"W4A8RsConfig.stages: expected an int in \[2, 7\], got {bad!r}"):
             rs.W4A8RsConfig(bad)

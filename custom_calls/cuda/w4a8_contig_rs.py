@@ -1,7 +1,8 @@
 """The W4A8 contig GEMM as a persistent, warp-specialized CUDA kernel with the weights as the wgmma's
-register operand (``w4a8_contig_rs_sm90.cuh``): one warp group issues the TMA copies, two widen their
-fragments of each K block's 128 x 128 weight tile in registers and run RS wgmmas over the tile's 128
-tokens, with DeepGEMM's one-FFMA promotion (the tile's block scale is one number per K block).
+register operand (``w4a8_contig_rs_sm90.cuh``): one warp group issues the TMA copies and scales the token
+scales by the tile's block scale (one number per K block), two widen their fragments of each K block's
+128 x 128 weight tile in registers and run RS wgmmas over the tile's 128 tokens, with DeepGEMM's one-FFMA
+promotion.
 
 Operands as `w4a8_gemm.w4a8_contig_cuda`'s: lhs (M_cap, K) e4m3 in the W4A8 column order, lhs_scale
 (K/128, align(M_cap, 4)) f32, rhs (G, N, K/2) int8 words, rhs_scale (G, N, K/128) int32, m_indices
@@ -26,6 +27,7 @@ SYMBOL = "moe_jax_w4a8_contig_rs_sm90"
 BLOCK = 128  # tokens and weight rows of a tile
 THREADS = 384  # a producer warp group and two consumers
 OUT_LD = BLOCK + 8  # the output staging's row stride in bf16 (the kernel's)
+SCALED_LD = 36  # floats per row of the scaled token scales (the kernel's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +52,11 @@ class W4A8RsConfig:
 
 def smem_bytes(cfg: W4A8RsConfig) -> int:
     """Dynamic shared memory of a block: `stages` slots of (tokens 128 x 128 B, the 4-bit tile 128 x 64 B,
-    128 token scales), each rounded up to 1024 B, 1024 B to align the first, and the output staging (128
-    token rows of OUT_LD bf16)."""
-    return cfg.stages * align(BLOCK * 128 + BLOCK * 64 + BLOCK * 4, 1024) + 1024 + BLOCK * OUT_LD * 2
+    128 token scales), each rounded up to 1024 B, 1024 B to align the first, the output staging (128
+    token rows of OUT_LD bf16), and per slot the token scales times the block scale (4 rows of SCALED_LD f32,
+    one per consumer lane's c = lane % 4)."""
+    return (cfg.stages * (align(BLOCK * 128 + BLOCK * 64 + BLOCK * 4, 1024) + 4 * SCALED_LD * 4) + 1024
+            + BLOCK * OUT_LD * 2)
 
 
 def source(cfg: W4A8RsConfig, *, n: int, k: int) -> str:

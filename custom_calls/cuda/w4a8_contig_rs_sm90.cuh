@@ -10,10 +10,14 @@
 // (N = 128), so each widened word feeds 128 tokens:
 //   warp group 0 (producer): one thread issues each K block's TMA copies into a ring slot (the tile's 128
 //     tokens at the 128-byte swizzle, its 128 4-bit weight rows, the tokens' scales; barrier `full`),
-//     tile after tile, a slot refilled once the eight consumer warps have arrived on `empty`;
+//     tile after tile, a slot refilled once the eight consumer warps have arrived on `empty`; its warp 1
+//     multiplies the slot's 128 token scales by sf128, the tile's block scale, once for the block
+//     (barrier `scaled`), in the order the consumers' 16-byte loads read them;
 //   warp groups 1 and 2 (consumers): weight rows 64 (wg - 1) .. + 63 of the tile each; per K block a
 //     thread reads its 16 bytes of two rows, widens them (two `prmt` a word), runs four RS wgmma
-//     m64n128k32 and promotes: acc += part * (token scale x sf128), sf128 the tile's block scale.
+//     m64n128k32 and promotes: acc += part * (token scale x sf128), one FFMA per accumulator.
+// Why the scaling warp: a thread's accumulators span 32 tokens (the tokens are the MMA's N side), so each
+// of the 256 consumer threads would load and multiply 32 scales per K block where 128 products serve all.
 // A block loops over tiles blockIdx.x, + gridDim.x, ... (token block major, so the blocks at work share
 // the tokens and one expert's weights in L2); the producer runs ahead into the next tile while the
 // consumers write the last one out through shared memory (rows of 16-byte stores).
@@ -22,6 +26,9 @@
 // (1: K block kb + 1 widened while K block kb's MMA runs); then
 // w4a8_sm90_common.cuh and wgmma_m64n128k32_rs(d, a, desc, accumulate). Dynamic shared memory:
 // `w4a8_contig_rs.smem_bytes`.
+// Shared memory: STAGES slots from the first 1024-byte boundary, the output staging, then STAGES arrays of
+// scaled token scales: token 8 u + 2 c + b at c * SCALED_LD + 2 u + b (consumer thread c's 32 scales in a row,
+// its 16-byte loads at four rows' different banks).
 
 namespace moe_jax_w4a8_rs {
 
@@ -31,6 +38,7 @@ constexpr int N_TILES = (N + BLOCK - 1) / BLOCK;
 constexpr int TOKEN_BYTES = BLOCK * 128, W4_BYTES = BLOCK * 64, SCALE_BYTES = BLOCK * 4;
 constexpr int SLOT = (TOKEN_BYTES + W4_BYTES + SCALE_BYTES + 1023) / 1024 * 1024;
 constexpr int OUT_LD = BLOCK + 8;  // the output staging's row stride in bf16: a warp's stores hit 16 banks
+constexpr int SCALED_LD = 36;      // floats per row of the scaled token scales (32 + 4: rows at other banks)
 constexpr int CONSUMER_WARPS = 8;
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;  // 128 x 40 + 256 x 232 <= 65536
 static_assert(K % 128 == 0, "K must be a multiple of 128");
@@ -46,8 +54,8 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
                             __nv_bfloat16* __restrict__ d, const uint32_t m_blocks) {
   using namespace moe_jax_w4a8;
   using namespace moe_jax_w4a8_rs;
-  extern __shared__ uint8_t ring_smem[];  // STAGES slots from the first 1024-byte boundary, then the staging
-  __shared__ __align__(8) uint64_t bars[2 * STAGES];  // full (1 + the copies' bytes), empty (8 warps)
+  extern __shared__ uint8_t ring_smem[];  // the slots, the staging, the scaled token scales (above)
+  __shared__ __align__(8) uint64_t bars[3 * STAGES];  // full (1 + the copies' bytes), empty (8 warps), scaled (32)
   __shared__ uint2 tables[32];                        // table_words of every 5-bit index
 
   const int tid = threadIdx.x, wg = tid / 128;
@@ -56,9 +64,11 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
   const uint32_t ring = (raw + 1023u) & ~1023u;
   uint8_t* ring_ptr = ring_smem + (ring - raw);
   __nv_bfloat16* staging = reinterpret_cast<__nv_bfloat16*>(ring_ptr + STAGES * SLOT);  // (BLOCK tokens, OUT_LD)
+  float* scaled_ts = reinterpret_cast<float*>(staging + BLOCK * OUT_LD);                   // (STAGES, 4, SCALED_LD)
   const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(&bars[0]));
   auto full = [&](int s) { return bar0 + 8 * s; };
   auto empty = [&](int s) { return bar0 + 8 * (STAGES + s); };
+  auto scaled = [&](int s) { return bar0 + 8 * (2 * STAGES + s); };
   if (tid < 32) {
     uint32_t lo, hi;
     table_words(tid, lo, hi);
@@ -68,6 +78,7 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full(s), 1);
       mbar_init(empty(s), CONSUMER_WARPS);
+      mbar_init(scaled(s), 32);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -77,7 +88,30 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
     // Producer: K block after K block of each real tile (a padding tile has no copies), slot it % STAGES
     // refilled once its previous K block's eight consumer warps arrived.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
-    if (tid == 0) {
+    if (tid / 32 == 1) {
+      // Scaling warp: lane l takes tokens 4 l .. + 3 of each K block (u = l / 2, c = 2 (l % 2) + {0, 1}).
+      // Consumers free a slot only after `scaled`, so its next copies wait for this warp too.
+      const int lane = tid % 32, u = lane / 2;
+      int it = 0;
+      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        const int mb = (tile / N_TILES) * BLOCK, wrow0 = (tile % N_TILES) * BLOCK;
+        const int g = m_indices[mb];
+        if (g < 0) continue;
+        const uint32_t* srow = sw + (static_cast<size_t>(g) * N + wrow0) * KB;  // a real row: sf128 of the tile
+        uint32_t word = __ldg(srow);
+        for (int kb = 0; kb < KB; ++kb, ++it) {
+          const int s = it % STAGES;
+          const float sf128 = __uint_as_float((word & 0xFFu) << 23);
+          if (kb + 1 < KB) word = __ldg(srow + kb + 1);
+          mbar_wait(full(s), (it / STAGES) & 1);
+          const float4 ts = *reinterpret_cast<const float4*>(ring_ptr + s * SLOT + TOKEN_BYTES + W4_BYTES + 16 * lane);
+          float* out = scaled_ts + s * 4 * SCALED_LD + 2 * u;
+          *reinterpret_cast<float2*>(out + (2 * (lane % 2)) * SCALED_LD) = make_float2(ts.x * sf128, ts.y * sf128);
+          *reinterpret_cast<float2*>(out + (2 * (lane % 2) + 1) * SCALED_LD) = make_float2(ts.z * sf128, ts.w * sf128);
+          mbar_arrive(scaled(s));
+        }
+      }
+    } else if (tid == 0) {
       int it = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
         const int mb = (tile / N_TILES) * BLOCK, wrow0 = (tile % N_TILES) * BLOCK;
@@ -119,8 +153,7 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
         w1 = ok1 ? __ldg(srow + 8 * KB + kb) : 0u;
       };
       // thread's fragment of K block (slot s) per k32 step: a0 (r0, even), a1 (r0 + 8, even), a2 (r0, odd),
-      // a3 (r0 + 8, odd); returns the tile's block scale (one per 128 x 128 FP4 -> FP8 tile: every real
-      // row's word holds it)
+      // a3 (r0 + 8, odd)
       auto widen_block = [&](int s, uint32_t sword0, uint32_t sword1, uint32_t (&frag)[4][4]) {
         const uint8_t* slot = ring_ptr + s * SLOT;
 #pragma unroll
@@ -129,7 +162,6 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
           const uint2 tw = tables[((h ? sword1 : sword0) >> (8 + 5 * c)) & 31u];
           widen_row(v, tw.x, tw.y, h, frag);
         }
-        return __uint_as_float((sword0 & 0xFFu) << 23);
       };
       float part[64];
       auto mma = [&](int s, const uint32_t (&frag)[4][4]) {
@@ -142,20 +174,21 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
         asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
       };
       // acc += part * (token scale x sf128); part[4 u + j]: weight row r0 + 8 (j / 2), token 8 u + 2 c + j % 2.
-      // The token scales are read before the warp frees the slot.
-      auto promote = [&](int s, float sf128) {
+      // The scaled token scales are read before the warp frees the slot (and with it their array).
+      auto promote = [&](int s, uint32_t phase) {
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
         for (int j = 0; j < 64; ++j) fence_operand(part[j]);
-        const float* token_scale = reinterpret_cast<const float*>(ring_ptr + s * SLOT + TOKEN_BYTES + W4_BYTES);
-        float2 ts[16];
+        mbar_wait(scaled(s), phase);
+        const float* row = scaled_ts + (s * 4 + c) * SCALED_LD;
+        float4 ts[8];  // tokens 8 u + 2 c + {0, 1}: ts[u / 2] .x .y (u even), .z .w (u odd)
 #pragma unroll
-        for (int u = 0; u < 16; ++u) ts[u] = *reinterpret_cast<const float2*>(token_scale + 8 * u + 2 * c);
+        for (int i = 0; i < 8; ++i) ts[i] = *reinterpret_cast<const float4*>(row + 4 * i);
         __syncwarp();
         if (lane == 0) mbar_arrive(empty(s));  // this warp is done with the slot
 #pragma unroll
         for (int u = 0; u < 16; ++u) {
-          const float s0 = ts[u].x * sf128, s1 = ts[u].y * sf128;
+          const float s0 = u % 2 ? ts[u / 2].z : ts[u / 2].x, s1 = u % 2 ? ts[u / 2].w : ts[u / 2].y;
           acc[4 * u + 0] = fmaf(s0, part[4 * u + 0], acc[4 * u + 0]);
           acc[4 * u + 1] = fmaf(s1, part[4 * u + 1], acc[4 * u + 1]);
           acc[4 * u + 2] = fmaf(s0, part[4 * u + 2], acc[4 * u + 2]);
@@ -165,27 +198,28 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
       uint32_t next0, next1;
       load_words(0, next0, next1);
 #if W4A8_RS_AHEAD
-      // K block kb + 1 widened while K block kb's MMA runs (a second fragment set)
-      uint32_t frag[4][4], ahead[4][4];
+      // K block kb + 1 widened while K block kb's MMA runs: two fragment sets, their roles swapped every
+      // K block (two K blocks a loop iteration, so that no fragment is copied)
+      uint32_t frag_a[4][4], frag_b[4][4];
       mbar_wait(full(it % STAGES), (it / STAGES) & 1);
-      float sf128 = widen_block(it % STAGES, next0, next1, frag);
+      widen_block(it % STAGES, next0, next1, frag_a);
       if (KB > 1) load_words(1, next0, next1);
-#pragma unroll 1
-      for (int kb = 0; kb < KB; ++kb, ++it) {
+      auto step = [&](int kb, const uint32_t (&frag)[4][4], uint32_t (&ahead)[4][4]) {
         const int s = it % STAGES;
         mma(s, frag);
-        const float sf_this = sf128;
         if (kb + 1 < KB) {
           const int s1 = (it + 1) % STAGES;
           mbar_wait(full(s1), ((it + 1) / STAGES) & 1);
-          sf128 = widen_block(s1, next0, next1, ahead);
+          widen_block(s1, next0, next1, ahead);
           if (kb + 2 < KB) load_words(kb + 2, next0, next1);
         }
-        promote(s, sf_this);
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) frag[q][i] = ahead[q][i];
+        promote(s, (it / STAGES) & 1);
+        ++it;
+      };
+#pragma unroll 1
+      for (int kb = 0; kb < KB; kb += 2) {
+        step(kb, frag_a, frag_b);
+        if (kb + 1 < KB) step(kb + 1, frag_b, frag_a);
       }
 #else
 #pragma unroll 1
@@ -195,9 +229,9 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
         if (kb + 1 < KB) load_words(kb + 1, next0, next1);
         mbar_wait(full(s), (it / STAGES) & 1);
         uint32_t frag[4][4];
-        const float sf128 = widen_block(s, sword0, sword1, frag);
+        widen_block(s, sword0, sword1, frag);
         mma(s, frag);
-        promote(s, sf128);
+        promote(s, (it / STAGES) & 1);
       }
 #endif
     }
