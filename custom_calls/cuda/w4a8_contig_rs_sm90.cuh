@@ -104,6 +104,8 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
           const float sf128 = __uint_as_float((word & 0xFFu) << 23);
           if (kb + 1 < KB) word = __ldg(srow + kb + 1);
           mbar_wait(full(s), (it / STAGES) & 1);
+          // implied by `full` (its copies were issued after `empty`), waited so that the order is explicit
+          if (it >= STAGES) mbar_wait(empty(s), ((it / STAGES) - 1) & 1);
           const float4 ts = *reinterpret_cast<const float4*>(ring_ptr + s * SLOT + TOKEN_BYTES + W4_BYTES + 16 * lane);
           float* out = scaled_ts + s * 4 * SCALED_LD + 2 * u;
           *reinterpret_cast<float2*>(out + (2 * (lane % 2)) * SCALED_LD) = make_float2(ts.x * sf128, ts.y * sf128);
