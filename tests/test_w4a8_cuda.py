@@ -148,8 +148,7 @@ def test_rs_contig_kernel_model_matches_the_float64_model():
     ... (token block major), each tile's 128 tokens and 128 weight rows per K block the masked kernel's data
     movement (`_block_model` over 128 tokens), the block scale of every row from the tile's first row's word
     (the scaling warp's); every tile once, padding rows and all-padding tiles 0, a partial last weight tile
-    (N 200), grids of 1, 3 and more blocks than tiles; the scaling warp's permutation of the token scales is
-    the one the consumers read (`_scaled_scales_model`)."""
+    (N 200), grids of 1, 3 and more blocks than tiles."""
     from custom_calls.cuda import w4a8_contig_rs as rs
 
     n = 200
@@ -181,10 +180,9 @@ def test_rs_contig_kernel_model_matches_the_float64_model():
                 got[np.ix_(rows, cols)] = block[:cols.size].T
         assert sorted(seen) == list(range(m_blocks * n_tiles))
         _check_contig(got, codes, sf32, a, sa, m_indices)
-    _scaled_scales_model()
 
 
-def _scaled_scales_model():
+def test_rs_scaled_token_scales_reach_their_consumers_without_bank_conflicts():
     """The persistent kernel's scaled token scales: scaling-warp lane l writes tokens 4 l .. + 3 as two float2
     at rows c = 2 (l % 2) + {0, 1}, columns 2 (l // 2) (SCALED_LD floats a row); consumer lane c reads its row
     as 8 float4 and takes token 8 u + 2 c + b from float 2 u + b. Every token is written once, each consumer
