@@ -10,7 +10,7 @@
 // (N = 128), so each widened word feeds 128 tokens:
 //   warp group 0 (producer): one thread issues each K block's TMA copies into a ring slot (the tile's 128
 //     tokens at the 128-byte swizzle, its 128 4-bit weight rows, the tokens' scales; barrier `full`),
-//     tile after tile, a slot refilled once the eight consumer warps have arrived on `empty`; its warp 1
+//     tile after tile, a slot refilled once the 256 consumer threads have arrived on `empty`; its warp 1
 //     multiplies the slot's 128 token scales by sf128, the tile's block scale, once for the block
 //     (barrier `scaled`), in the order the consumers' 16-byte loads read them;
 //   warp groups 1 and 2 (consumers): weight rows 64 (wg - 1) .. + 63 of the tile each; per K block a
@@ -55,7 +55,7 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
   using namespace moe_jax_w4a8;
   using namespace moe_jax_w4a8_rs;
   extern __shared__ uint8_t ring_smem[];  // the slots, the staging, the scaled token scales (above)
-  __shared__ __align__(8) uint64_t bars[3 * STAGES];  // full (1 + the copies' bytes), empty (8 warps), scaled (32)
+  __shared__ __align__(8) uint64_t bars[3 * STAGES];  // full (1 + the copies' bytes), empty (256 consumer threads), scaled (32)
   __shared__ uint2 tables[32];                        // table_words of every 5-bit index
 
   const int tid = threadIdx.x, wg = tid / 128;
@@ -77,7 +77,7 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full(s), 1);
-      mbar_init(empty(s), CONSUMER_WARPS);
+      mbar_init(empty(s), 32 * CONSUMER_WARPS);
       mbar_init(scaled(s), 32);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -186,8 +186,7 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
         float4 ts[8];  // tokens 8 u + 2 c + {0, 1}: ts[u / 2] .x .y (u even), .z .w (u odd)
 #pragma unroll
         for (int i = 0; i < 8; ++i) ts[i] = *reinterpret_cast<const float4*>(row + 4 * i);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty(s));  // this warp is done with the slot
+        mbar_arrive(empty(s));  // this thread is done with the slot (every thread arrives: its own reads ordered)
 #pragma unroll
         for (int u = 0; u < 16; ++u) {
           const float s0 = u % 2 ? ts[u / 2].z : ts[u / 2].x, s1 = u % 2 ? ts[u / 2].w : ts[u / 2].y;
