@@ -45,7 +45,7 @@ import importlib
 import inspect
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import jax
 from jax.custom_derivatives import SymbolicZero, zero_from_primal
@@ -130,21 +130,35 @@ def register(op: str, backend: str, impl: Callable, supports: SupportsFn | None 
         _IMPLS[op][backend] = Implementation(op, backend, supports or _always, wrapped)
 
 
-def split_arrays(fn: Callable, args: tuple, kwargs: dict, is_array: Callable[[object], bool]):
-    """The leaves of (args, kwargs) that `is_array` takes, as (their indices among the flattened
-    leaves, the leaves, run): run(*arrays) calls fn with those leaves replaced and every other leaf
-    (static values) as given. For wrappers whose transform must see only the array arguments."""
+class SplitArrays(NamedTuple):
+    """`split_arrays`' answer: `where` the indices of the array leaves among the flattened leaves of
+    (args, kwargs), `arrays` those leaves, `run(*arrays)` fn called with them and every other leaf
+    (static values) as given, `static_key` what run depends on besides the arrays (the tree, where,
+    each static leaf with its type; hashable where the static leaves are)."""
+    where: tuple[int, ...]
+    arrays: list
+    run: Callable
+    static_key: tuple
+
+
+def split_arrays(fn: Callable, args: tuple, kwargs: dict, is_array: Callable[[object], bool]) -> SplitArrays:
+    """(args, kwargs) split into array leaves and the rest (`SplitArrays`). For wrappers whose
+    transform must see only the array arguments. run holds the static leaves only, so a wrapper may
+    keep it (one compiled program per static_key) without keeping the arrays of the call alive."""
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-    where = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
+    where = tuple(i for i, leaf in enumerate(leaves) if is_array(leaf))
+    statics = tuple(None if i in where else leaf for i, leaf in enumerate(leaves))
 
     def run(*arrays):
-        full = list(leaves)
+        full = list(statics)
         for i, a in zip(where, arrays):
             full[i] = a
         a, kw = jax.tree_util.tree_unflatten(tree, full)
         return fn(*a, **kw)
 
-    return where, [leaves[i] for i in where], run
+    # the type beside each value: 2, 2.0 and True are equal and hash alike but trace differently
+    static_key = (tree, where, tuple((type(leaf), leaf) for leaf in statics))
+    return SplitArrays(where, [leaves[i] for i in where], run, static_key)
 
 
 class NoGradientError(NotImplementedError):
@@ -161,7 +175,7 @@ def without_derivative(op: str, backend: str, impl: Callable) -> Callable:
 
     @functools.wraps(impl)
     def call(*args, **kwargs):
-        where, arrays, run = split_arrays(impl, args, kwargs, lambda leaf: isinstance(leaf, jax.Array))
+        where, arrays, run, _ = split_arrays(impl, args, kwargs, lambda leaf: isinstance(leaf, jax.Array))
         if not where:
             return impl(*args, **kwargs)
 

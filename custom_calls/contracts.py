@@ -262,14 +262,27 @@ def checked(fn: Callable, *, throw: bool = True) -> Callable:
     `debug_checks=True` ones). throw=True: the wrapper returns fn's result and raises
     `checkify.JaxRuntimeError` carrying the first failed check's message; throw=False: it returns
     (error, result), `error.get()` being the message or None. Non-array arguments (recipe names,
-    sizes) are passed through as static values; array arguments are traced."""
+    sizes) are passed through as static values; array arguments are traced. As under `jax.jit`, fn is
+    traced and compiled once per combination of static values and array shapes and dtypes, so a
+    second call costs only the run (and Python state fn reads is read when it is traced); a call
+    with a static value that cannot be hashed is traced anew."""
+    programs: dict[tuple, Callable] = {}
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any):
-        _, arrays, run = split_arrays(fn, args, kwargs,
-                                      lambda v: isinstance(v, jax.Array) or hasattr(v, "__array__"))
-        # compiled, not op by op: a layer's checks then cost one compile instead of one dispatch per op
-        err, out = jax.jit(checkify.checkify(run, errors=checkify.user_checks))(*arrays)
+        split = split_arrays(fn, args, kwargs, lambda v: isinstance(v, jax.Array) or hasattr(v, "__array__"))
+        key = split.static_key
+        try:
+            hash(key)
+        except TypeError:  # an unhashable static value: nothing to find the program by
+            key = None
+        program = programs.get(key) if key is not None else None
+        if program is None:
+            # compiled, not op by op: a layer's checks then cost one compile instead of one dispatch per op
+            program = jax.jit(checkify.checkify(split.run, errors=checkify.user_checks))
+            if key is not None:
+                programs[key] = program
+        err, out = program(*split.arrays)
         if throw:
             err.throw()
             return out

@@ -20,6 +20,7 @@ import pytest
 from jax.experimental import checkify
 
 import custom_calls as cc
+from custom_calls.backends import split_arrays
 import layouts
 import moe_jax as mj
 from custom_calls import ActivationSpec
@@ -229,6 +230,53 @@ def test_checked_results_equal_unchecked():
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
 
 
+def test_checked_traces_once_per_static_signature():
+    traces = []
+
+    def scaled_positive(x, factor, *, label):
+        traces.append((factor, label))
+        checkify.check(jnp.all(x > 0), f"{label}: x must be positive")
+        return x * factor
+
+    f = cc.checked(scaled_positive)
+    rng = np.random.default_rng(7)
+    for _ in range(3):  # fresh arrays of one shape: one trace
+        x = jnp.asarray(rng.uniform(0.5, 2.0, (5, 3)), jnp.float32)
+        np.testing.assert_array_equal(np.asarray(f(x, 3, label="a")), np.asarray(x) * 3)
+    assert traces == [(3, "a")]
+    with pytest.raises(checkify.JaxRuntimeError, match="a: x must be positive"):  # the same program
+        f(x.at[2, 1].set(-1.0), 3, label="a")
+    assert len(traces) == 1
+    # another static value, or an equal one of another type (3.0 == 3 but promotes int x to float)
+    f(x, 3, label="b")
+    xi = x.astype(jnp.int32) + 1
+    assert f(xi, 3.0, label="a").dtype == jnp.float32 and type(traces[-1][0]) is float
+    assert f(xi, 3, label="a").dtype == jnp.int32 and type(traces[-1][0]) is int
+    assert [t[1] for t in traces] == ["a", "b", "a", "a"]
+
+    class Unhashable:
+        __hash__ = None
+
+        def __rmul__(self, other):
+            return other * 2
+
+    f(x, Unhashable(), label="u")
+    np.testing.assert_array_equal(np.asarray(f(x, Unhashable(), label="u")), np.asarray(x) * 2)
+    assert len(traces) == 6  # nothing to look the program up by: traced on each call, still right
+
+
+def test_split_arrays_keeps_no_array_of_the_call():
+    x = jnp.arange(4.0)
+    split = split_arrays(lambda a, n, *, b: a * n + b, (x, 2), {"b": x},
+                         lambda v: isinstance(v, jax.Array))
+    assert split.where == (0, 2) and split.arrays[0] is x and split.arrays[1] is x
+    held = [c.cell_contents for c in split.run.__closure__]
+    held += [leaf for c in held if isinstance(c, (tuple, list)) for leaf in c]
+    assert not any(isinstance(v, jax.Array) for v in held)
+    np.testing.assert_array_equal(np.asarray(split.run(x + 1, x)), np.asarray((x + 1) * 2 + x))
+    hash(split.static_key)
+
+
 def test_non_finite_weight_scales_are_named_by_expert():
     rng = np.random.default_rng(2)
     lhs, ls, rhs, rs = _gemm_operands(rng)
@@ -384,12 +432,14 @@ def test_layer_checked_mode(layout):
     cfg, params, x = _layer(layout)
     fwd = jax.jit(mj.moe_forward, static_argnames=("config", "debug_checks"))
     want = fwd(x, params, config=cfg)
-    err, got = cc.checked(lambda x, p: mj.moe_forward(x, p, cfg, debug_checks=True), throw=False)(x, params)
+    layer = cc.checked(lambda x, p: mj.moe_forward(x, p, cfg, debug_checks=True), throw=False)
+    err, got = layer(x, params)
     assert err.get() is None
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     bad = x.at[1, 3].set(jnp.nan).at[2, 0, 5].set(jnp.inf)  # flattened tokens 10 and 14
+    err, _ = layer(bad, params)  # the program compiled for x
     with pytest.raises(checkify.JaxRuntimeError, match=r"x has non-finite values in tokens \[10, 14\]"):
-        cc.checked(lambda x, p: mj.moe_forward(x, p, cfg, debug_checks=True))(bad, params)
+        err.throw()
     off = jax.make_jaxpr(lambda x, p: mj.moe_forward(x, p, cfg))(x, params)
     assert "check" not in _primitives(off.jaxpr)
     ids = jnp.zeros((3, 7, 2), jnp.int32)
