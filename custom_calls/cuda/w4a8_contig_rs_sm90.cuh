@@ -176,7 +176,7 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
         asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
       };
       // acc += part * (token scale x sf128); part[4 u + j]: weight row r0 + 8 (j / 2), token 8 u + 2 c + j % 2.
-      // The scaled token scales are read before the warp frees the slot (and with it their array).
+      // The scaled token scales are read before the thread frees the slot (and with it their array).
       auto promote = [&](int s, uint32_t phase) {
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
