@@ -32,9 +32,14 @@ from test_conformance import np_canonical_m_indices, np_canonical_src2dst  # noq
 from interpreter_script import run_under_interpreter  # noqa: E402
 
 
+_CHECKED: dict = {}  # fn -> its checked wrapper: calls with the same shapes reuse one compiled program
+
+
 def _error(fn, *args, **kwargs) -> str | None:
     """The message of the first failed check of fn under `cc.checked` (None when all pass)."""
-    err, _ = cc.checked(fn, throw=False)(*args, **kwargs)
+    if fn not in _CHECKED:
+        _CHECKED[fn] = cc.checked(fn, throw=False)
+    err, _ = _CHECKED[fn](*args, **kwargs)
     msg = err.get()
     return None if msg is None else msg.removesuffix(" (`check` failed)")
 

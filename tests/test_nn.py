@@ -190,11 +190,12 @@ def test_checked_mode_names_the_non_finite_tokens(mesh):
     cfg = bf16_config()
     moe = MoE(cfg, rngs=nnx.Rngs(8))
     x = x_input()
-    y = checked(lambda v: moe(v, debug_checks=True))(x)  # clean input: no error, the usual output
+    checked_moe = checked(lambda v: moe(v, debug_checks=True))
+    y = checked_moe(x)  # clean input: no error, the usual output
     np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(fwd(moe, x).astype(jnp.float32)))
     bad = x.at[3, 5].set(jnp.nan).at[11, 0].set(jnp.inf)
     with pytest.raises(checkify.JaxRuntimeError, match=r"x has non-finite values in tokens \[3, 11\]"):
-        checked(lambda v: moe(v, debug_checks=True))(bad)
+        checked_moe(bad)  # the program compiled for x
     sharded = MoE.from_params(init_params(jax.random.key(1), cfg), cfg, mesh=mesh,
                               parallel=ParallelConfig("tp", moe_axes="mp"))
     with pytest.raises(ValueError, match="debug_checks: the checked mode runs on a single device"):
