@@ -262,6 +262,35 @@ def test_kernels_compile_for_sm90_and_sm100(arch):
     assert _resources(c)["stack"] == 0
 
 
+def test_w4a8_column_order_keeps_the_producers_loads_vectorized():
+    """The producers of W4A8 activations (lhs stored in the W4A8 column order, `layouts.w4a8`) load
+    contiguous columns and reorder the tile in registers: as many vector loads as in column order, no
+    spill, few registers. At V4's shapes (H 4096, I 2048: whole 128-column blocks)."""
+    from custom_calls.triton.activation_kernel import act_quant_kernel, kernel_config
+    from custom_calls.triton.permute_kernel import scatter_quant_kernel
+    from custom_calls.triton.quant_kernel import per_token_group_quant_kernel
+
+    rows, h, inter = 1152, 4096, 2048
+    cfg = kernel_config(inter, "fp8_block", CLAMP)
+    kernels = [
+        (per_token_group_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "img_ptr": "*fp32"},
+         dict(MN=rows, K=h, G=32, IMG_LD=rows, IMG_SLAB=32 * rows, GROUP=128, UE8M0=False, BLOCK_M=4, GROUPS=8,
+              ROW_BLOCKS=rows // 4, CHUNKS_FASTEST=True)),
+        (scatter_quant_kernel, {"x_ptr": "*bf16", "src2dst_ptr": "*i32", "src1_ptr": "*i32", "lhs_ptr": "*fp8e4nv",
+                                "sf_ptr": "*fp32", "src1_out_ptr": "*i32"},
+         dict(M=256, H=h, TOPK=6, TOPK_P2=8, R=rows, G=32, GROUP=128, QUANT=True, UE8M0=False, GROUPS=8, TOKENS=4,
+              ZERO_FILL=True, ZERO_ROWS=64, ZERO_SUB=4, CHUNKS_FASTEST=True, ROW_SOURCE_OUT=False)),
+        (act_quant_kernel, {"y_ptr": "*bf16", "masked_m_ptr": "*i32", "a_ptr": "*fp8e4nv", "img_ptr": "*fp32"},
+         dict(MN=rows, I=inter, G=16, IMG_LD=rows, IMG_SLAB=16 * rows, UE8M0=False, MASKED=False,
+              ROW_BLOCKS=rows // cfg["BLOCK_M"], CHUNKS_FASTEST=True, **cfg)),
+    ]
+    for kernel, pointers, constexprs in kernels:
+        natural = _compile(kernel, pointers, dict(constexprs, W4A8_ORDER=False), 90)
+        ordered = _compile(kernel, pointers, dict(constexprs, W4A8_ORDER=True), 90)
+        assert _vector_loads(ordered.asm["ptx"]) == _vector_loads(natural.asm["ptx"]) > 0, kernel.__name__
+        _lean(ordered)
+
+
 def test_w4a8_expand_kernel_compiles_for_sm90():
     """The W4A8 -> FP8 expansion compiles for sm_90a with the GEMMs' byte permutes (prmt), 16-byte stores
     of the widened tile, no spills."""

@@ -28,7 +28,8 @@ import triton.language as tl
 
 from layouts import align, ceil_div, gemm_format, get_recipe
 from custom_calls.triton.launch import triton_call
-from custom_calls.triton.tile_quant import lhs_source_cols, quantize_tile, store_scale_image, tile_ids
+from custom_calls.triton.tile_quant import (lhs_load_cols, lhs_order_tile, quantize_tile, store_scale_image,
+                                            tile_ids)
 from custom_calls.triton.tuning import BlockTiling, column_group, config_or_default, tile_groups
 
 KIND_CODES = {"silu": 0, "swiglu_oai": 1, "situ": 2}
@@ -91,7 +92,7 @@ def act_quant_kernel(
         row_ok = m < limit
         ok = tl.expand_dims(row_ok, 1) & tl.expand_dims(cols < I, 0)
         row = slab.to(tl.int64) * MN + m
-        in_offs = tl.expand_dims(row * (2 * I), 1) + tl.expand_dims(lhs_source_cols(cols, I, W4A8_ORDER), 0)
+        in_offs = tl.expand_dims(row * (2 * I), 1) + tl.expand_dims(lhs_load_cols(cols, I, W4A8_ORDER), 0)
         gate = tl.load(y_ptr + in_offs, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(y_ptr + in_offs + I, mask=ok, other=0.0).to(tl.float32)
         if KIND == 2:
@@ -104,6 +105,7 @@ def act_quant_kernel(
                 y = gate * tl.sigmoid(ALPHA * gate) * (up + 1.0)
             else:
                 y = gate * tl.sigmoid(gate) * up
+        y = lhs_order_tile(y, BLOCK_M, GROUPS * GROUP, I, W4A8_ORDER)
         if not KEEP_FP32:
             y = y.to(tl.bfloat16).to(tl.float32)
         out_offs = tl.expand_dims(row * I, 1) + tl.expand_dims(cols, 0)

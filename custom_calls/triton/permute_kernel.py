@@ -40,7 +40,7 @@ import triton.language as tl
 
 from layouts import ceil_div, gemm_format, get_recipe
 from custom_calls.triton.launch import triton_call
-from custom_calls.triton.tile_quant import (lhs_source_cols, quantize_tile, store_scale_image, tile_ids,
+from custom_calls.triton.tile_quant import (lhs_load_cols, lhs_order_tile, quantize_tile, store_scale_image, tile_ids,
                                             ue8m0_bits_exponent, zero_row_scale)
 from custom_calls.triton.tuning import (check_groups, check_launch, check_powers_of_two, column_group,
                                         config_or_default, tile_groups)
@@ -124,8 +124,9 @@ def scatter_quant_kernel(
         js = tl.expand_dims(tl.arange(0, TOPK_P2), 0)
         dsts = tl.load(src2dst_ptr + tl.expand_dims(t64 * TOPK, 1) + js,
                        mask=tl.expand_dims(t < M, 1) & (js < TOPK), other=-1)
-        x = tl.load(x_ptr + tl.expand_dims(t64 * H, 1) + tl.expand_dims(lhs_source_cols(cols, H, W4A8_ORDER), 0),
+        x = tl.load(x_ptr + tl.expand_dims(t64 * H, 1) + tl.expand_dims(lhs_load_cols(cols, H, W4A8_ORDER), 0),
                     mask=tl.expand_dims(t < M, 1) & col_ok, other=0.0).to(tl.float32)
+        x = lhs_order_tile(x, TOKENS, GROUPS * GROUP, H, W4A8_ORDER)
         if QUANT:
             q, sf, _ = quantize_tile(x, TOKENS, GROUPS, GROUP, UE8M0)
             g = group0 + tl.arange(0, GROUPS)

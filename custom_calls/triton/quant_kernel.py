@@ -19,7 +19,8 @@ import triton.language as tl
 
 from layouts import ceil_div, gemm_format
 from custom_calls.triton.launch import triton_call
-from custom_calls.triton.tile_quant import lhs_source_cols, quantize_tile, store_scale_image, tile_ids
+from custom_calls.triton.tile_quant import (lhs_load_cols, lhs_order_tile, quantize_tile, store_scale_image,
+                                            tile_ids)
 from custom_calls.triton.tuning import BlockTiling, config_or_default, tile_groups
 
 
@@ -57,8 +58,9 @@ def per_token_group_quant_kernel(
     row = slab.to(tl.int64) * MN + m
     in_x = tl.expand_dims(m < MN, 1) & tl.expand_dims(k < K, 0)
     offs = tl.expand_dims(row * K, 1) + tl.expand_dims(k, 0)
-    src = tl.expand_dims(row * K, 1) + tl.expand_dims(lhs_source_cols(k, K, W4A8_ORDER), 0)
-    x = tl.load(x_ptr + src, mask=in_x, other=0.0).to(tl.float32)
+    src = tl.expand_dims(row * K, 1) + tl.expand_dims(lhs_load_cols(k, K, W4A8_ORDER), 0)
+    x = lhs_order_tile(tl.load(x_ptr + src, mask=in_x, other=0.0).to(tl.float32), BLOCK_M, GROUPS * GROUP, K,
+                       W4A8_ORDER)
     q, sf, exp = quantize_tile(x, BLOCK_M, GROUPS, GROUP, UE8M0)
     tl.store(q_ptr + offs, q, mask=in_x)
     # Padding columns of the image hold 0.

@@ -54,6 +54,30 @@ def lhs_source_cols(pos, K: tl.constexpr, W4A8_ORDER: tl.constexpr):
 
 
 @triton.jit
+def lhs_load_cols(pos, K: tl.constexpr, W4A8_ORDER: tl.constexpr):
+    """The columns a producer loads for the lhs positions `pos`. Where K is a multiple of 128 every block
+    is whole and the loads stay contiguous (`pos` itself; `lhs_order_tile` then puts the loaded tile in
+    the W4A8 column order in registers), else `lhs_source_cols` (a gather)."""
+    if W4A8_ORDER and K % 128 != 0:
+        return lhs_source_cols(pos, K, W4A8_ORDER)
+    else:
+        return pos
+
+
+@triton.jit
+def lhs_order_tile(x, ROWS: tl.constexpr, WIDTH: tl.constexpr, K: tl.constexpr, W4A8_ORDER: tl.constexpr):
+    """x [ROWS, WIDTH], loaded at `lhs_load_cols` of WIDTH positions from a multiple of 128 -> the values
+    each position stores. With W4A8_ORDER and K a multiple of 128, column 32c + 8s + 2i + e of each
+    block moves to position 32s + 16e + 4c + i (`layouts.w4a8.LHS_ORDER`) by a reshape and a permute,
+    which Triton lowers to one exchange through shared memory: cheaper than gathering 2-byte columns
+    one by one."""
+    if W4A8_ORDER and K % 128 == 0:
+        x = tl.reshape(x, (ROWS, WIDTH // 128, 4, 4, 4, 2))  # (c, s, i, e) of each block
+        x = tl.reshape(tl.permute(x, (0, 1, 3, 5, 2, 4)), (ROWS, WIDTH))  # -> (s, e, c, i)
+    return x
+
+
+@triton.jit
 def ue8m0_exponent(sf):
     """Biased exponent (int32, 1..254) of the smallest power of two >= sf (sf: fp32 > 0, normal)."""
     bits = sf.to(tl.int32, bitcast=True)
