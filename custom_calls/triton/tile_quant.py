@@ -43,8 +43,9 @@ def tile_ids(ROW_BLOCKS: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_FASTEST: tl.
 def lhs_source_cols(pos, K: tl.constexpr, W4A8_ORDER: tl.constexpr):
     """The column whose value an lhs row of width K stores at each position `pos`: pos itself, or with
     W4A8_ORDER the W4A8 column order (`layouts.w4a8.LHS_ORDER`: position 32s + 16e + 4c + i of a whole
-    128-column block holds column 32c + 8s + 2i + e). Producers load their inputs at these columns and
-    store contiguously; a 128-column quantization group keeps its columns, so its scale is unchanged."""
+    128-column block holds column 32c + 8s + 2i + e). Where K is not a multiple of 128 producers gather
+    their inputs at these columns (`lhs_load_cols`) and store contiguously; a 128-column quantization
+    group keeps its columns, so its scale is unchanged."""
     if W4A8_ORDER:
         r = pos % 128
         col = pos - r + 32 * ((r // 4) % 4) + 8 * (r // 32) + 2 * (r % 4) + (r // 16) % 2
@@ -69,8 +70,8 @@ def lhs_order_tile(x, ROWS: tl.constexpr, WIDTH: tl.constexpr, K: tl.constexpr, 
     """x [ROWS, WIDTH], loaded at `lhs_load_cols` of WIDTH positions from a multiple of 128 -> the values
     each position stores. With W4A8_ORDER and K a multiple of 128, column 32c + 8s + 2i + e of each
     block moves to position 32s + 16e + 4c + i (`layouts.w4a8.LHS_ORDER`) by a reshape and a permute,
-    which Triton lowers to one exchange through shared memory: cheaper than gathering 2-byte columns
-    one by one."""
+    which Triton lowers to one exchange through shared memory, so the loads stay 16-byte vectors instead
+    of 2-byte gathers."""
     if W4A8_ORDER and K % 128 == 0:
         x = tl.reshape(x, (ROWS, WIDTH // 128, 4, 4, 4, 2))  # (c, s, i, e) of each block
         x = tl.reshape(tl.permute(x, (0, 1, 3, 5, 2, 4)), (ROWS, WIDTH))  # -> (s, e, c, i)
