@@ -121,15 +121,15 @@ def _check_weights(rhs, rhs_scale) -> None:
 
 def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, *,
                           lhs_scale: jax.Array | None = None, rhs_scale: jax.Array | None = None,
-                          recipe: str, arch: int, alignment: int = 128,
+                          recipe: str, arch: int, alignment: int = 128, lhs_order: str | None = None,
                           backend: str | None = None, debug_checks: bool = False,
                           assume_canonical: bool = False, settings: KernelSettings | None = None) -> jax.Array:
     """Contiguous grouped GEMM: D[r] = lhs[r] . rhs[m_indices[r]]^T.
 
     lhs: (M_cap, K) bf16 | e4m3; rhs: (G, N, K) [(G, N, K//2) int8 for mxfp4]; scales as
-    `layouts.gemm_format(recipe, arch)` states (for W4A8, mxfp4 on arch 90, the lhs in its column
-    order: `m_grouped_gemm_masked`); m_indices: (M_cap,) int32 expert of each row,
-    -1 = padding row -> (M_cap, N) bf16.
+    `layouts.gemm_format(recipe, arch)` states; lhs_order: static, the column order lhs is in (for
+    W4A8, mxfp4 on arch 90, required: `m_grouped_gemm_masked`); m_indices: (M_cap,) int32 expert of
+    each row, -1 = padding row -> (M_cap, N) bf16.
     M_cap is a multiple of `alignment`; each block of `alignment` rows holds one expert's rows
     from its first row on, then -1 padding (the GEMM kernels take a block's expert from its first
     row). A block that breaks this or names no expert (< -1, >= G) is padding for every backend
@@ -146,6 +146,7 @@ def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, 
     """
     fmt = gemm_format(recipe, arch)
     m_cap, k, g, n = check_contig(lhs, rhs, m_indices, lhs_scale, rhs_scale, fmt, alignment)
+    lhs = fmt.lhs_for_gemm(lhs, lhs_order)
     if debug_checks:
         contracts.check_m_indices(m_indices, g, alignment)
         _check_weights(rhs, rhs_scale)
@@ -160,14 +161,18 @@ def m_grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, 
 
 def m_grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *, expected_m: int,
                           lhs_scale: jax.Array | None = None, rhs_scale: jax.Array | None = None,
-                          recipe: str, arch: int, backend: str | None = None, debug_checks: bool = False,
-                          assume_canonical: bool = False, settings: KernelSettings | None = None) -> jax.Array:
+                          recipe: str, arch: int, lhs_order: str | None = None, backend: str | None = None,
+                          debug_checks: bool = False, assume_canonical: bool = False,
+                          settings: KernelSettings | None = None) -> jax.Array:
     """Masked grouped GEMM: D[g, r] = lhs[g, r] . rhs[g]^T for r < masked_m[g].
 
     lhs: (G, m_pad, K) bf16 | e4m3, m_pad a multiple of 128; rhs: (G, N, K) [(G, N, K//2) int8 for
-    mxfp4]; scales as `layouts.gemm_format(recipe, arch)` states, and for mxfp4 on arch 90 (W4A8)
-    the lhs in the W4A8 column order its `quantize_lhs` writes (an fp8_block lhs there is a wrong
-    input the checks cannot see: same shape and dtype); masked_m: (G,) int32 real rows
+    mxfp4]; scales as `layouts.gemm_format(recipe, arch)` states. lhs_order: static, the column order
+    lhs is in (`GemmFormat.lhs_for_gemm`): None or "columns" for every format but W4A8 (mxfp4 on arch
+    90), whose GEMMs read the lhs in the W4A8 column order and which needs it stated, since the two
+    orders have the same shape and dtype: "w4a8" for the order `gemm_format("mxfp4", 90).quantize_lhs`
+    writes, "columns" for an lhs quantized as fp8_block (the op permutes it, one pass over lhs);
+    omitted there, a ValueError. masked_m: (G,) int32 real rows
     per slab, clamped to [0, m_pad] for every backend; expected_m: static tuning hint
     (ceil(M*top_k / E_global)) -> (G, m_pad, N) bf16. Rows >= masked_m[g] are UNSPECIFIED for
     accelerated implementations (the reference writes zeros); consumers never read them.
@@ -177,6 +182,7 @@ def m_grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *
     """
     fmt = gemm_format(recipe, arch)
     g, m_pad, k, n = check_masked(lhs, rhs, masked_m, expected_m, lhs_scale, rhs_scale, fmt)
+    lhs = fmt.lhs_for_gemm(lhs, lhs_order)
     if debug_checks:
         contracts.check_masked_m(masked_m, m_pad)
         _check_weights(rhs, rhs_scale)

@@ -31,7 +31,7 @@ from layouts.fused_moe import (
     interleave_gate_up,
 )
 from layouts.rounding import store_as
-from layouts.gemm_format import GemmFormat
+from layouts.gemm_format import LHS_ORDERS, GemmFormat
 from layouts.recipes import RECIPE_NAMES, QuantRecipe, gemm_format, get_recipe
 from layouts.scale_layout import (
     broadcast_block_scale_to_rows,
@@ -61,7 +61,7 @@ from layouts.weight_paths import (
 __all__ = [
     "ARCHS", "ArchSpec", "FLOAT_DTYPES", "SUPPORTED_ARCHS", "align", "ceil_div", "check_arch", "store_as",
     # recipes and GEMM formats
-    "RECIPE_NAMES", "QuantRecipe", "get_recipe", "GemmFormat", "gemm_format",
+    "RECIPE_NAMES", "QuantRecipe", "get_recipe", "GemmFormat", "gemm_format", "LHS_ORDERS",
     # UE8M0
     "ceil_to_ue8m0", "e8m0_round_up_bytes", "is_ue8m0", "pack_ue8m0", "unpack_ue8m0",
     "ue8m0_bytes_to_fp32", "ue8m0_scale_from_amax",

@@ -28,8 +28,9 @@ format `layouts.gemm_format(recipe, arch)` returns. mxfp4 on 90 also has a 4-bit
 the FP4 -> FP8 conversion in registers; its scale words carry the 128 x 128 block scale of that
 conversion per row and 128 columns, with the 32-groups' exponent offsets. Its lhs holds the same
 bytes as fp8_block's, each 128-column block permuted (`layouts.w4a8.LHS_ORDER`): `quantize_lhs` writes
-that order and `dequantize_lhs` reads it, so an fp8_block lhs passed to a W4A8 GEMM is a wrong input
-the operand checks cannot see (same shapes and dtypes).
+that order and `dequantize_lhs` reads it. The two orders have the same shapes and dtypes, so no operand
+check can tell them apart: the grouped GEMM ops take the order as a static argument (`lhs_order`,
+`GemmFormat.lhs_for_gemm`), which a W4A8 call must state.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from layouts.scale_layout import (from_mn_major_tma_aligned, pack_ue8m0_mn_major
                                   to_mn_major_tma_aligned, unpack_ue8m0_mn_major_tma_aligned)
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+# The column orders an lhs can be in: "columns" (every format's), "w4a8" (`layouts.w4a8.LHS_ORDER`)
+LHS_ORDERS = ("columns", "w4a8")
 SCALE_W4A8 = "w4a8"  # rhs: int32 scale words (block scale exponent + 32-group table indices), lhs: fp32
 
 
@@ -166,6 +169,32 @@ class GemmFormat:
 
     def describe(self) -> str:
         return f"recipe {self.recipe!r} on arch {self.arch}" + (" (W4A8)" if self.w4a8 else "")
+
+    @property
+    def lhs_order(self) -> str:
+        """The column order of the lhs this format's GEMMs read and `quantize_lhs` writes (`LHS_ORDERS`)."""
+        return "w4a8" if self.w4a8 else "columns"
+
+    def lhs_for_gemm(self, lhs: jax.Array, lhs_order: Optional[str]) -> jax.Array:
+        """lhs (..., rows, K) in `lhs_order` -> the lhs in the order this format's GEMMs read.
+        lhs_order: "columns", "w4a8" or None (column order, except that a W4A8 format refuses None: its
+        order and column order have the same shapes and dtypes, so only the caller knows which it holds).
+        W4A8 and "columns": the op permutes lhs itself (one pass over it); "w4a8" (what `quantize_lhs` and
+        the layer's producers write): lhs as is. ValueError naming `lhs_order` for anything else."""
+        if lhs_order is not None and lhs_order not in LHS_ORDERS:
+            raise ValueError(f"lhs_order: expected one of {LHS_ORDERS} (or None), got {lhs_order!r}")
+        if not self.w4a8:
+            if lhs_order == "w4a8":
+                raise ValueError(f"lhs_order: 'w4a8' is the lhs order of the W4A8 format only (recipe 'mxfp4' "
+                                 f"on arch 90), got {self.describe()}")
+            return lhs
+        if lhs_order is None:
+            raise ValueError(
+                f"lhs_order: {self.describe()} reads its lhs in the W4A8 column order, which has the shape "
+                "and dtype of an lhs in column order, so say which one lhs is: 'w4a8' for an lhs from "
+                f"`gemm_format({self.recipe!r}, {self.arch}).quantize_lhs` or the layer's producers, 'columns' "
+                "for one in column order (quantized as fp8_block), which the op then permutes (one pass over lhs)")
+        return to_w4a8_lhs_order(lhs) if lhs_order == "columns" else lhs
 
     # -- numerics (the reference's definition of each operand) ----------------------------------
     def quantize_lhs(self, x: jax.Array) -> tuple[jax.Array, Optional[jax.Array]]:

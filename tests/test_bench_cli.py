@@ -677,11 +677,14 @@ def test_w4a8_sweep_rows_on_the_reference(monkeypatch):
     (the reference computes both on the same e4m3 values and block scales: equal over the rows below masked_m)."""
     import moe_jax.bench._timing as timing
     from custom_calls.grouped_gemm import m_grouped_gemm_masked
+    from layouts import gemm_format
     from moe_jax.bench import w4a8 as bench
 
     def ref(recipe):
         return lambda a, sa, w, s, mm: m_grouped_gemm_masked(a, w, mm, expected_m=4, lhs_scale=sa, rhs_scale=s,
-                                                             recipe=recipe, arch=90, backend="reference")
+                                                             recipe=recipe, arch=90,
+                                                             lhs_order=gemm_format(recipe, 90).lhs_order,
+                                                             backend="reference")
 
     monkeypatch.setattr(bench, "_kernels", lambda configs, em, contig, rs_configs: {
         "deep_gemm fp8 (FP4->FP8)": (ref("fp8_block"), "fp8"), "w4a8 a": (ref("mxfp4"), "w4a8")})
@@ -700,7 +703,9 @@ def test_w4a8_sweep_rows_on_the_reference(monkeypatch):
 
     def cref(recipe):
         return lambda a, sa, w, s, mi: m_grouped_gemm_contig(a, w, mi, lhs_scale=sa, rhs_scale=s, recipe=recipe,
-                                                             arch=90, alignment=128, backend="reference")
+                                                             arch=90, alignment=128,
+                                                             lhs_order=gemm_format(recipe, 90).lhs_order,
+                                                             backend="reference")
 
     monkeypatch.setattr(bench, "_kernels", lambda configs, em, contig, rs_configs: {
         "deep_gemm fp8 (FP4->FP8)": (cref("fp8_block"), "fp8"), "w4a8 a": (cref("mxfp4"), "w4a8")})

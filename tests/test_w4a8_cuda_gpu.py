@@ -35,7 +35,8 @@ def test_w4a8_cuda_masked(g, m_pad, n, k, cfg):
                      np.float32)
     assert np.isfinite(out[valid]).all()
     ref = np.asarray(m_grouped_gemm_masked(a, w, masked_m, expected_m=24, lhs_scale=sa, rhs_scale=sw,
-                                           recipe="mxfp4", arch=90, backend="reference"), np.float32)
+                                           recipe="mxfp4", arch=90, lhs_order="w4a8", backend="reference"),
+                     np.float32)
     np.testing.assert_allclose(out[valid], ref[valid], rtol=2**-7, atol=1e-3 * np.abs(ref[valid]).max())
     others = [("Triton W4A8", np.asarray(w4a8_masked(a, sa, w, sw, masked_m, expected_m=24), np.float32))]
     if n % 64 == 0:  # DeepGEMM's N granularity
@@ -76,7 +77,8 @@ def test_w4a8_cuda_writes_exactly_the_rows_below_masked_m(m_pad, cfg):
     valid = np.arange(m_pad)[None, :] < np.asarray(masked_m)[:, None]
     assert np.isfinite(out[valid]).all() and np.isnan(out[~valid]).all()
     ref = np.asarray(m_grouped_gemm_masked(a128, w, masked_m, expected_m=24, lhs_scale=sa128, rhs_scale=sw,
-                                           recipe="mxfp4", arch=90, backend="reference"), np.float32)[:, :m_pad]
+                                           recipe="mxfp4", arch=90, lhs_order="w4a8", backend="reference"),
+                     np.float32)[:, :m_pad]
     np.testing.assert_allclose(out[valid], ref[valid], rtol=2**-7, atol=1e-3 * np.abs(ref[valid]).max())
 
 
@@ -112,8 +114,8 @@ def test_w4a8_cuda_contig(alignment, n, k, cfg):
     np.testing.assert_array_equal(out, np.asarray(cw.w4a8_contig_cuda(a, sa, w, sw, mi, alignment=alignment,
                                                                       config=cfg), np.float32))
     kw = dict(lhs_scale=sa, arch=90, alignment=alignment)
-    ref = np.asarray(m_grouped_gemm_contig(a, w, mi, rhs_scale=sw, recipe="mxfp4", backend="reference", **kw),
-                     np.float32)
+    ref = np.asarray(m_grouped_gemm_contig(a, w, mi, rhs_scale=sw, recipe="mxfp4", lhs_order="w4a8",
+                                           backend="reference", **kw), np.float32)
     rows = m_indices >= 0
     np.testing.assert_allclose(out[rows], ref[rows], rtol=2**-7, atol=1e-3 * np.abs(ref[rows]).max())
     others = [("Triton W4A8", np.asarray(w4a8_contig(a, sa, w, sw, mi, alignment=alignment), np.float32))]
@@ -157,7 +159,7 @@ def test_w4a8_cuda_contig_rs(n, k, stages, num_sms, ahead):
     out = np.asarray(run(jnp.full((m_cap, n), jnp.nan, jnp.bfloat16)), np.float32)
     assert np.isfinite(out).all() and (out[m_indices < 0] == 0).all()
     ref = np.asarray(m_grouped_gemm_contig(a, w, mi, lhs_scale=sa, rhs_scale=sw, recipe="mxfp4", arch=90,
-                                           alignment=128, backend="reference"), np.float32)
+                                           alignment=128, lhs_order="w4a8", backend="reference"), np.float32)
     rows = m_indices >= 0
     np.testing.assert_allclose(out[rows], ref[rows], rtol=2**-7, atol=1e-3 * np.abs(ref[rows]).max())
     other = np.asarray(cw.w4a8_contig_cuda(a, sa, w, sw, mi, alignment=128), np.float32)

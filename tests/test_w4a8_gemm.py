@@ -52,7 +52,8 @@ def test_reference_matches_the_float64_model():
     w, sw = mxfp4_to_w4a8(packed, sf32)
     masked_m = jnp.array([5, 0, 128], jnp.int32)
     d = np.asarray(m_grouped_gemm_masked(a, w, masked_m, expected_m=32, lhs_scale=sa, rhs_scale=sw,
-                                         recipe="mxfp4", arch=90, backend="reference")).astype(np.float64)
+                                         recipe="mxfp4", arch=90, lhs_order="w4a8",
+                                         backend="reference")).astype(np.float64)
     want, mag = _model(codes, sf32, a, sa)
     valid = np.arange(128)[None, :] < np.asarray(masked_m)[:, None]
     assert (np.abs(d[valid] - want[valid]) <= 2.0**-8 * np.abs(want[valid]) + 1e-6 * mag[valid]).all()
@@ -67,7 +68,7 @@ def test_reference_equals_the_fp4_to_fp8_path_bit_for_bit():
     w8, s8 = mxfp4_to_fp8_block(packed, sf32)
     masked_m = jnp.array([7, 100, 1], jnp.int32)
     kw = dict(expected_m=32, lhs_scale=sa, backend="reference", arch=90)
-    d4 = m_grouped_gemm_masked(a, w, masked_m, rhs_scale=sw, recipe="mxfp4", **kw)
+    d4 = m_grouped_gemm_masked(a, w, masked_m, rhs_scale=sw, recipe="mxfp4", lhs_order="w4a8", **kw)
     d8 = m_grouped_gemm_masked(from_w4a8_lhs_order(a), w8, masked_m, rhs_scale=s8, recipe="fp8_block", **kw)
     np.testing.assert_array_equal(np.asarray(d4).view(np.uint16), np.asarray(d8).view(np.uint16))
 
@@ -88,7 +89,8 @@ def test_weights_expanded_in_the_w4a8_order_pair_with_the_w4a8_lhs():
     np.testing.assert_array_equal(np.asarray(s8), np.asarray(s8_plain))
     masked_m = jnp.array([7, 100, 128], jnp.int32)
     kw = dict(expected_m=32, lhs_scale=sa, backend="reference", arch=90)
-    d4 = np.asarray(m_grouped_gemm_masked(a, w, masked_m, rhs_scale=sw, recipe="mxfp4", **kw), np.float32)
+    d4 = np.asarray(m_grouped_gemm_masked(a, w, masked_m, rhs_scale=sw, recipe="mxfp4", lhs_order="w4a8", **kw),
+                    np.float32)
     d8 = np.asarray(m_grouped_gemm_masked(a, w8, masked_m, rhs_scale=s8, recipe="fp8_block", **kw), np.float32)
     valid = np.arange(128)[None, :] < np.asarray(masked_m)[:, None]
     want, mag = _model(codes, sf32, a, sa)
@@ -122,11 +124,54 @@ def test_w4a8_lhs_is_the_fp8_block_lhs_in_the_w4a8_order():
                                   np.asarray(gemm_format("fp8_block", 90).dequantize_lhs(q8, s8)))
 
 
+def test_the_lhs_order_is_stated_and_an_lhs_in_column_order_is_permuted_by_the_op():
+    """The W4A8 order and column order have the same shapes and dtypes, so a W4A8 GEMM takes the order as
+    a static argument and refuses to guess; "columns" (an lhs quantized as fp8_block) gives the same bits
+    as the W4A8 order's lhs, and a wrong statement is what the argument exists to prevent (different
+    sums). Other formats take None or "columns" only."""
+    from custom_calls.grouped_gemm import m_grouped_gemm_contig
+
+    codes, sf32, packed, a, sa = _operands(6)
+    w, sw = mxfp4_to_w4a8(packed, sf32)
+    plain = from_w4a8_lhs_order(a)  # = gemm_format("fp8_block", 90).quantize_lhs of the same x
+    masked_m = jnp.array([9, 128, 3], jnp.int32)
+    kw = dict(expected_m=32, lhs_scale=sa, rhs_scale=sw, recipe="mxfp4", arch=90, backend="reference")
+    with pytest.raises(ValueError, match=r"lhs_order: recipe 'mxfp4' on arch 90 \(W4A8\) reads its lhs in the "
+                                         r"W4A8 column order.*'w4a8' for an lhs from.*'columns' for one in "
+                                         r"column order"):
+        m_grouped_gemm_masked(a, w, masked_m, **kw)
+    with pytest.raises(ValueError, match=r"lhs_order: expected one of \('columns', 'w4a8'\) \(or None\), got 'rows'"):
+        m_grouped_gemm_masked(a, w, masked_m, lhs_order="rows", **kw)
+    ordered = np.asarray(m_grouped_gemm_masked(a, w, masked_m, lhs_order="w4a8", **kw))
+    columns = np.asarray(m_grouped_gemm_masked(plain, w, masked_m, lhs_order="columns", **kw))
+    np.testing.assert_array_equal(columns.view(np.uint16), ordered.view(np.uint16))
+    misstated = np.asarray(m_grouped_gemm_masked(plain, w, masked_m, lhs_order="w4a8", **kw))
+    assert not np.array_equal(misstated.view(np.uint16), ordered.view(np.uint16))
+    # contig: the experts' rows one after another, 128-row blocks
+    g, m_pad, k = a.shape
+    m_indices = jnp.repeat(jnp.arange(g, dtype=jnp.int32), m_pad)
+    a2, plain2 = a.reshape(g * m_pad, k), plain.reshape(g * m_pad, k)
+    sa2 = W4A8.quantize_lhs(W4A8.dequantize_lhs(a, sa).reshape(g * m_pad, k))[1]
+    ckw = dict(lhs_scale=sa2, rhs_scale=sw, recipe="mxfp4", arch=90, alignment=128, backend="reference")
+    with pytest.raises(ValueError, match="lhs_order: recipe 'mxfp4' on arch 90"):
+        m_grouped_gemm_contig(a2, w, m_indices, **ckw)
+    np.testing.assert_array_equal(
+        np.asarray(m_grouped_gemm_contig(plain2, w, m_indices, lhs_order="columns", **ckw)).view(np.uint16),
+        np.asarray(m_grouped_gemm_contig(a2, w, m_indices, lhs_order="w4a8", **ckw)).view(np.uint16))
+    w8, s8 = mxfp4_to_fp8_block(packed, sf32)
+    fp8 = dict(kw, rhs_scale=s8, recipe="fp8_block")
+    with pytest.raises(ValueError, match=r"lhs_order: 'w4a8' is the lhs order of the W4A8 format only \(recipe "
+                                         r"'mxfp4' on arch 90\), got recipe 'fp8_block' on arch 90"):
+        m_grouped_gemm_masked(plain, w8, masked_m, lhs_order="w4a8", **fp8)
+    np.testing.assert_array_equal(np.asarray(m_grouped_gemm_masked(plain, w8, masked_m, lhs_order="columns", **fp8)),
+                                  np.asarray(m_grouped_gemm_masked(plain, w8, masked_m, **fp8)))
+
+
 def test_operands_are_checked_by_name():
     _, sf32, packed, a, sa = _operands(3, g=2)
     w, sw = mxfp4_to_w4a8(packed, sf32)
     mm = jnp.array([1, 2], jnp.int32)
-    kw = dict(expected_m=8, lhs_scale=sa, recipe="mxfp4", arch=90, backend="reference")
+    kw = dict(expected_m=8, lhs_scale=sa, recipe="mxfp4", arch=90, lhs_order="w4a8", backend="reference")
     with pytest.raises(TypeError, match="rhs_scale: expected dtype int32, got float32"):
         m_grouped_gemm_masked(a, w, mm, rhs_scale=sw.astype(jnp.float32), **kw)
     with pytest.raises(ValueError, match=r"rhs_scale: expected shape \(2, 72, 2\).*W4A8"):
@@ -219,7 +264,8 @@ def test_contig_by_expansion_gives_the_w4a8_gemm(monkeypatch):
     got = np.asarray(backend.grouped_gemm_contig(a, w, jnp.asarray(m_indices), **kw,
                                                  settings=KernelSettings(w4a8_prefill="expand")), np.float32)
     assert expanded == [(g, n, k // 2)]
-    want = np.asarray(m_grouped_gemm_contig(a, w, jnp.asarray(m_indices), **kw, backend="reference"), np.float32)
+    want = np.asarray(m_grouped_gemm_contig(a, w, jnp.asarray(m_indices), **kw, lhs_order="w4a8", backend="reference"),
+                      np.float32)
     rows = m_indices >= 0
     assert np.abs(want[rows]).min() > 0
     np.testing.assert_allclose(got[rows], want[rows], rtol=2**-7, atol=1e-6 * np.abs(want).max())

@@ -56,14 +56,15 @@ def test_w4a8_masked_on_gpu(g, m_pad, n, k, cfg):
     valid = np.arange(m_pad)[None, :] < np.asarray(masked_m)[:, None]
     np.testing.assert_array_equal(fast[valid].view(np.uint32), shifts[valid].view(np.uint32))
     ref = np.asarray(m_grouped_gemm_masked(a, w, masked_m, expected_m=32, lhs_scale=sa, rhs_scale=sw,
-                                           recipe="mxfp4", arch=90, backend="reference"), np.float32)
+                                           recipe="mxfp4", arch=90, lhs_order="w4a8", backend="reference"),
+                     np.float32)
     assert np.isfinite(fast[valid]).all()
     np.testing.assert_allclose(fast[valid], ref[valid], rtol=2**-7, atol=1e-3 * np.abs(ref[valid]).max())
     # the op through the registry ("auto" on a GPU: backend "w4a8") runs the CUDA masked kernel
     from custom_calls.cuda.w4a8_gemm import w4a8_masked_cuda
 
     auto = np.asarray(m_grouped_gemm_masked(a, w, masked_m, expected_m=32, lhs_scale=sa, rhs_scale=sw,
-                                            recipe="mxfp4", arch=90, backend="auto"), np.float32)
+                                            recipe="mxfp4", arch=90, lhs_order="w4a8", backend="auto"), np.float32)
     cuda = np.asarray(w4a8_masked_cuda(a, sa, w, sw, masked_m, expected_m=32), np.float32)
     np.testing.assert_array_equal(auto[valid].view(np.uint32), cuda[valid].view(np.uint32))
 
@@ -77,8 +78,8 @@ def test_w4a8_equals_deep_gemm_on_the_fp4_to_fp8_operands():
     w, sw = mxfp4_to_w4a8(packed, sf32)
     w8, s8 = mxfp4_to_fp8_block(packed, sf32)
     kw = dict(expected_m=32, lhs_scale=sa, arch=90)
-    d4 = np.asarray(m_grouped_gemm_masked(a, w, masked_m, rhs_scale=sw, recipe="mxfp4", backend="w4a8", **kw),
-                    np.float32)
+    d4 = np.asarray(m_grouped_gemm_masked(a, w, masked_m, rhs_scale=sw, recipe="mxfp4", lhs_order="w4a8",
+                                          backend="w4a8", **kw), np.float32)
     d8 = np.asarray(m_grouped_gemm_masked(from_w4a8_lhs_order(a), w8, masked_m, rhs_scale=s8, recipe="fp8_block",
                                           backend="deep_gemm", **kw), np.float32)
     valid = np.arange(m_pad)[None, :] < np.asarray(masked_m)[:, None]
@@ -107,14 +108,14 @@ def test_w4a8_contig_on_gpu(alignment, n, k):
     np.testing.assert_array_equal(fast.view(np.uint32), shifts.view(np.uint32))
     assert (fast[m_indices < 0] == 0).all() and np.isfinite(fast).all()
     kw = dict(lhs_scale=sa, arch=90, alignment=alignment)
-    ref = np.asarray(m_grouped_gemm_contig(a, w, mi, rhs_scale=sw, recipe="mxfp4", backend="reference", **kw),
-                     np.float32)
+    w4 = dict(rhs_scale=sw, recipe="mxfp4", lhs_order="w4a8")
+    ref = np.asarray(m_grouped_gemm_contig(a, w, mi, backend="reference", **w4, **kw), np.float32)
     np.testing.assert_allclose(fast, ref, rtol=2**-7, atol=1e-3 * np.abs(ref).max())
     # the op through the registry ("auto" on a GPU: backend "w4a8") runs a CUDA contig kernel
     from custom_calls.cuda.w4a8_contig_rs import w4a8_contig_rs
     from custom_calls.cuda.w4a8_gemm import w4a8_contig_cuda
 
-    auto = np.asarray(m_grouped_gemm_contig(a, w, mi, rhs_scale=sw, recipe="mxfp4", backend="auto", **kw), np.float32)
+    auto = np.asarray(m_grouped_gemm_contig(a, w, mi, backend="auto", **w4, **kw), np.float32)
     cuda = np.asarray(w4a8_contig_cuda(a, sa, w, sw, mi, alignment=alignment), np.float32)
     np.testing.assert_array_equal(auto.view(np.uint32), cuda.view(np.uint32))
     if alignment % 128 == 0:
@@ -154,13 +155,14 @@ def test_w4a8_expand_then_deep_gemm_on_gpu(n, k):
     kw = dict(lhs_scale=sa, arch=90, alignment=128)
     d8 = np.asarray(m_grouped_gemm_contig(a, w8, mi, rhs_scale=s8, recipe="fp8_block", backend="deep_gemm", **kw),
                     np.float32)
-    d4 = np.asarray(m_grouped_gemm_contig(a, w, mi, rhs_scale=sw, recipe="mxfp4", backend="auto", **kw,
+    w4 = dict(rhs_scale=sw, recipe="mxfp4", lhs_order="w4a8")
+    d4 = np.asarray(m_grouped_gemm_contig(a, w, mi, backend="auto", **w4, **kw,
                                           settings=KernelSettings(w4a8_prefill="kernel")), np.float32)
     rows = m_indices >= 0
     diff = np.abs(d8[rows] - d4[rows])
     print(f"expand + DeepGEMM FP8 vs W4A8 contig: max |diff| {diff.max():.3e} (max |out| {np.abs(d4).max():.3e})")
     assert diff.max() <= 2**-7 * np.abs(d4[rows]).max()
     # the registry's contig op by expansion is that pair
-    by_expansion = m_grouped_gemm_contig(a, w, mi, rhs_scale=sw, recipe="mxfp4", backend="w4a8", **kw,
+    by_expansion = m_grouped_gemm_contig(a, w, mi, backend="w4a8", **w4, **kw,
                                          settings=KernelSettings(w4a8_prefill="expand"))
     np.testing.assert_array_equal(np.asarray(by_expansion, np.float32), d8)

@@ -38,6 +38,7 @@ def bench_w4a8(kind: str, shape: str, w: Any, lhs: tuple, row: Callable, timeit:
 
     from custom_calls.grouped_gemm import m_grouped_gemm_contig, m_grouped_gemm_masked
     from custom_calls.w4a8_backend import BACKEND as W4A8
+    from layouts import gemm_format
     from layouts.w4a8 import to_w4a8_lhs_order
     from moe_jax.bench._cli import rel_errors
 
@@ -48,14 +49,16 @@ def bench_w4a8(kind: str, shape: str, w: Any, lhs: tuple, row: Callable, timeit:
 
         def gemm(a, b, sb, recipe, backend):
             return jax.jit(lambda: m_grouped_gemm_contig(a, b, m_idx, lhs_scale=img, rhs_scale=sb, recipe=recipe,
-                                                         arch=90, backend=backend, assume_canonical=True))
+                                                         arch=90, lhs_order=gemm_format(recipe, 90).lhs_order,
+                                                         backend=backend, assume_canonical=True))
     else:
         qa, img, masked_m, em = lhs
 
         def gemm(a, b, sb, recipe, backend):
             return jax.jit(lambda: m_grouped_gemm_masked(a, b, masked_m, expected_m=em, lhs_scale=img, rhs_scale=sb,
-                                                         recipe=recipe, arch=90, backend=backend,
-                                                         assume_canonical=True))
+                                                         recipe=recipe, arch=90,
+                                                         lhs_order=gemm_format(recipe, 90).lhs_order,
+                                                         backend=backend, assume_canonical=True))
     fp8 = gemm(qa, w8, s8, "fp8_block", "deep_gemm")
     w4a8 = gemm(jax.block_until_ready(jax.jit(to_w4a8_lhs_order)(qa)), w4, s4, "mxfp4", W4A8)
     step("deep_gemm fp8 on the FP4->FP8 expansion")

@@ -394,6 +394,7 @@ def _contig_ops(cfg: Any, params: Any, backend: Any, disp: Any) -> _LayoutOps:
     from custom_calls.activation import activation_quant_contig
     from custom_calls.grouped_gemm import m_grouped_gemm_contig
     from custom_calls.permute import permute_contig
+    from layouts import gemm_format
 
     recipe, arch, rows = params.gemm_recipe, params.gemm_arch, disp.num_rows_cap
 
@@ -402,7 +403,8 @@ def _contig_ops(cfg: Any, params: Any, backend: Any, disp: Any) -> _LayoutOps:
 
     def gemm(w, ws, a, s, mi):
         return m_grouped_gemm_contig(a, w, mi, lhs_scale=s, rhs_scale=ws, recipe=recipe, arch=arch,
-                                     alignment=cfg.alignment, backend=backend)
+                                     alignment=cfg.alignment, lhs_order=gemm_format(recipe, arch).lhs_order,
+                                     backend=backend)
 
     def activation(g):
         return activation_quant_contig(g, act=cfg.activation, recipe=recipe, arch=arch, backend=backend)
@@ -416,6 +418,7 @@ def _masked_ops(cfg: Any, params: Any, backend: Any, disp: Any, m_pad: int) -> _
     from custom_calls.activation import activation_quant_masked
     from custom_calls.grouped_gemm import m_grouped_gemm_masked
     from custom_calls.permute import permute_masked
+    from layouts import gemm_format
 
     recipe, arch, e, h = params.gemm_recipe, params.gemm_arch, cfg.num_experts, cfg.hidden_size
     em = disp.expected_m
@@ -425,7 +428,7 @@ def _masked_ops(cfg: Any, params: Any, backend: Any, disp: Any, m_pad: int) -> _
 
     def gemm(w, ws, a, s, mm):
         return m_grouped_gemm_masked(a, w, mm, expected_m=em, lhs_scale=s, rhs_scale=ws, recipe=recipe, arch=arch,
-                                     backend=backend)
+                                     lhs_order=gemm_format(recipe, arch).lhs_order, backend=backend)
 
     def activation(g, mm):
         return activation_quant_masked(g, mm, act=cfg.activation, recipe=recipe, arch=arch, backend=backend)

@@ -155,7 +155,7 @@ def _kernels(configs: list, expected_m: int, contig: bool = False, rs_configs: t
 
         def expand_then_fp8(a, sa, w, s, mi):  # the "w4a8" contig op by expansion, as the layer runs it
             return m_grouped_gemm_contig(a, w, mi, lhs_scale=sa, rhs_scale=s, recipe="mxfp4", arch=90,
-                                         alignment=ALIGNMENT, backend="w4a8", assume_canonical=True,
+                                         alignment=ALIGNMENT, lhs_order="w4a8", backend="w4a8", assume_canonical=True,
                                          settings=KernelSettings(w4a8_prefill="expand"))
 
         out["expand + deep_gemm fp8"] = (expand_then_fp8, "w4a8")
