@@ -14,5 +14,6 @@ from layouts import gemm_format
 
 
 def quantize_activation(x: jax.Array, recipe: str, arch: int) -> tuple[jax.Array, jax.Array | None]:
-    """x: (..., rows, K) float -> (q, lhs_scale) in the lhs format of (recipe, arch)."""
+    """x: (..., rows, K) float -> (q, lhs_scale) in the lhs format of (recipe, arch), q in its column
+    order (`GemmFormat.lhs_order`, the `lhs_order=` to give the grouped GEMMs)."""
     return gemm_format(recipe, arch).quantize_lhs(x)

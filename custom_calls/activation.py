@@ -9,7 +9,8 @@
 gate = first half of the 2I columns, up = second half. Math in fp32; the result is rounded to bf16
 before quantization (as the default fused kernels do) unless `keep_fp32` (silu only, FP8 weights),
 which quantizes the fp32 value. Quantization: the lhs format of `layouts.gemm_format(recipe, arch)`
-with K = I (GEMM2's A recipe recomputed for K = I).
+with K = I (GEMM2's A recipe recomputed for K = I), in its column order (`GemmFormat.lhs_order`: the
+W4A8 order for mxfp4 on arch 90, which GEMM2 is then told with `lhs_order="w4a8"`).
 Every variant, SiTU included, quantizes with the already rounded-up UE8M0 scale on arch 100. The
 seed's SiTU Triton kernel instead quantizes with the exact amax/448 scale and rounds the scale up
 afterwards, which inflates the dequantized values by the rounding factor (up to 2x); we do not

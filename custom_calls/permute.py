@@ -5,6 +5,8 @@ The placement itself (`src2dst`) is computed by the dispatcher (moe_jax.dispatch
 move the data. Contig: rows no route lands on are zero (so GEMM1's padding rows are zero too).
 Masked: the rows of a slab past its routes are unspecified (the reference writes zeros, the Triton
 kernel leaves them unwritten), as the masked GEMM never reads them; the scale image is complete.
+The quantized rows are in the format's column order (`GemmFormat.lhs_order`: the W4A8 order for mxfp4
+on arch 90, which GEMM1 is then told with `lhs_order="w4a8"`).
 """
 
 from __future__ import annotations
