@@ -40,8 +40,8 @@ import triton.language as tl
 
 from layouts import ceil_div, gemm_format, get_recipe
 from custom_calls.triton.launch import triton_call
-from custom_calls.triton.tile_quant import (lhs_load_cols, lhs_order_tile, quantize_tile, store_scale_image, tile_ids,
-                                            ue8m0_bits_exponent, zero_row_scale)
+from custom_calls.triton.tile_quant import (lhs_load_cols, lhs_order_tile, quantize_tile, store_scale_image,
+                                            tile_ids, ue8m0_bits_exponent, zero_row_scale)
 from custom_calls.triton.tuning import (check_groups, check_launch, check_powers_of_two, column_group,
                                         config_or_default, tile_groups)
 
