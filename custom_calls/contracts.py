@@ -273,10 +273,9 @@ def checked(fn: Callable, *, throw: bool = True) -> Callable:
         split = split_arrays(fn, args, kwargs, lambda v: isinstance(v, jax.Array) or hasattr(v, "__array__"))
         key = split.static_key
         try:
-            hash(key)
+            program = programs.get(key)
         except TypeError:  # an unhashable static value: nothing to find the program by
-            key = None
-        program = programs.get(key) if key is not None else None
+            key = program = None
         if program is None:
             # compiled, not op by op: a layer's checks then cost one compile instead of one dispatch per op
             program = jax.jit(checkify.checkify(split.run, errors=checkify.user_checks))
