@@ -144,3 +144,24 @@ def cache(tmp_path, monkeypatch):
     autotune.clear_memory_cache()
     yield tmp_path
     autotune.clear_memory_cache()
+
+
+@pytest.fixture
+def fused_op_choices(monkeypatch):
+    """A list that records (op, backend chosen) for each fused-op call (`fused_moe`, `fused_moe_routed`)
+    asked on another backend than "reference" (an op's own shape checks ask for the reference), so a test
+    can tell the kernel from a fallback. Calls are recorded when traced."""
+    import importlib
+
+    ops = importlib.import_module("custom_calls.fused_moe")  # the package exports the op under this name
+    chosen = []
+    resolve = ops.resolve
+
+    def recording_resolve(op, backend, **static):
+        impl = resolve(op, backend, **static)
+        if backend != "reference":
+            chosen.append((op, impl.backend))
+        return impl
+
+    monkeypatch.setattr(ops, "resolve", recording_resolve)
+    return chosen

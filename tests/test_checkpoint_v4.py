@@ -2,7 +2,8 @@
 with an index (only the needed shards' headers read), F32/BF16/F8_E8M0 scales for routed and shared
 experts, hash layers without a bias, config.json for each family (`hf_config`,
 `MoEConfig.from_pretrained`, `load_moe_params` / `MoE.from_pretrained` without a config), EP slices,
-and every bad input with its message. Fixtures are written here (own writer for FP8 / E8M0, the
+the fused layout through the Flax module (on a GPU: the fused kernel), and every bad input with its
+message. Fixtures are written here (own writer for FP8 / E8M0, the
 safetensors library for the rest); expected values come from the written numpy arrays."""
 
 from __future__ import annotations
@@ -57,25 +58,26 @@ def fp8_values(r, n, k):
 
 
 def build_layer(naming="v4", layer=5, fmt="mxfp4", scale_kind="F8_E8M0", shared_scale="F8_E8M0",
-                hashed=False, seed=0, scale_suffix=None):
-    """Tensors of one layer in `naming`, and the checkpoint-form arrays the loader must return
-    (a dict of the MoEParams fields, from the written arrays)."""
+                hashed=False, seed=0, scale_suffix=None, experts=E, hidden=H, inter=I):
+    """Tensors of one layer in `naming` of `experts` experts, hidden size `hidden` and intermediate size
+    `inter`, and the checkpoint-form arrays the loader must return (a dict of the MoEParams fields, from
+    the written arrays)."""
     r = np.random.default_rng(seed)
     pre, bias_leaf, projs = LEAVES[naming]
     pre = pre.format(L=layer)
     suffix = scale_suffix or (".scale" if naming != "v3" else ".weight_scale_inv")
-    t = {pre + "gate.weight": r.normal(0, H ** -0.5, (E, H)).astype(ml_dtypes.bfloat16)}
+    t = {pre + "gate.weight": r.normal(0, hidden ** -0.5, (experts, hidden)).astype(ml_dtypes.bfloat16)}
     want = {"gate_weight": t[pre + "gate.weight"].astype(np.float32)}
     if hashed:
-        t[pre + "gate.tid2eid"] = r.integers(0, E, (VOCAB, K_TOP)).astype(np.int64)
+        t[pre + "gate.tid2eid"] = r.integers(0, experts, (VOCAB, K_TOP)).astype(np.int64)
         want["tid2eid"] = t[pre + "gate.tid2eid"].astype(np.int32)
     else:
-        t[pre + bias_leaf] = r.normal(0, 0.1, E).astype(np.float32)
+        t[pre + bias_leaf] = r.normal(0, 0.1, experts).astype(np.float32)
         want["bias"] = t[pre + bias_leaf]
-    shapes = ((I, H), (I, H), (H, I))
+    shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
     vals = {p: [] for p in projs}
     scs = {p: [] for p in projs}
-    for e in range(E):
+    for e in range(experts):
         for p, (n, k) in zip(projs, shapes):
             base = f"{pre}experts.{e}.{p}"
             if fmt == "mxfp4":
@@ -354,9 +356,9 @@ def test_dense_layer_or_past_the_end_names_the_kinds():
         MoEConfig.from_pretrained(v4_json(), layer=43)
 
 
-def small_json(family: str) -> dict:
-    size = dict(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K_TOP,
-                vocab_size=VOCAB)
+def small_json(family: str, experts=E, hidden=H, inter=I) -> dict:
+    size = dict(hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts,
+                num_experts_per_tok=K_TOP, vocab_size=VOCAB)
     if family == "v3":
         return v3_json(n_group=2, topk_group=1, num_hidden_layers=8, **size)
     return v4_json(num_hidden_layers=8, **size)
@@ -405,6 +407,37 @@ def test_v4_checkpoint_runs_the_fused_layout_through_the_flax_module(tmp_path):
         np.testing.assert_array_equal(y, forward(prepare_params(direct_params(w, cfg), cfg), cfg, token_ids))
         staged = forward(direct_params(w, cfg.scaled(layout="contig")), cfg.scaled(layout="contig"), token_ids)
         assert np.linalg.norm(y - staged) / np.linalg.norm(staged) < 5e-2
+
+
+@pytest.mark.gpu
+def test_v4_checkpoint_runs_the_fused_kernel_through_the_flax_module_on_gpu(tmp_path, fused_op_choices):
+    """On an SM90 GPU: a V4 checkpoint (MXFP4 experts, FP8 after loading) at sizes the fused kernel
+    takes, through `MoE.from_pretrained` with a fused-layout config on backend "auto": the registry
+    picks the fused kernel for the routed layer and the hash-routed one, and each agrees with the same
+    module on the reference backend."""
+    from moe_jax.nn import MoE
+
+    sizes = dict(experts=16, hidden=1024, inter=512)  # the kernel: hidden % 512, intermediate % 256
+    t, _ = build_layer("v4", layer=5, fmt="mxfp4", **sizes)
+    t1, _ = build_layer("v4", layer=1, fmt="mxfp4", hashed=True, seed=1, **sizes)
+    write_st(tmp_path / "model.safetensors", {**t, **t1})
+    (tmp_path / "config.json").write_text(json.dumps(small_json("v4", **sizes)))
+    chosen = fused_op_choices
+    tok = jnp.asarray(np.random.default_rng(3).integers(0, VOCAB, (M,)), jnp.int32)
+    x = jnp.asarray(np.random.default_rng(7).normal(0, 1, (M, sizes["hidden"])), jnp.bfloat16)
+    for layer in (5, 1):
+        cfg = MoEConfig.from_pretrained(tmp_path, layer=layer, arch=90, layout="fused")
+        token_ids = tok if cfg.hash_routing else None
+        y = {}
+        for backend in ("auto", "reference"):
+            moe = MoE.from_pretrained(tmp_path, layer=layer, config=cfg, backend=backend)
+            assert moe.w13_interleave == 8
+            chosen.clear()
+            y[backend] = np.asarray(moe(x, token_ids=token_ids).astype(jnp.float32))
+            # the loaded gate is fp32: the layer routes first, then calls the fused op
+            assert chosen == ([] if backend == "reference" else [("fused_moe", "deep_gemm")]), chosen
+        assert np.isfinite(y["auto"]).all() and (np.abs(y["auto"]).max(1) > 0).all()
+        assert np.linalg.norm(y["auto"] - y["reference"]) / np.linalg.norm(y["reference"]) < 2e-2, layer
 
 
 def test_v3_family_without_a_config(tmp_path):

@@ -185,6 +185,7 @@ def test_routed_input_stage(m, h, e_route):
     (1, 1024, 8, 32, 4, "sigmoid", 4, 2, True, 8),
     (130, 2048, 16, 16, 6, "softmax", 1, 1, False, 0),
     (300, 1024, 16, 64, 8, "sigmoid", 8, 4, True, 48),
+    (77, 4096, 32, 256, 6, "sqrtsoftplus", 1, 1, True, 64),  # DeepSeek-V4's routing, a 32-expert slice
 ])
 def test_routed_op_matches_reference(m, h, e, e_route, k, scoring, ng, tg, bias, offset):
     """Op `fused_moe_routed` (three kernels in one custom call on SM90) against its reference (the
@@ -226,6 +227,37 @@ def test_layer_fused_layout(tokens, shared):
         ref = np.asarray(fwd(x, p, config=cfg, backend="reference").astype(jnp.float32))
         assert np.isfinite(got).all()
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2, p.gate_weight.dtype
+
+
+@pytest.mark.parametrize("tokens,hashed", [(77, False), (130, True)])
+def test_layer_fused_layout_deepseek_v4(tokens, hashed, fused_op_choices):
+    """DeepSeek-V4's config (MXFP4 experts, fp8_block GEMMs on arch 90) with the fused layout on the
+    kernel against the reference backend: sqrtsoftplus + correction bias routed inside the op (bf16
+    gate) or before it (fp32 gate), swiglu_limit in the kernel, hash-routed layers by tid2eid, the FP8
+    shared expert beside the op. The registry's choice is recorded, so a fallback cannot pass."""
+    from moe_jax import MoEConfig, init_params, moe_forward, prepare_params
+
+    cfg = MoEConfig.deepseek_v4(hash_routing=hashed, arch=90, layout="fused", vocab_size=1000)
+    cfg = cfg.scaled(num_experts=16, hidden_size=1024, intermediate_size=512)
+    assert cfg.gemm_recipe == "fp8_block" and cfg.activation.swiglu_limit == 10.0
+    params = prepare_params(init_params(jax.random.PRNGKey(tokens), cfg), cfg)
+    assert params.w13_interleave == 8
+    x = jax.random.normal(jax.random.PRNGKey(1), (tokens, cfg.hidden_size), jnp.bfloat16)
+    token_ids = jax.random.randint(jax.random.PRNGKey(2), (tokens,), 0, cfg.vocab_size, jnp.int32) if hashed else None
+    chosen = fused_op_choices
+    fwd = jax.jit(moe_forward, static_argnames=("config", "backend"))
+    ops = []
+    for gate_dtype in (jnp.float32, jnp.bfloat16):
+        p = dataclasses.replace(params, gate_weight=params.gate_weight.astype(gate_dtype))
+        chosen.clear()
+        got = np.asarray(fwd(x, p, config=cfg, backend="auto", token_ids=token_ids).astype(jnp.float32))
+        assert len(chosen) == 1 and chosen[0][1] == "deep_gemm", chosen
+        ops.append(chosen[0][0])
+        ref = np.asarray(fwd(x, p, config=cfg, backend="reference", token_ids=token_ids).astype(jnp.float32))
+        assert np.isfinite(got).all() and (np.abs(got).max(1) > 0).all()
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2, gate_dtype
+    # an fp32 gate routes before the op; a bf16 one inside it, unless the layer is hash-routed (tid2eid)
+    assert ops == ["fused_moe", "fused_moe" if hashed else "fused_moe_routed"]
 
 
 def test_programmatic_launch_waits_for_the_input_stage():
