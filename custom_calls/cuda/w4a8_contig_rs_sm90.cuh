@@ -21,6 +21,9 @@
 // A block loops over tiles blockIdx.x, + gridDim.x, ... (token block major, so the blocks at work share
 // the tokens and one expert's weights in L2); the producer runs ahead into the next tile while the
 // consumers write the last one out through shared memory (rows of 16-byte stores).
+// Why the consumers load a tile's expert and first scale words during the tile before it, and the rows'
+// m_indices at the tile's start: both consumer warp groups start and finish a tile together, so a load
+// waited on there idles the tensor core (loaded in place, they cost GEMM2 (K 2048) 1.10-1.13x, GEMM1 1.04x).
 //
 // The generated translation unit defines, before this text: W4A8_RS_N, W4A8_RS_K, W4A8_RS_STAGES, W4A8_RS_AHEAD
 // (1: K block kb + 1 widened while K block kb's MMA runs); then
@@ -138,21 +141,37 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
   const int cw = wg - 1, t = tid % 128, warp = t / 32, lane = t % 32, gid = lane / 4, c = lane % 4;
   const int r0 = 64 * cw + 16 * warp + gid;
+  // weight row `row`'s scale word of K block kb in expert g (rows past N: table 0, block scale 0; not written out)
+  auto scale_word = [&](int g, int row, int kb) -> uint32_t {
+    return row < N ? __ldg(sw + (static_cast<size_t>(g) * N + row) * KB + kb) : 0u;
+  };
+  // A tile's expert and its first K block's scale words are loaded during the tile before it (the first tile:
+  // here), and the epilogue's row ids at the tile's start: none of these loads stalls the tile's first MMA or
+  // its stores, while the tensor core would wait on both consumer warp groups.
+  int tile = blockIdx.x;
+  int g = tile < num_tiles ? m_indices[(tile / N_TILES) * BLOCK] : -1;
+  uint32_t first0 = 0, first1 = 0;
+  if (g >= 0) {
+    first0 = scale_word(g, (tile % N_TILES) * BLOCK + r0, 0);
+    first1 = scale_word(g, (tile % N_TILES) * BLOCK + r0 + 8, 0);
+  }
   int it = 0;
 #pragma unroll 1
-  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+  for (; tile < num_tiles; tile += gridDim.x) {
     const int mb = (tile / N_TILES) * BLOCK, wrow0 = (tile % N_TILES) * BLOCK;
-    const int g = m_indices[mb];
+    const int next = tile + gridDim.x;
+    const int g_next = next < num_tiles ? m_indices[(next / N_TILES) * BLOCK] : -1;
+    int row_ids[8];  // m_indices of the rows of this thread's 16-byte stores (row (t + 128 j) / 8)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) row_ids[j] = m_indices[mb + (t + 128 * j) / 8];
     float acc[64];
 #pragma unroll
     for (int j = 0; j < 64; ++j) acc[j] = 0.f;
     if (g >= 0) {
-      // the rows' scale words, one K block ahead (rows past N: table 0, block scale 0; not written out)
-      const bool ok0 = wrow0 + r0 < N, ok1 = wrow0 + r0 + 8 < N;
-      const uint32_t* srow = sw + (static_cast<size_t>(g) * N + wrow0 + r0) * KB;
+      // the rows' scale words, one K block ahead
       auto load_words = [&](int kb, uint32_t& w0, uint32_t& w1) {
-        w0 = ok0 ? __ldg(srow + kb) : 0u;
-        w1 = ok1 ? __ldg(srow + 8 * KB + kb) : 0u;
+        w0 = scale_word(g, wrow0 + r0, kb);
+        w1 = scale_word(g, wrow0 + r0 + 8, kb);
       };
       // thread's fragment of K block (slot s) per k32 step: a0 (r0, even), a1 (r0 + 8, even), a2 (r0, odd),
       // a3 (r0 + 8, odd)
@@ -196,8 +215,7 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
           acc[4 * u + 3] = fmaf(s1, part[4 * u + 3], acc[4 * u + 3]);
         }
       };
-      uint32_t next0, next1;
-      load_words(0, next0, next1);
+      uint32_t next0 = first0, next1 = first1;
 #if W4A8_RS_AHEAD
       // K block kb + 1 widened while K block kb's MMA runs: two fragment sets, their roles swapped every
       // K block (two K blocks a loop iteration, so that no fragment is copied)
@@ -236,6 +254,12 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
       }
 #endif
     }
+    if (g_next >= 0) {  // the next tile's first scale words, under this tile's epilogue
+      const int wrow_next = (next % N_TILES) * BLOCK;
+      first0 = scale_word(g_next, wrow_next + r0, 0);
+      first1 = scale_word(g_next, wrow_next + r0 + 8, 0);
+    }
+    g = g_next;
     // Out through shared memory: the warp group's 64 columns of the tile's 128 token rows, then 16-byte
     // stores along each row (the segment's padding rows and a padding tile: 0).
     asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");  // the last tile's rows are out
@@ -245,11 +269,11 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
       for (int j = 0; j < 4; ++j)
         staging[(8 * u + 2 * c + (j & 1)) * OUT_LD + r0 + 8 * (j >> 1)] = __float2bfloat16_rn(acc[4 * u + j]);
     asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
-#pragma unroll 1
-    for (int i = t; i < BLOCK * 8; i += 128) {
-      const int row = i / 8, col = 64 * cw + 8 * (i % 8), m = mb + row, n = wrow0 + col;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int i = t + 128 * j, row = i / 8, col = 64 * cw + 8 * (i % 8), m = mb + row, n = wrow0 + col;
       if (n >= N) continue;
-      const bool real = m_indices[m] >= 0;
+      const bool real = row_ids[j] >= 0;
       __nv_bfloat16* p = d + static_cast<size_t>(m) * N + n;
       if (N % 8 == 0) {
         const uint4 v = real ? *reinterpret_cast<const uint4*>(staging + row * OUT_LD + col) : make_uint4(0, 0, 0, 0);
