@@ -23,7 +23,8 @@
 // consumers write the last one out through shared memory (rows of 16-byte stores).
 // Why the consumers load a tile's expert and first scale words during the tile before it, and the rows'
 // m_indices at the tile's start: both consumer warp groups start and finish a tile together, so a load
-// waited on there idles the tensor core (loaded in place, they cost GEMM2 (K 2048) 1.10-1.13x, GEMM1 1.04x).
+// waited on there idles the tensor core (loaded in place they cost 1.10-1.13x at V4's GEMM2, K 2048, and
+// 1.03-1.05x at GEMM1, K 4096).
 //
 // The generated translation unit defines, before this text: W4A8_RS_N, W4A8_RS_K, W4A8_RS_STAGES, W4A8_RS_AHEAD
 // (1: K block kb + 1 widened while K block kb's MMA runs); then
@@ -145,9 +146,7 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
   auto scale_word = [&](int g, int row, int kb) -> uint32_t {
     return row < N ? __ldg(sw + (static_cast<size_t>(g) * N + row) * KB + kb) : 0u;
   };
-  // A tile's expert and its first K block's scale words are loaded during the tile before it (the first tile:
-  // here), and the epilogue's row ids at the tile's start: none of these loads stalls the tile's first MMA or
-  // its stores, while the tensor core would wait on both consumer warp groups.
+  // a tile's expert and first scale words: loaded during the tile before it (above; the first tile's here)
   int tile = blockIdx.x;
   int g = tile < num_tiles ? m_indices[(tile / N_TILES) * BLOCK] : -1;
   uint32_t first0 = 0, first1 = 0;
