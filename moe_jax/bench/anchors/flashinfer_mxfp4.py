@@ -60,8 +60,13 @@ The first call JIT-compiles FlashInfer's ``fused_moe_90`` module with nvcc and n
 translation units (220 generated CUTLASS kernel files + 28 fixed sources). Single units compiled
 with nvcc 13.0 on a CPU host took 0.7 to 3 CPU-minutes each (about 2 on average), i.e. roughly 7 to
 8 CPU-hours in all: about half an hour on 16 cores. The result is cached under
-``~/.cache/flashinfer`` (ninja resumes a killed build where it stopped). ``--build-only`` does just
-that step. Any failure to import, build or run is caught and printed as one line
+``~/.cache/flashinfer`` (``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer``; ninja resumes a killed
+build where it stopped). ``--build-only`` does just that step. ``--mxfp4-only`` builds instead a
+module with only the kernels the two modes can run, every tactic FlashInfer's autotuner enumerates
+for them included (``flashinfer_sm90_mxfp4_build.py``: 48 units, 65 minutes on a 2-core CPU host),
+and ``--prebuilt`` loads that module's ``.so`` from the cache without building, e.g. one built on
+another host with the same FlashInfer and CUDA 13 (FlashInfer looks for it under
+``.cache/flashinfer/0.7.2.post1/90a/cached_ops/fused_moe_90_mxfp4only/``). Any failure to import, build or run is caught and printed as one line
 ``flashinfer <mode>: unavailable: <ExceptionType>: <message>`` and the script still exits 0.
 
 Run on the GPU machine (FlashInfer and its compiled dependency apache-tvm-ffi installed beside torch)::
@@ -86,6 +91,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -118,6 +124,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--build-only", action="store_true",
                    help="only JIT-build FlashInfer's SM90 fused-MoE module, then exit")
+    p.add_argument("--mxfp4-only", action="store_true",
+                   help="build the module with only the kernels the chosen modes can run "
+                        "(flashinfer_sm90_mxfp4_build.py: 48 nvcc units instead of 248)")
+    p.add_argument("--prebuilt", action="store_true",
+                   help="with --mxfp4-only: load the module's .so from FlashInfer's cache without building it")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     a = p.parse_args(argv)
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -135,6 +146,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("FlashInfer's SM90 mixed-input path needs H and I divisible by 128")
     if min(a.iters, a.samples) < 1 or a.warmup < 0:
         p.error("--iters and --samples must be >= 1, --warmup >= 0")
+    if a.prebuilt and not a.mxfp4_only:
+        p.error("--prebuilt loads the module --mxfp4-only builds; pass both")
     return a
 
 
@@ -405,12 +418,20 @@ def main(argv=None) -> int:
         from flashinfer.fused_moe.core import get_cutlass_fused_moe_module
         results["meta"]["flashinfer"] = getattr(flashinfer, "__version__", "unknown")
         results["meta"]["flashinfer_file"] = getattr(flashinfer, "__file__", None)
+        if args.mxfp4_only:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import flashinfer_sm90_mxfp4_build as mxfp4_build
+
+            name = mxfp4_build.install(modes=tuple({"w4a16": "w4a16", "w4a8": "humming"}[m] for m in args.modes),
+                                       prebuilt=args.prebuilt)
+            results["meta"].update(module=name, prebuilt=args.prebuilt)
         print(f"flashinfer {results['meta']['flashinfer']} on {props.name}; building/loading the SM90 "
               "fused-MoE module (first time: nvcc JIT, long)", flush=True)
         t0 = time.perf_counter()
         get_cutlass_fused_moe_module("90")
         results["meta"]["module_load_s"] = round(time.perf_counter() - t0, 1)
-        print(f"fused_moe_90 module ready in {results['meta']['module_load_s']} s", flush=True)
+        print(f"{results['meta'].get('module', 'fused_moe_90')} module ready in {results['meta']['module_load_s']} s",
+              flush=True)
     except Exception as e:
         return all_unavailable(e)
     if args.build_only:
