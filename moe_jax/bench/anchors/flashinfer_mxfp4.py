@@ -66,7 +66,8 @@ module with only the kernels the two modes can run, every tactic FlashInfer's au
 for them included (``flashinfer_sm90_mxfp4_build.py``: 48 units, 65 minutes on a 2-core CPU host),
 and ``--prebuilt`` loads that module's ``.so`` from the cache without building, e.g. one built on
 another host with the same FlashInfer and CUDA 13 (FlashInfer looks for it under
-``.cache/flashinfer/0.7.2.post1/90a/cached_ops/fused_moe_90_mxfp4only/``). Any failure to import, build or run is caught and printed as one line
+``.cache/flashinfer/0.7.2.post1/90a/cached_ops/fused_moe_90_mxfp4only/``; measured on one H100 this
+way: BENCHMARKS.md). Any failure to import, build or run is caught and printed as one line
 ``flashinfer <mode>: unavailable: <ExceptionType>: <message>`` and the script still exits 0.
 
 Run on the GPU machine (FlashInfer and its compiled dependency apache-tvm-ffi installed beside torch)::
