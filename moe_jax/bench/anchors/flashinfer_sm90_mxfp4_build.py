@@ -146,9 +146,9 @@ def install(*, modes: tuple[str, ...] = MODES, clusters: tuple = ALL_CLUSTERS, p
     import flashinfer.jit.gemm.cutlass.generate_kernels as gen
 
     clusters = tuple(tuple(c) for c in clusters)
+    if not modes or not set(modes) <= set(MODES):
+        raise ValueError(f"modes: expected a non-empty subset of {MODES}, got {modes!r}")
     modes = tuple(m for m in MODES if m in modes)
-    if not modes or len(modes) != len(set(modes)):
-        raise ValueError(f"modes: expected a subset of {MODES}, got {modes!r}")
     if not clusters or not set(clusters) <= set(ALL_CLUSTERS):
         raise ValueError(f"clusters: expected a subset of {ALL_CLUSTERS}, got {clusters!r}")
     name = MODULE_NAME + ("" if modes == MODES else "_" + modes[0])
