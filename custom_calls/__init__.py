@@ -23,6 +23,7 @@ from custom_calls.permute import permute_contig, permute_masked, scatter_rows
 from custom_calls.route_topk import route_topk
 from custom_calls.settings import ENVIRONMENT, KernelSettings
 from custom_calls.unpermute import unpermute
+from custom_calls.w4a8_widen import widen_w4a8_weights
 
 __all__ = [
     "AUTO", "ENVIRONMENT", "REFERENCE", "ActivationSpec", "Implementation", "KernelSettings", "NoGradientError",
@@ -35,5 +36,5 @@ __all__ = [
     "m_grouped_gemm_contig", "m_grouped_gemm_masked", "op_spec", "permute_contig", "permute_masked",
     "quantize_activation", "rank_within_expert", "register", "register_lazy", "resolve",
     "route_topk", "scatter_rows", "set_environment", "static_supports", "unavailable_reason", "unpermute",
-    "use_backend",
+    "use_backend", "widen_w4a8_weights",
 ]

@@ -16,7 +16,9 @@ kernel's speed pays for the copy. The Triton kernels of the same ops
 (`custom_calls.triton.w4a8_gemm_kernel`, measured slower: BENCHMARKS.md) stay as the CPU path. Under
 Triton's interpreter (CPU tests) both layouts run them: they read the same weight format and compute
 the same sums, and the GPU tests compare them with the CUDA kernel. The GPU needs what "triton" needs
-(the layer's producers) and what "deep_gemm" needs (nvcc, the launcher, an SM90 device).
+(the layer's producers) and what "deep_gemm" needs (nvcc, the launcher, an SM90 device). The backend also
+widens whole weights to FP8 for the fused op (`custom_calls.w4a8_widen`: the expansion's Triton kernel in
+column order), which needs Triton only.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from custom_calls.backends import register, set_environment
 from custom_calls.settings import KernelSettings, resolve_settings
 from custom_calls.triton.support import environment as triton_environment
 from custom_calls.triton.support import supports_w4a8_contig, supports_w4a8_masked
+from custom_calls.w4a8_widen import OP as WIDEN_OP
 
 BACKEND = "w4a8"
 # Rows of contig capacity per expert (M_cap / G) from which w4a8_prefill="auto" expands: there the GEMM is
@@ -52,11 +55,10 @@ def _widen() -> str:
 
 
 def environment(platform: str, *, op: str | None = None, settings=None, **static) -> str:
-    """The registry's environment check: Triton's (the interpreter on the CPU) and on a GPU the native
-    toolchain and an SM90 device (the CUDA kernels of both ops)."""
-    del op  # both ops need the same
+    """The registry's environment check: Triton's (the interpreter on the CPU) and on a GPU, for the GEMMs,
+    the native toolchain and an SM90 device (their CUDA kernels; the widening is a Triton kernel only)."""
     reason = triton_environment(platform, **static)
-    if reason or platform != "gpu":
+    if reason or platform != "gpu" or op == WIDEN_OP:
         return reason
     from custom_calls.deep_gemm.ops import environment as native_environment
 
@@ -144,14 +146,23 @@ def grouped_gemm_masked(lhs: jax.Array, rhs: jax.Array, masked_m: jax.Array, *, 
     return w4a8_masked_cuda(lhs, lhs_scale, rhs, rhs_scale, masked_m, expected_m=expected_m)
 
 
+def widen_weights(values: jax.Array, scales: jax.Array, *, column_order: str, gate_up_interleave: int):
+    """`custom_calls.w4a8_widen.widen_w4a8_weights` by the Triton kernel (`w4a8_expand_kernel`)."""
+    from custom_calls.triton.w4a8_expand_kernel import w4a8_expand
+
+    return w4a8_expand(values, scales, widen=_widen(), column_order=column_order,
+                       gate_up_interleave=gate_up_interleave)
+
+
 def _register() -> None:
     gemm = importlib.import_module("custom_calls.grouped_gemm")
     register(gemm.OP_CONTIG, BACKEND, grouped_gemm_contig, supports_contig)
     register(gemm.OP_MASKED, BACKEND, grouped_gemm_masked, supports_w4a8_masked)
+    register(WIDEN_OP, BACKEND, widen_weights)
     set_environment(BACKEND, environment)
 
 
 _register()
 
 __all__ = ["BACKEND", "EXPAND_MIN_ROWS_PER_EXPERT", "contig_form", "grouped_gemm_contig", "grouped_gemm_masked",
-           "supports_contig"]
+           "supports_contig", "widen_weights"]

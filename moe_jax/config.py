@@ -46,11 +46,13 @@ class MoEConfig:
     family's GEMM scale formats the core produces; None -> 90 unless the recipe needs 100),
     `mxfp4_sm90_form` (MXFP4 experts on arch 90: "fp8", expanded to fp8_block at load, twice the
     bytes, every GEMM backend and layout; or "w4a8", kept 4-bit, `layouts.w4a8`, the W4A8 grouped
-    GEMMs (backend "w4a8") widen them to the same e4m3 values in registers; contig and masked layouts; half
-    the expert memory; on an H100 faster than "fp8" only at decode with few rows per expert, e.g. all
-    256 V4-Flash experts on one GPU; on an H200 not faster at decode; slower at prefill, BENCHMARKS.md),
+    GEMMs (backend "w4a8") widen them to the same e4m3 values in registers; contig and masked layouts, and
+    the fused one on FP8 weights widened from them at each call; half the expert memory; at decode
+    1.3-1.4x faster than the fused FP8 layer on one H100, at prefill 1.27x slower than the FP8 staged
+    layer, 1.15x with layout "fused", BENCHMARKS.md),
     `layout` ("auto" | "contig" | "masked" | "fused": the whole routed branch in one kernel, FP8
-    block weights and SiLU only, its w13 prepared for it by `prepare_params`; never chosen by
+    block weights and SiLU only, its w13 prepared for it by `prepare_params` (W4A8 weights: widened
+    into its order at each call, a temporary FP8 copy of the experts, for prefill); never chosen by
     "auto"), contig `alignment` (rows per expert segment block),
     `masked_m_pad` (static rows per masked slab; None -> round_up(M, 256)),
     `masked_memory_budget_bytes` (auto layout: masked only if its estimated peak fits; None ->
@@ -113,6 +115,11 @@ class MoEConfig:
         if self.mxfp4_sm90_form == "w4a8" and arch in rec.kept_4bit_on:
             return rec.name
         return rec.gemm_recipe(arch).name
+
+    @property
+    def keeps_4bit(self) -> bool:
+        """The expert weights stay 4-bit in GEMM form (mxfp4 on arch 90 with mxfp4_sm90_form "w4a8")."""
+        return self.gemm_recipe == self.recipe and self.gemm_arch in get_recipe(self.recipe).kept_4bit_on
 
     @property
     def shared_intermediate_size(self) -> int:
@@ -240,8 +247,6 @@ def _validate(c: MoEConfig) -> None:
         _check(c.gemm_arch in rec.kept_4bit_on,
                f"MoEConfig.mxfp4_sm90_form='w4a8' keeps MXFP4 experts 4-bit on arch 90: it needs recipe 'mxfp4' "
                f"on arch 90, got recipe {c.recipe!r} on arch {c.gemm_arch}")
-        _check(c.layout != "fused", "MoEConfig.layout='fused' runs FP8 expert weights: it needs "
-               "mxfp4_sm90_form='fp8' (the W4A8 GEMMs run the contig and masked layouts)")
     if c.arch is not None:
         _check(c.arch in ARCHS, f"MoEConfig.arch must be one of {ARCHS} or None, got {c.arch!r}")
         _check(c.arch in rec.supported_archs,
@@ -263,11 +268,12 @@ def _validate(c: MoEConfig) -> None:
         # what the fused op computes (custom_calls/fused_moe.py): FP8 block-scaled weights, SiLU
         # with an optional clamp, the shared experts added outside it. The recipe the GEMMs run
         # decides: mxfp4 experts become fp8_block at load on arch 90 (DeepSeek-V4 on Hopper).
-        # The op reads arch 90's fp32 block scales (arch 100's are packed UE8M0).
-        _check(c.gemm_recipe == "fp8_block" and c.gemm_arch == 90,
+        # The op reads arch 90's fp32 block scales (arch 100's are packed UE8M0). MXFP4 experts kept
+        # 4-bit (W4A8) are widened to those FP8 weights at each call (moe_jax/layer.py).
+        _check(c.gemm_arch == 90 and (c.gemm_recipe == "fp8_block" or c.mxfp4_sm90_form == "w4a8"),
                f"MoEConfig.layout='fused' needs weights that run as recipe 'fp8_block' on arch 90 "
-               f"(fp8_block, or mxfp4, which becomes fp8_block at load there), got recipe "
-               f"{c.recipe!r}, which runs as {c.gemm_recipe!r} on arch {c.gemm_arch}")
+               f"(fp8_block, or mxfp4, which becomes fp8_block at load there or, kept 4-bit, at each call), "
+               f"got recipe {c.recipe!r}, which runs as {c.gemm_recipe!r} on arch {c.gemm_arch}")
         _check(c.activation.kind == "silu" and not c.activation.keep_fp32,
                f"MoEConfig.layout='fused' needs activation kind 'silu' (optional swiglu_limit), got {c.activation!r}")
         _check(not c.fuse_shared_experts,

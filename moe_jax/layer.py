@@ -13,7 +13,8 @@ so the static capacities of moe_jax/dispatch.py hold unchanged.
 The fused layout (`layout="fused"`) runs the routed branch as one op; with a bf16 router, one
 backend for the route and gemm stages, no hash routing and checked mode off, `moe_forward` routes
 inside that op too (`fused_moe_routed`: the router GEMM and the routing epilogue fused with the
-branch's launches), else it routes first and calls `fused_moe`.
+branch's launches), else it routes first and calls `fused_moe`. Weights kept 4-bit (W4A8) take it too:
+each call widens them to a temporary FP8 copy in the op's order (`fused_weights`), which pays at prefill.
 
 Planned once: each public function parses its backends, resolves the layout and checks the call's
 size once (`plan_routed` -> `RoutedPlan`), then runs the stages the plan names.
@@ -54,9 +55,11 @@ import jax
 import jax.numpy as jnp
 
 from custom_calls import (AUTO, REFERENCE, KernelSettings, backend_stages, contracts, fused_moe, fused_moe_routed,
-                          known_backends, permute_contig, permute_masked, unpermute)
+                          get_default_backend, known_backends, permute_contig, permute_masked, unpermute,
+                          widen_w4a8_weights)
 from custom_calls.settings import resolve_settings
 from custom_calls.dispatch_map import local_expert_ids
+from layouts import FUSED_GATE_UP_GRAN
 from moe_jax.config import MoEConfig
 from moe_jax.dispatch import LAYOUTS, choose_layout, default_masked_m_pad, dispatch_contig, dispatch_masked
 from moe_jax.experts import expert_core_contig, expert_core_masked
@@ -148,7 +151,8 @@ def plan_routed(num_tokens: int, config: MoEConfig, gemm_params: MoEParams, size
                          local_intermediate_size=i_loc, arch=gemm_params.gemm_arch, act_backend=be["activation"])
     check_call_size(num_tokens, config, layout=lay, routes_per_token=routes_per_token, num_local_experts=e_loc,
                     intermediate_size=i_loc, shared_intermediate_size=shared_intermediate_size)
-    if (lay == "fused") != bool(gemm_params.w13_interleave):
+    # weights kept 4-bit stay [gate; up]: the fused layout widens them into its order (`fused_weights`)
+    if (lay == "fused" and not gemm_params.kept_4bit) != bool(gemm_params.w13_interleave):
         raise ValueError(f"params.w13: layout {lay!r} needs w13 rows "
                          f"{'interleaved (w13_interleave=8)' if lay == 'fused' else '[gate; up] (w13_interleave=0)'}, "
                          f"got w13_interleave={gemm_params.w13_interleave}; prepare the params with "
@@ -261,12 +265,28 @@ def _routed_fused(x, topk_ids, topk_weights, params, config, *, expert_offset, b
         contracts.check_finite_rows("topk_weights", topk_weights, "tokens")
     else:  # the op drops ids outside [0, E_local) itself (no separate pass over the ids)
         ids = topk_ids.astype(jnp.int32) - jnp.asarray(expert_offset, jnp.int32)
-    act = config.activation
-    out = fused_moe(x.astype(jnp.bfloat16), ids, topk_weights.astype(jnp.float32), params.w13, params.w13_scale,
-                    params.w2, params.w2_scale, routed_scaling_factor=routed_scaling_factor,
-                    activation_clamp=act.swiglu_limit, w13_interleave=params.w13_interleave,
-                    arch=params.gemm_arch, backend=backend, debug_checks=debug_checks, settings=settings)
+    w13, w13_scale, w2, w2_scale, interleave = fused_weights(params, backend)
+    out = fused_moe(x.astype(jnp.bfloat16), ids, topk_weights.astype(jnp.float32), w13, w13_scale, w2, w2_scale,
+                    routed_scaling_factor=routed_scaling_factor, activation_clamp=config.activation.swiglu_limit,
+                    w13_interleave=interleave, arch=params.gemm_arch, backend=backend, debug_checks=debug_checks,
+                    settings=settings)
     return _fused_tail(out, addend, out_dtype)
+
+
+def fused_weights(params: MoEParams, backend) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, int]:
+    """The fused op's weight operands (w13, w13_scale, w2, w2_scale, w13_interleave) from GEMM-form params:
+    their own, or for weights kept 4-bit (W4A8, `MoEParams.kept_4bit`) an FP8 copy widened from them
+    (`custom_calls.widen_w4a8_weights`: the FP4 -> FP8 load path's operands bit for bit, w13 interleaved),
+    a temporary of E x 3 x H x I bytes that lives for the call. The widening runs on the reference where the
+    gemm stage does (`backend`), else on the backend "auto" picks for it (the "w4a8" backend's Triton kernel
+    on a GPU)."""
+    if not params.kept_4bit:
+        return params.w13, params.w13_scale, params.w2, params.w2_scale, params.w13_interleave
+    be = REFERENCE if (backend or get_default_backend()) == REFERENCE else AUTO
+    w13, w13_scale = widen_w4a8_weights(params.w13, params.w13_scale, gate_up_interleave=FUSED_GATE_UP_GRAN,
+                                        backend=be)
+    w2, w2_scale = widen_w4a8_weights(params.w2, params.w2_scale, backend=be)
+    return w13, w13_scale, w2, w2_scale, FUSED_GATE_UP_GRAN
 
 
 def shared_experts(x: jax.Array, params: MoEParams, config: MoEConfig, *, out_dtype=None,
@@ -334,12 +354,12 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
         shared = shared_mlp(x2, gemm_params, config, out_dtype=None, gemm_backend=be["gemm"],
                             act_backend=be["activation"], permute_backend=be["permute"], settings=plan.settings)
     if _routes_inside_fused_op(x2, params, gemm_params, config, plan, debug_checks):
+        w13, w13_scale, w2, w2_scale, interleave = fused_weights(gemm_params, be["gemm"])
         out = fused_moe_routed(
-            x2, params.gate_weight, _bias_f32(params.e_score_correction_bias), gemm_params.w13,
-            gemm_params.w13_scale, gemm_params.w2, gemm_params.w2_scale, top_k=config.top_k,
-            scoring=config.scoring, n_group=routing_groups(config), topk_group=config.topk_group,
+            x2, params.gate_weight, _bias_f32(params.e_score_correction_bias), w13, w13_scale, w2, w2_scale,
+            top_k=config.top_k, scoring=config.scoring, n_group=routing_groups(config), topk_group=config.topk_group,
             norm_topk_prob=config.norm_topk_prob, routed_scaling_factor=config.routed_scaling_factor,
-            activation_clamp=config.activation.swiglu_limit, w13_interleave=gemm_params.w13_interleave,
+            activation_clamp=config.activation.swiglu_limit, w13_interleave=interleave,
             arch=gemm_params.gemm_arch, backend=be["gemm"], settings=plan.settings)
         return _fused_tail(out, shared, x.dtype).reshape(*lead, -1)
     topk_ids, topk_weights = route_tokens(x2, params, config, tok, be["route"])
@@ -348,7 +368,7 @@ def moe_forward(x: jax.Array, params: MoEParams, config: MoEConfig, *,
         topk_ids, topk_weights, rsf = fuse_shared_routes(topk_ids, topk_weights, config.routed_scaling_factor,
                                                          num_routed=config.num_experts,
                                                          num_shared=gemm_params.fused_shared)
-    if config.hash_routing and gemm_params.w13_interleave:
+    if config.hash_routing and plan.layout == "fused":
         # a tid2eid row may name an expert twice; the fused op holds a token once per expert
         topk_ids, topk_weights = merge_repeated_routes(topk_ids, topk_weights)
     out = _routed(x2, topk_ids, topk_weights, gemm_params, config, plan, expert_offset=0, out_dtype=x.dtype,

@@ -82,6 +82,12 @@ class MoEParams:
         return self.gemm_recipe is not None
 
     @property
+    def kept_4bit(self) -> bool:
+        """GEMM-form expert weights kept 4-bit for GEMMs that widen them (the W4A8 form of mxfp4 on
+        arch 90, `layouts.w4a8`): values (E, N, K/2) int8 and one int32 scale word per row and 128 columns."""
+        return self.is_prepared and self.gemm_arch in get_recipe(self.gemm_recipe).kept_4bit_on
+
+    @property
     def num_local_experts(self) -> int:
         """Routed experts held (the fused shared experts appended to w13 not counted)."""
         return int(self.w13.shape[0]) - self.fused_shared
@@ -201,8 +207,9 @@ def prepare_params(params: MoEParams, config: MoEConfig, arch: int | None = None
 
 def _gate_up_order(params: MoEParams, config: MoEConfig) -> MoEParams:
     """Prepared params with the w13 row order of config.layout: interleaved for "fused" only (the
-    fused kernel's order; the scales stay [gate; up])."""
-    want = FUSED_GATE_UP_GRAN if config.layout == "fused" else 0
+    fused kernel's order; the scales stay [gate; up]), except weights kept 4-bit, which stay [gate; up]:
+    the fused layout widens them into its order at each call (moe_jax/layer.py)."""
+    want = FUSED_GATE_UP_GRAN if config.layout == "fused" and not params.kept_4bit else 0
     if params.w13_interleave == want:
         return params
     w13 = interleave_gate_up(params.w13) if want else deinterleave_gate_up(params.w13, params.w13_interleave)

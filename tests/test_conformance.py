@@ -558,9 +558,27 @@ def _violation_cases():
     return cases
 
 
+def _widen_cases():
+    """MXFP4 weights in the W4A8 form widened to FP8 block weights: both column orders, odd N (a partial
+    last row tile), w13's rows interleaved; every e4m3 table used (a spread of 24 exponents)."""
+    from layouts.fp4 import pack_e2m1
+    from layouts.w4a8 import mxfp4_to_w4a8
+
+    def make(n, k, order, gran):
+        def f(rng):
+            codes = jnp.asarray(rng.integers(0, 16, (3, n, k), dtype=np.uint8))
+            sf32 = jnp.asarray((2.0 ** rng.integers(-26, -2, (3, n, k // 32))).astype(np.float32))
+            return mxfp4_to_w4a8(pack_e2m1(codes), sf32), dict(column_order=order, gate_up_interleave=gran)
+        return f
+
+    return [Case("widen_w4a8_weights", name, make(n, k, order, gran), _exact)
+            for name, n, k, order, gran in (("columns_n200", 200, 384, "columns", 0), ("w4a8_n200", 200, 384, "w4a8", 0),
+                                            ("w13_interleaved_n512", 512, 256, "columns", 8))]
+
+
 CASES = {c.id: c for c in (_route_cases() + _rank_cases() + _dispatch_map_cases() + _permute_cases()
                            + _activation_cases() + _unpermute_cases() + _gemm_cases() + _dense_gemm_cases()
-                           + _fused_moe_cases() + _fused_moe_routed_cases() + _violation_cases())}
+                           + _fused_moe_cases() + _fused_moe_routed_cases() + _violation_cases() + _widen_cases())}
 
 
 def run_case(case: Case, backend: str) -> str:

@@ -260,6 +260,37 @@ def test_layer_fused_layout_deepseek_v4(tokens, hashed, fused_op_choices):
     assert ops == ["fused_moe", "fused_moe" if hashed else "fused_moe_routed"]
 
 
+@pytest.mark.parametrize("tokens,hashed", [(300, False), (130, True)])
+def test_layer_fused_layout_widens_4bit_experts(tokens, hashed, fused_op_choices):
+    """DeepSeek-V4's MXFP4 experts kept 4-bit (W4A8) in the fused layout: each call widens them by the
+    Triton kernel into the fused op's FP8 operands, and the fused kernel runs on them, so the output equals
+    the FP4 -> FP8 form's fused layer on the kernel bit for bit (bf16 gate: routing inside the op; hash
+    routing before it). The registry's choices are recorded, so a fallback cannot pass."""
+    from custom_calls.backends import record_resolutions
+    from moe_jax import MoEConfig, init_params, moe_forward, prepare_params
+
+    cfg4 = MoEConfig.deepseek_v4(hash_routing=hashed, arch=90, layout="fused", vocab_size=1000,
+                                 mxfp4_sm90_form="w4a8").scaled(num_experts=16, hidden_size=1024, intermediate_size=512)
+    cfg8 = cfg4.scaled(mxfp4_sm90_form="fp8")
+    raw = init_params(jax.random.PRNGKey(tokens), cfg4)
+    raw = dataclasses.replace(raw, gate_weight=raw.gate_weight.astype(jnp.bfloat16))
+    p4, p8 = prepare_params(raw, cfg4), prepare_params(raw, cfg8)
+    assert p4.kept_4bit and p4.w13_interleave == 0
+    x = jax.random.normal(jax.random.PRNGKey(1), (tokens, cfg4.hidden_size), jnp.bfloat16)
+    token_ids = jax.random.randint(jax.random.PRNGKey(2), (tokens,), 0, cfg4.vocab_size, jnp.int32) if hashed else None
+    fwd = jax.jit(moe_forward, static_argnames=("config", "backend"))
+    with record_resolutions() as log:
+        got = np.asarray(fwd(x, p4, config=cfg4, backend="auto", token_ids=token_ids)).view(np.uint16)
+    assert log.count(("widen_w4a8_weights", "w4a8")) == 2, log
+    assert [b for _, b in fused_op_choices] == ["deep_gemm"], fused_op_choices
+    fused_op_choices.clear()
+    want = np.asarray(fwd(x, p8, config=cfg8, backend="auto", token_ids=token_ids)).view(np.uint16)
+    assert [b for _, b in fused_op_choices] == ["deep_gemm"], fused_op_choices
+    np.testing.assert_array_equal(got, want)
+    y = np.asarray(got.view(jnp.bfloat16).astype(np.float32))
+    assert np.isfinite(y).all() and (np.abs(y).max(1) > 0).all()
+
+
 def test_programmatic_launch_waits_for_the_input_stage():
     """With programmatic dependent launch the fused kernel may start while the input kernel still
     writes its buffer: three dependent layers in one program (each layer's tokens are the previous

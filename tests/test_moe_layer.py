@@ -594,6 +594,37 @@ def test_deepseek_v4_runs_the_fused_layout_on_hopper(hashed, router):
     assert np.linalg.norm(y - other) / np.linalg.norm(other) < 5e-2
 
 
+@pytest.mark.parametrize("hashed,router", [(False, "bf16"), (False, "f32"), (True, "f32")])
+def test_deepseek_v4_fused_layout_widens_its_4bit_experts(hashed, router):
+    """With the MXFP4 experts kept 4-bit (mxfp4_sm90_form="w4a8") the fused layout widens them into its
+    FP8 operands at each call: prepare_params keeps them 4-bit with w13 [gate; up], and the layer's output
+    equals the FP4 -> FP8 form's fused layout bit for bit (routing inside the op with a bf16 router,
+    before it with an f32 one or by hash). A config of layout "auto" takes "fused" per call, and
+    routed_experts runs an expert shard (expert_offset) on it."""
+    cfg4 = V4.scaled(arch=90, layout="fused", hash_routing=hashed, mxfp4_sm90_form="w4a8")
+    cfg8 = cfg4.scaled(mxfp4_sm90_form="fp8")
+    raw, _ = params_for(cfg8)
+    if router == "bf16":
+        raw = raw.replace(gate_weight=raw.gate_weight.astype(jnp.bfloat16))
+    p4, p8 = mj.prepare_params(raw, cfg4), mj.prepare_params(raw, cfg8)
+    assert p4.kept_4bit and p4.w13.dtype == jnp.int8 and p4.w13_interleave == 0 and p8.w13_interleave == 8
+    x = inputs(23, seed=8)
+    tok = jax.random.randint(jax.random.key(9), (23,), 0, cfg4.vocab_size, jnp.int32) if hashed else None
+    bits = lambda y: np.asarray(y).view(np.uint16)  # noqa: E731
+    want = bits(_forward(x, p8, config=cfg8, token_ids=tok))
+    np.testing.assert_array_equal(bits(_forward(x, p4, config=cfg4, token_ids=tok)), want)
+    auto = cfg4.scaled(layout="auto")
+    pa = mj.prepare_params(raw, auto)
+    np.testing.assert_array_equal(bits(_forward(x, pa, config=auto, token_ids=tok, layout="fused")), want)
+    if not hashed:  # an expert shard: experts 4..11 of 16, the routes of the whole layer
+        ids, w = mj.route(x, raw, cfg8)
+        shard = lambda p: p.replace(w13=p.w13[4:12], w13_scale=p.w13_scale[4:12], w2=p.w2[4:12],  # noqa: E731
+                                    w2_scale=p.w2_scale[4:12])
+        y4 = mj.routed_experts(x, ids, w, shard(p4), cfg4, expert_offset=4)
+        y8 = mj.routed_experts(x, ids, w, shard(p8), cfg8, expert_offset=4)
+        np.testing.assert_array_equal(bits(y4), bits(y8))
+
+
 def test_merge_repeated_routes_keeps_the_sum_over_slots():
     from moe_jax.layer import merge_repeated_routes
 

@@ -293,14 +293,16 @@ def test_w4a8_column_order_keeps_the_producers_loads_vectorized():
 
 def test_w4a8_expand_kernel_compiles_for_sm90():
     """The W4A8 -> FP8 expansion compiles for sm_90a with the GEMMs' byte permutes (prmt), 16-byte stores
-    of the widened tile, no spills."""
+    of the widened tile, no spills, in both of its forms."""
     from custom_calls.triton.w4a8_expand_kernel import TILE, w4a8_expand_kernel
 
-    c = _compile(w4a8_expand_kernel, {"w_ptr": "*i8", "sw_ptr": "*i32", "out_ptr": "*fp8e4nv", "sf_ptr": "*fp32"},
-                 dict(N=4096, K=4096, TILE_N=TILE, PRMT=True), 90)
-    ptx = c.asm["ptx"]
-    assert "prmt.b32" in ptx and re.search(r"st\.global(?:\.\w+)*\.v4\.", ptx) and c.asm["cubin"]
-    assert _resources(c)["stack"] == 0
+    # the contig op's form (W4A8 column order) and the fused layout's (column order, w13's rows interleaved)
+    for extra in (dict(COLUMNS=False, GATE_UP=0), dict(COLUMNS=True, GATE_UP=8)):
+        c = _compile(w4a8_expand_kernel, {"w_ptr": "*i8", "sw_ptr": "*i32", "out_ptr": "*fp8e4nv", "sf_ptr": "*fp32"},
+                     dict(N=4096, K=4096, TILE_N=TILE, PRMT=True, **extra), 90)
+        ptx = c.asm["ptx"]
+        assert "prmt.b32" in ptx and re.search(r"st\.global(?:\.\w+)*\.v4\.", ptx) and c.asm["cubin"], extra
+        assert _resources(c)["stack"] == 0, extra
 
 
 def test_fused_input_kernel_compiles_for_sm90():

@@ -1557,8 +1557,8 @@ def case_w4a8_expand():
     import jax.numpy as jnp
 
     from custom_calls.triton.w4a8_expand_kernel import w4a8_expand
-    from layouts.fp4 import pack_e2m1
-    from layouts.w4a8 import mxfp4_to_w4a8, w4a8_to_fp8_block_lhs_order
+    from layouts.fp4 import E2M1_VALUES, pack_e2m1
+    from layouts.w4a8 import from_w4a8_lhs_order, mxfp4_to_w4a8, w4a8_to_fp8_block_lhs_order
 
     rng = _rng(83)
     g, n, k = 2, 200, 384
@@ -1575,12 +1575,30 @@ def case_w4a8_expand():
     got = np.asarray(w4a8_expand(w, sw, widen="shifts")[0]).view(np.uint8)
     assert not np.isin(got, (0, 0x80)).any()
     np.testing.assert_array_equal(got, np.asarray(w4a8_to_fp8_block_lhs_order(w, sw)[0]).view(np.uint8))
+    # the fused layout's form: column order and w13's rows [gate; up] interleaved by 8 (N = 2I, I = 384),
+    # against the float64 model (the e4m3 bytes decode to code value x 2^-s, rows placed by the numpy index)
+    codes = rng.choice(np.r_[1:8, 9:16], (g, 768, k)).astype(np.uint8)
+    sf = (2.0 ** rng.integers(-12, 0, (g, 768, k // 32))).astype(np.float32)
+    w, sw = mxfp4_to_w4a8(pack_e2m1(jnp.asarray(codes)), jnp.asarray(sf))
+    chunk = np.arange(768).reshape(2, 384 // 8, 8).transpose(1, 0, 2).reshape(-1)  # source row of each output row
+    for order, gran in (("columns", 8), ("columns", 0), ("w4a8", 8)):
+        got_w, got_s = w4a8_expand(w, sw, widen="shifts", column_order=order, gate_up_interleave=gran)
+        got = np.asarray(got_w).view(np.uint8)
+        assert not np.isin(got, (0, 0x80)).any(), f"{order}/{gran}: an element not written"
+        src = chunk if gran else np.arange(768)
+        # the block scales stay [gate; up]: an output row takes its source row's
+        vals = np.asarray(got_w).astype(np.float64) * np.repeat(np.repeat(np.asarray(got_s), 128, 1)[:, src], 128, 2)
+        if order == "w4a8":
+            vals = np.asarray(from_w4a8_lhs_order(jnp.asarray(vals)))
+        want = np.asarray(E2M1_VALUES)[codes & 7] * np.where(codes >= 8, -1.0, 1.0) * np.repeat(sf, 32, -1)
+        np.testing.assert_array_equal(vals, want[:, src], err_msg=f"{order}/{gran}")
 
 
 def case_layer_w4a8():
     """DeepSeek-V4's layer (scaled) with its MXFP4 experts kept 4-bit, backend "auto" (under the
-    interpreter: the Triton stages and the "w4a8" GEMMs), contig and masked: within bf16 rounding of the reference layer, which
-    equals the FP4 -> FP8 form bit for bit (tests/test_w4a8_gemm.py)."""
+    interpreter: the Triton stages and the "w4a8" GEMMs), contig and masked: within bf16 rounding of the reference layer,
+    which equals the FP4 -> FP8 form bit for bit (tests/test_w4a8_gemm.py); fused: the weights widened by the Triton
+    kernel."""
     import jax
     import jax.numpy as jnp
 
@@ -1595,6 +1613,14 @@ def case_layer_w4a8():
         got = np.asarray(moe_forward(x, params, cfg, layout=layout, backend="auto"), np.float64)
         rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         assert np.isfinite(got).all() and rel < 1e-2, (layout, rel)
+    # the fused layout on the same 4-bit params: the "w4a8" backend widens them (the Triton kernel), the
+    # fused op runs its reference here, so the output is the reference layer's fused output bit for bit
+    from custom_calls.backends import record_resolutions
+
+    with record_resolutions() as log:
+        got = np.asarray(moe_forward(x, params, cfg, layout="fused", backend="auto"))
+    assert ("widen_w4a8_weights", "w4a8") in log, log
+    np.testing.assert_array_equal(got, np.asarray(moe_forward(x, params, cfg, layout="fused", backend="reference")))
 
 
 def case_host_w4a8_masked():

@@ -293,8 +293,8 @@ def test_config_says_where_w4a8_runs():
         MoEConfig.deepseek_v3(num_experts=16, mxfp4_sm90_form="w4a8")
     with pytest.raises(ValueError, match="got recipe 'mxfp4' on arch 100"):
         _v4_small(mxfp4_sm90_form="w4a8").__class__(**{**cfg.__dict__, "arch": 100})
-    with pytest.raises(ValueError, match="layout='fused' runs FP8 expert weights"):
-        _v4_small(mxfp4_sm90_form="w4a8", layout="fused")
+    assert cfg.keeps_4bit and not _v4_small().keeps_4bit
+    assert _v4_small(mxfp4_sm90_form="w4a8", layout="fused").keeps_4bit  # widened at each fused call
 
 
 def test_prepared_params_stay_4bit_and_the_layer_gives_the_fp8_forms_bits():
@@ -355,7 +355,7 @@ def test_bench_gemm_kernel_time_sums_the_kernels_of_a_call(monkeypatch):
 
 def test_flax_module_runs_the_4bit_form():
     """`moe_jax.nn.MoE` with mxfp4_sm90_form="w4a8": 4-bit experts, the same output bits as the FP8 form
-    built from the same draws (shared expert included)."""
+    built from the same draws (shared expert included), staged and fused."""
     import jax
     from flax import nnx
 
@@ -364,10 +364,17 @@ def test_flax_module_runs_the_4bit_form():
     outs = {}
     x = jax.random.normal(jax.random.key(1), (8, 256), jnp.bfloat16)
     for form in ("fp8", "w4a8"):
-        module = MoE(_v4_small(mxfp4_sm90_form=form, n_shared_experts=1), rngs=nnx.Rngs(0))
-        assert module.gemm_recipe == ("mxfp4" if form == "w4a8" else "fp8_block")
-        outs[form] = np.asarray(module(x)).view(np.uint16)
-    np.testing.assert_array_equal(outs["w4a8"], outs["fp8"])
+        for layout in ("auto", "fused"):
+            module = MoE(_v4_small(mxfp4_sm90_form=form, n_shared_experts=1, layout=layout), rngs=nnx.Rngs(0))
+            assert module.gemm_recipe == ("mxfp4" if form == "w4a8" else "fp8_block")
+            outs[form, layout] = np.asarray(module(x)).view(np.uint16)
+    for layout in ("auto", "fused"):
+        np.testing.assert_array_equal(outs["w4a8", layout], outs["fp8", layout])
+    # 4-bit experts take the fused layout per call too (widened at each call; FP8 ones need it prepared)
+    per_call = MoE(_v4_small(mxfp4_sm90_form="w4a8", n_shared_experts=1), rngs=nnx.Rngs(0), layout="fused")
+    np.testing.assert_array_equal(np.asarray(per_call(x)).view(np.uint16), outs["fp8", "fused"])
+    with pytest.raises(ValueError, match=r"layout: 'fused' is chosen by MoEConfig\(layout='fused'\)"):
+        MoE(_v4_small(n_shared_experts=1), rngs=nnx.Rngs(0), layout="fused")
 
 
 def test_gpu_environment_asks_for_nvcc_and_triton(monkeypatch):
@@ -395,20 +402,50 @@ def test_gpu_environment_asks_for_nvcc_and_triton(monkeypatch):
 
 
 def test_expansion_checks_its_operands_by_name():
-    """`w4a8_expand` refuses, naming the argument, the expected and the actual: a widen mode it does not
-    have, values not (G, N, K/2) int8, K not whole W4A8 blocks, scales of the wrong shape or dtype."""
+    """`w4a8_expand` and the op `widen_w4a8_weights` refuse, naming the argument, the expected and the actual:
+    a widen mode or column order they do not have, values not (G, N, K/2) int8, K not whole W4A8 blocks,
+    scales of the wrong shape or dtype, a gate/up interleave that is not a positive int or does not fit N."""
     pytest.importorskip("triton")
+    from custom_calls import widen_w4a8_weights
     from custom_calls.triton.w4a8_expand_kernel import w4a8_expand
 
     values, scales = jnp.zeros((2, 64, 128), jnp.int8), jnp.zeros((2, 64, 2), jnp.int32)
-    cases = [((values, scales, "ptx"), r"widen: expected one of \('prmt', 'shifts'\), got 'ptx'"),
-             ((values[0], scales, "prmt"), r"values: expected \(G, N, K/2\) int8, got \(64, 128\) int8"),
-             ((values.astype(jnp.uint8), scales, "prmt"),
-              r"values: expected \(G, N, K/2\) int8, got \(2, 64, 128\) uint8"),
-             ((values[..., :96], scales, "prmt"), r"values: K = 2 x 96 = 192 must be a multiple of 128"),
-             ((values, scales[..., :1], "prmt"), r"scales: expected \(2, 64, 2\) int32 \(values \(2, 64, 128\)\), "
-                                                 r"got \(2, 64, 1\) int32"),
-             ((values, scales.astype(jnp.float32), "prmt"), r"scales: expected \(2, 64, 2\) int32 .* float32")]
-    for (v, s, widen), match in cases:
-        with pytest.raises(ValueError, match=match):
-            w4a8_expand(v, s, widen=widen)
+    w13 = (jnp.zeros((2, 512, 128), jnp.int8), jnp.zeros((2, 512, 2), jnp.int32))  # I = 256
+    with pytest.raises(ValueError, match=r"widen: expected one of \('prmt', 'shifts'\), got 'ptx'"):
+        w4a8_expand(values, scales, widen="ptx")
+    cases = [((values[0], scales), {}, r"values: expected \(G, N, K/2\) int8, got \(64, 128\) int8"),
+             ((values.astype(jnp.uint8), scales), {}, r"values: expected \(G, N, K/2\) int8, got \(2, 64, 128\) uint8"),
+             ((values[..., :96], scales), {}, r"values: K = 2 x 96 = 192 must be a positive multiple of 128"),
+             ((values, scales[..., :1]), {}, r"scales: expected \(2, 64, 2\) int32 \(one word per row and 128 "
+                                             r"columns of values \(2, 64, 128\)\), got \(2, 64, 1\) int32"),
+             ((values, scales.astype(jnp.float32)), {}, r"scales: expected \(2, 64, 2\) int32 .* float32"),
+             ((values, scales), dict(column_order="rows"),
+              r"column_order: expected one of \('columns', 'w4a8'\), got 'rows'"),
+             ((values, scales), dict(gate_up_interleave=True),
+              "gate_up_interleave: expected 0 or a positive int, got True"),
+             ((values, scales), dict(gate_up_interleave=8),
+              r"values: gate_up_interleave=8 needs N = 2I rows \[gate; up\] with I a multiple of 128 and of 8, "
+              r"got N = 64"),
+             (w13, dict(gate_up_interleave=3), "with I a multiple of 128 and of 3, got N = 512")]
+    for args, kw, match in cases:
+        for fn in (w4a8_expand, widen_w4a8_weights):
+            with pytest.raises(ValueError, match=match):
+                fn(*args, **kw)
+
+
+def test_widening_gives_the_fp4_to_fp8_paths_operands():
+    """`widen_w4a8_weights` (reference) gives the FP4 -> FP8 load path's operands of the same checkpoint weights bit
+    for bit: in column order, in the W4A8 column order, and for w13 with its rows interleaved as the fused
+    kernel reads them (`interleave_gate_up` of the load path's w13, its scales [gate; up])."""
+    from custom_calls import widen_w4a8_weights
+    from layouts import interleave_gate_up
+
+    codes, sf32, packed, _, _ = _operands(5, g=2, n=512, k=384)
+    w, sw = mxfp4_to_w4a8(packed, jnp.asarray(sf32))
+    want_w, want_s = mxfp4_to_fp8_block(packed, jnp.asarray(sf32))
+    as_bytes = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
+    for order, gran, expect in (("columns", 0, want_w), ("w4a8", 0, to_w4a8_lhs_order(want_w)),
+                                ("columns", 8, interleave_gate_up(want_w, 8))):
+        got_w, got_s = widen_w4a8_weights(w, sw, column_order=order, gate_up_interleave=gran, backend="reference")
+        np.testing.assert_array_equal(as_bytes(got_w), as_bytes(expect), err_msg=f"{order}/{gran}")
+        np.testing.assert_array_equal(np.asarray(got_s), np.asarray(want_s))

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from custom_calls.triton.launch import triton_call
+from custom_calls.w4a8_widen import check_widen_args
 from custom_calls.triton.w4a8_gemm_kernel import WIDEN_MODES, _widen_tile
 from layouts.checks import ceil_div
 
@@ -34,9 +35,10 @@ TILE = 128  # weight rows and columns a program widens: one block scale
 
 @triton.jit
 def w4a8_expand_kernel(w_ptr, sw_ptr, out_ptr, sf_ptr, N: tl.constexpr, K: tl.constexpr, TILE_N: tl.constexpr,
-                       PRMT: tl.constexpr):
+                       PRMT: tl.constexpr, COLUMNS: tl.constexpr, GATE_UP: tl.constexpr):
     """Program (row tile, K block, group): rows pid_n * TILE_N .. of group g (TILE_N = 128, one block
-    scale), columns kb * 128 .. ."""
+    scale), columns kb * 128 .. . COLUMNS: the tile in column order; GATE_UP > 0: the rows [gate; up]
+    stored interleaved in chunks of GATE_UP (`layouts.interleave_gate_up`)."""
     pid_n = tl.program_id(0)
     kb = tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)
@@ -45,33 +47,34 @@ def w4a8_expand_kernel(w_ptr, sw_ptr, out_ptr, sf_ptr, N: tl.constexpr, K: tl.co
     ok = n < N
     rows = g * N + n.to(tl.int64)
     word = tl.load(sw_ptr + rows * KB + kb, mask=ok, other=0)
-    w = _widen_tile(w_ptr + rows[:, None] * (K // 2) + kb * 64 + tl.arange(0, 64)[None, :], word, ok, TILE_N, PRMT)
+    w = _widen_tile(w_ptr + rows[:, None] * (K // 2) + kb * 64 + tl.arange(0, 64)[None, :], word, ok, TILE_N, PRMT,
+                    COLUMNS)
+    if GATE_UP > 0:
+        half = n // (N // 2)  # 0: gate row, 1: up row
+        r = n - half * (N // 2)
+        rows = g * N + ((r // GATE_UP) * 2 * GATE_UP + half * GATE_UP + r % GATE_UP).to(tl.int64)
     tl.store(out_ptr + rows[:, None] * K + kb * 128 + tl.arange(0, 128)[None, :], w, mask=ok[:, None])
     first = tl.load(sw_ptr + (g * N + pid_n * TILE_N) * KB + kb)  # row pid_n * TILE_N < N
     tl.store(sf_ptr + (g * tl.cdiv(N, TILE_N) + pid_n) * KB + kb, ((first & 0xFF) << 23).to(tl.float32, bitcast=True))
 
 
-def w4a8_expand(values: jax.Array, scales: jax.Array, *, widen: str = "prmt") -> tuple[jax.Array, jax.Array]:
-    """values (G, N, K/2) int8, scales (G, N, K/128) int32, K a multiple of 128 -> (e4m3 (G, N, K) in the
-    W4A8 column order, sf128 (G, ceil(N/128), K/128) f32), as `layouts.w4a8.w4a8_to_fp8_block_lhs_order`.
-    widen: "prmt" (PTX, GPU) or "shifts" (the same bytes by integer ops, what the interpreter runs)."""
+def w4a8_expand(values: jax.Array, scales: jax.Array, *, widen: str = "prmt", column_order: str = "w4a8",
+                gate_up_interleave: int = 0) -> tuple[jax.Array, jax.Array]:
+    """values (G, N, K/2) int8, scales (G, N, K/128) int32, K a multiple of 128 -> (e4m3 (G, N, K), sf128
+    (G, ceil(N/128), K/128) f32), as `layouts.w4a8.w4a8_to_fp8_block_lhs_order` (column_order "w4a8") or
+    `w4a8_to_fp8_block` ("columns"); gate_up_interleave g > 0: the N = 2I rows [gate; up] stored interleaved
+    in chunks of g, as `layouts.interleave_gate_up` (the scales stay [gate; up]; I a multiple of 128, so
+    no scale block mixes the halves). widen: "prmt" (PTX, GPU) or "shifts" (the same bytes by integer
+    ops, what the interpreter runs)."""
     if widen not in WIDEN_MODES:
         raise ValueError(f"widen: expected one of {WIDEN_MODES}, got {widen!r}")
-    if values.ndim != 3 or values.dtype != jnp.int8:
-        raise ValueError(f"values: expected (G, N, K/2) int8, got {tuple(values.shape)} {values.dtype}")
-    g, n, half_k = values.shape
-    k = 2 * half_k
-    if k % 128:
-        raise ValueError(f"values: K = 2 x {half_k} = {k} must be a multiple of 128 (whole W4A8 blocks)")
-    if tuple(scales.shape) != (g, n, k // 128) or scales.dtype != jnp.int32:
-        raise ValueError(f"scales: expected {(g, n, k // 128)} int32 (values {tuple(values.shape)}), got "
-                         f"{tuple(scales.shape)} {scales.dtype}")
+    g, n, k = check_widen_args(values, scales, column_order, gate_up_interleave)
     nt = ceil_div(n, TILE)
     out, sf = triton_call(values, scales, kernel=w4a8_expand_kernel,
                           out_shape=[jax.ShapeDtypeStruct((g, n, k), jnp.float8_e4m3fn),
                                      jax.ShapeDtypeStruct((g, nt, k // 128), jnp.float32)],
                           grid=(nt, k // 128, g), num_warps=4, name="w4a8_expand", N=n, K=k, TILE_N=TILE,
-                          PRMT=widen == "prmt")
+                          PRMT=widen == "prmt", COLUMNS=column_order == "columns", GATE_UP=gate_up_interleave)
     return out, sf
 
 

@@ -98,12 +98,12 @@ def _widen_prmt(wbytes, t_lo, t_hi):
 
 
 @triton.jit
-def _widen_tile(w_ptrs, word, ok, BLOCK_N: tl.constexpr, PRMT: tl.constexpr):
+def _widen_tile(w_ptrs, word, ok, BLOCK_N: tl.constexpr, PRMT: tl.constexpr, COLUMNS: tl.constexpr):
     """The [BLOCK_N, 128] e4m3 weight tile of one K block in the tokens' W4A8 column order
     (`layouts.w4a8.LHS_ORDER`: position 32s + 16e + 4c + i holds column 32c + 8s + 2i + e, i.e. byte i
     of the even (e = 0) or odd (e = 1) half of word 4c + s), so the MMA pairs each weight with its
-    token column: w_ptrs [BLOCK_N, 64] byte pointers, word [BLOCK_N] int32 scale words, ok [BLOCK_N]
-    rows in range (others read as +0)."""
+    token column; COLUMNS: in column order instead. w_ptrs [BLOCK_N, 64] byte pointers, word [BLOCK_N]
+    int32 scale words, ok [BLOCK_N] rows in range (others read as +0)."""
     wbytes = tl.load(w_ptrs, mask=ok[:, None], other=0)
     # a 32-group's table index: 5 bits per group from bit 8; 16 stored bytes per group
     shifts = 8 + 5 * tl.arange(0, 4)
@@ -112,6 +112,8 @@ def _widen_tile(w_ptrs, word, ok, BLOCK_N: tl.constexpr, PRMT: tl.constexpr):
         t_lo = tl.reshape(tl.broadcast_to(t_lo[:, :, None], (BLOCK_N, 4, 16)), (BLOCK_N, 64))
         t_hi = tl.reshape(tl.broadcast_to(t_hi[:, :, None], (BLOCK_N, 4, 16)), (BLOCK_N, 64))
         even, odd = _widen_prmt(wbytes, t_lo, t_hi)  # [BLOCK_N, 64]: byte 4q + i of word q = 4c + s
+        if COLUMNS:  # stored byte p widens to columns 2p (even) and 2p + 1 (odd)
+            return tl.reshape(tl.join(even, odd), (BLOCK_N, 128))
         even = tl.permute(tl.reshape(even, (BLOCK_N, 4, 4, 4)), (0, 2, 1, 3))  # (c, s, i) -> (s, c, i)
         odd = tl.permute(tl.reshape(odd, (BLOCK_N, 4, 4, 4)), (0, 2, 1, 3))
         return tl.reshape(tl.permute(tl.join(even, odd), (0, 1, 4, 2, 3)), (BLOCK_N, 128))  # (s, e, c, i)
@@ -130,6 +132,8 @@ def _widen_tile(w_ptrs, word, ok, BLOCK_N: tl.constexpr, PRMT: tl.constexpr):
         t_hi = tl.reshape(tl.broadcast_to(t_hi[:, :, None], (BLOCK_N, 4, 4)), (BLOCK_N, 16)).to(tl.uint32, bitcast=True)
         table = tl.where(mag < 4, t_lo[:, :, None], t_hi[:, :, None])
         byte = ((table >> (8 * (mag & 3))) & 0xFF) | (sign << 7)  # [BLOCK_N, word 4c + s, column 2i + e]
+        if COLUMNS:
+            return tl.reshape(byte.to(tl.uint8), (BLOCK_N, 128)).to(tl.float8e4nv, bitcast=True)
         byte = tl.permute(tl.reshape(byte.to(tl.uint8), (BLOCK_N, 4, 4, 4, 2)), (0, 2, 4, 1, 3))  # (s, e, c, i)
         return tl.reshape(byte, (BLOCK_N, 128)).to(tl.float8e4nv, bitcast=True)
 
@@ -139,7 +143,7 @@ def _weight_block(w_rows, sw_rows, kb, n_ok, BLOCK_N: tl.constexpr, PRMT: tl.con
     """K block kb of BLOCK_N weight rows: (e4m3 tile [BLOCK_N, 128], block scale per row [BLOCK_N] f32).
     w_rows [BLOCK_N, 1] / sw_rows [BLOCK_N]: the rows' value and scale-word pointers."""
     word = tl.load(sw_rows + kb, mask=n_ok, other=0)
-    w = _widen_tile(w_rows + kb * 64 + tl.arange(0, 64)[None, :], word, n_ok, BLOCK_N, PRMT)
+    w = _widen_tile(w_rows + kb * 64 + tl.arange(0, 64)[None, :], word, n_ok, BLOCK_N, PRMT, False)
     return w, ((word & 0xFF) << 23).to(tl.float32, bitcast=True)
 
 

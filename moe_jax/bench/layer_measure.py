@@ -271,8 +271,6 @@ def _bench_backend(inputs: LayerInputs, name: str, be: str, backends: list[str],
 
 def _measure(row: dict, inputs: LayerInputs, be: str, timer: RowTimer, ref32: Any, fused: bool) -> None:
     """Fills `row` field by field, so that a row which fails part way keeps what was measured."""
-    import jax
-
     f = inputs.routed_experts(be)
     e2e_sets = inputs.routed_sets()
     row["end_to_end_us"] = timer.timed("end to end", f, e2e_sets) * 1e6
@@ -282,8 +280,7 @@ def _measure(row: dict, inputs: LayerInputs, be: str, timer: RowTimer, ref32: An
     _measure_with_routing(row, inputs, be, timer)
     out = _measure_output(row, inputs, f, be, timer, ref32)
     timer.step("memory analysis")
-    compiled = jax.jit(f).lower(inputs.params, inputs.xs[0], *inputs.routed[0]).compile()
-    row["temp_MB"] = getattr(compiled.memory_analysis(), "temp_size_in_bytes", float("nan")) / 1e6
+    row["temp_MB"] = _temp_mb(f, inputs)
     stages = time_stages(inputs, be, timer)
     row["stages_us"] = {s: t * 1e6 for s, t in stages.seconds.items()}
     row["gemms_us"] = (stages.seconds["GEMM1"] + stages.seconds["GEMM2"]) * 1e6
@@ -295,6 +292,14 @@ def _measure(row: dict, inputs: LayerInputs, be: str, timer: RowTimer, ref32: An
             row.update(_bench_fused(inputs, be, timer, out, ref32))
         except Exception as exc:  # noqa: BLE001  the staged row stands; the fused one failed
             row["fused_error"] = failure(exc)
+
+
+def _temp_mb(f: Callable, inputs: LayerInputs) -> float:
+    """XLA's temporaries of the routed branch `f` on the first input set, MB."""
+    import jax
+
+    compiled = jax.jit(f).lower(inputs.params, inputs.xs[0], *inputs.routed[0]).compile()
+    return getattr(compiled.memory_analysis(), "temp_size_in_bytes", float("nan")) / 1e6
 
 
 def _measure_with_routing(row: dict, inputs: LayerInputs, be: str, timer: RowTimer) -> None:
@@ -351,6 +356,7 @@ def _bench_fused(inputs: LayerInputs, be: str, timer: RowTimer, staged_out: Any,
     if ref32 is not None:
         out.update({f"fused_{k}": v for k, v in _errors(y, ref32).items()})
     out["fused_vs_staged_rel"] = _errors(y, staged_out.astype(jax.numpy.float32))["rel_err"]
+    out["fused_temp_MB"] = _temp_mb(f, fused)  # for 4-bit experts, their FP8 copy included
     return out
 
 

@@ -212,7 +212,8 @@ def _fused_lines(row: dict) -> list[str]:
                      f"{row['fused_with_routing_us']:.1f} us steady" + _marginal(row, "fused_with_routing")
                      + (f", {fk['total']:.1f} us GPU kernel time" if fk.get("total") else "")
                      + (f", rel err {_f(row['fused_rel_err'], '.2e')}" if "fused_rel_err" in row else "")
-                     + f", vs the staged output {_f(row['fused_vs_staged_rel'], '.1e')}")
+                     + f", vs the staged output {_f(row['fused_vs_staged_rel'], '.1e')}"
+                     + (f", temp {row['fused_temp_MB']:.0f} MB" if "fused_temp_MB" in row else ""))
     return lines
 
 
