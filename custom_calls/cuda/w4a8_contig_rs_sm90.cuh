@@ -142,24 +142,27 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
   const int cw = wg - 1, t = tid % 128, warp = t / 32, lane = t % 32, gid = lane / 4, c = lane % 4;
   const int r0 = 64 * cw + 16 * warp + gid;
-  // weight row `row`'s scale word of K block kb in expert g (rows past N: table 0, block scale 0; not written out)
-  auto scale_word = [&](int g, int row, int kb) -> uint32_t {
-    return row < N ? __ldg(sw + (static_cast<size_t>(g) * N + row) * KB + kb) : 0u;
+  // the expert of tile `tile` (-1: a padding tile or past the last)
+  auto tile_expert = [&](int tile) { return tile < num_tiles ? m_indices[(tile / N_TILES) * BLOCK] : -1; };
+  // the scale words of K block kb of this thread's rows r0, r0 + 8 of tile `tile` in expert g (rows past N:
+  // table 0, block scale 0; not written out)
+  auto row_words = [&](int g, int tile, int kb, uint32_t& w0, uint32_t& w1) {
+    const int row = (tile % N_TILES) * BLOCK + r0;
+    const uint32_t* p = sw + (static_cast<size_t>(g) * N + row) * KB + kb;
+    w0 = row < N ? __ldg(p) : 0u;
+    w1 = row + 8 < N ? __ldg(p + 8 * KB) : 0u;
   };
-  // a tile's expert and first scale words: loaded during the tile before it (above; the first tile's here)
+  // a tile's expert and first scale words: loaded during the tile before it (below; the first tile's here)
   int tile = blockIdx.x;
-  int g = tile < num_tiles ? m_indices[(tile / N_TILES) * BLOCK] : -1;
+  int g = tile_expert(tile);
   uint32_t first0 = 0, first1 = 0;
-  if (g >= 0) {
-    first0 = scale_word(g, (tile % N_TILES) * BLOCK + r0, 0);
-    first1 = scale_word(g, (tile % N_TILES) * BLOCK + r0 + 8, 0);
-  }
+  if (g >= 0) row_words(g, tile, 0, first0, first1);
   int it = 0;
 #pragma unroll 1
   for (; tile < num_tiles; tile += gridDim.x) {
     const int mb = (tile / N_TILES) * BLOCK, wrow0 = (tile % N_TILES) * BLOCK;
     const int next = tile + gridDim.x;
-    const int g_next = next < num_tiles ? m_indices[(next / N_TILES) * BLOCK] : -1;
+    const int g_next = tile_expert(next);
     int row_ids[8];  // m_indices of the rows of this thread's 16-byte stores (row (t + 128 j) / 8)
 #pragma unroll
     for (int j = 0; j < 8; ++j) row_ids[j] = m_indices[mb + (t + 128 * j) / 8];
@@ -167,11 +170,6 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
 #pragma unroll
     for (int j = 0; j < 64; ++j) acc[j] = 0.f;
     if (g >= 0) {
-      // the rows' scale words, one K block ahead
-      auto load_words = [&](int kb, uint32_t& w0, uint32_t& w1) {
-        w0 = scale_word(g, wrow0 + r0, kb);
-        w1 = scale_word(g, wrow0 + r0 + 8, kb);
-      };
       // thread's fragment of K block (slot s) per k32 step: a0 (r0, even), a1 (r0 + 8, even), a2 (r0, odd),
       // a3 (r0 + 8, odd)
       auto widen_block = [&](int s, uint32_t sword0, uint32_t sword1, uint32_t (&frag)[4][4]) {
@@ -221,7 +219,7 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
       uint32_t frag_a[4][4], frag_b[4][4];
       mbar_wait(full(it % STAGES), (it / STAGES) & 1);
       widen_block(it % STAGES, next0, next1, frag_a);
-      if (KB > 1) load_words(1, next0, next1);
+      if (KB > 1) row_words(g, tile, 1, next0, next1);  // the rows' scale words, one K block ahead
       auto step = [&](int kb, const uint32_t (&frag)[4][4], uint32_t (&ahead)[4][4]) {
         const int s = it % STAGES;
         mma(s, frag);
@@ -229,7 +227,7 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
           const int s1 = (it + 1) % STAGES;
           mbar_wait(full(s1), ((it + 1) / STAGES) & 1);
           widen_block(s1, next0, next1, ahead);
-          if (kb + 2 < KB) load_words(kb + 2, next0, next1);
+          if (kb + 2 < KB) row_words(g, tile, kb + 2, next0, next1);
         }
         promote(s, (it / STAGES) & 1);
         ++it;
@@ -244,7 +242,7 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
       for (int kb = 0; kb < KB; ++kb, ++it) {
         const int s = it % STAGES;
         const uint32_t sword0 = next0, sword1 = next1;
-        if (kb + 1 < KB) load_words(kb + 1, next0, next1);
+        if (kb + 1 < KB) row_words(g, tile, kb + 1, next0, next1);
         mbar_wait(full(s), (it / STAGES) & 1);
         uint32_t frag[4][4];
         widen_block(s, sword0, sword1, frag);
@@ -253,11 +251,7 @@ moe_jax_w4a8_contig_rs_sm90(const __grid_constant__ moe_jax_w4a8::TmaDesc tokens
       }
 #endif
     }
-    if (g_next >= 0) {  // the next tile's first scale words, under this tile's epilogue
-      const int wrow_next = (next % N_TILES) * BLOCK;
-      first0 = scale_word(g_next, wrow_next + r0, 0);
-      first1 = scale_word(g_next, wrow_next + r0 + 8, 0);
-    }
+    if (g_next >= 0) row_words(g_next, next, 0, first0, first1);  // the next tile's, under this tile's epilogue
     g = g_next;
     // Out through shared memory: the warp group's 64 columns of the tile's 128 token rows, then 16-byte
     // stores along each row (the segment's padding rows and a padding tile: 0).
