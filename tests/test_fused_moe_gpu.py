@@ -279,6 +279,7 @@ def test_layer_fused_layout_widens_4bit_experts(tokens, hashed, fused_op_choices
     x = jax.random.normal(jax.random.PRNGKey(1), (tokens, cfg4.hidden_size), jnp.bfloat16)
     token_ids = jax.random.randint(jax.random.PRNGKey(2), (tokens,), 0, cfg4.vocab_size, jnp.int32) if hashed else None
     fwd = jax.jit(moe_forward, static_argnames=("config", "backend"))
+    jax.clear_caches()  # a trace jax holds (another test's FP8 layer) would skip the ops' resolution
     with record_resolutions() as log:
         got = np.asarray(fwd(x, p4, config=cfg4, backend="auto", token_ids=token_ids)).view(np.uint16)
     assert log.count(("widen_w4a8_weights", "w4a8")) == 2, log
