@@ -48,8 +48,8 @@ class MoEConfig:
     bytes, every GEMM backend and layout; or "w4a8", kept 4-bit, `layouts.w4a8`, the W4A8 grouped
     GEMMs (backend "w4a8") widen them to the same e4m3 values in registers; contig and masked layouts, and
     the fused one on FP8 weights widened from them at each call; half the expert memory; at decode
-    1.3-1.4x faster than the fused FP8 layer on one H100, at prefill 1.27x slower than the FP8 staged
-    layer, 1.15x with layout "fused", BENCHMARKS.md),
+    1.3-1.4x faster than the fused FP8 layer on one H100; at prefill 1.27x the FP8 staged layer's time,
+    1.13x with layout "fused", BENCHMARKS.md),
     `layout` ("auto" | "contig" | "masked" | "fused": the whole routed branch in one kernel, FP8
     block weights and SiLU only, its w13 prepared for it by `prepare_params` (W4A8 weights: widened
     into its order at each call, a temporary FP8 copy of the experts, for prefill); never chosen by
@@ -270,7 +270,7 @@ def _validate(c: MoEConfig) -> None:
         # decides: mxfp4 experts become fp8_block at load on arch 90 (DeepSeek-V4 on Hopper).
         # The op reads arch 90's fp32 block scales (arch 100's are packed UE8M0). MXFP4 experts kept
         # 4-bit (W4A8) are widened to those FP8 weights at each call (moe_jax/layer.py).
-        _check(c.gemm_arch == 90 and (c.gemm_recipe == "fp8_block" or c.mxfp4_sm90_form == "w4a8"),
+        _check(c.gemm_arch == 90 and (c.gemm_recipe == "fp8_block" or c.keeps_4bit),
                f"MoEConfig.layout='fused' needs weights that run as recipe 'fp8_block' on arch 90 "
                f"(fp8_block, or mxfp4, which becomes fp8_block at load there or, kept 4-bit, at each call), "
                f"got recipe {c.recipe!r}, which runs as {c.gemm_recipe!r} on arch {c.gemm_arch}")

@@ -122,7 +122,8 @@ class MoE(nnx.Module):
         # its FP8 weights are prepared for it; W4A8 weights are widened into its order at each call
         if layout == "fused" and config.layout != "fused" and not config.keeps_4bit:
             raise ValueError("layout: 'fused' is chosen by MoEConfig(layout='fused'), which prepares the weights "
-                             f"for it (or by a config whose experts stay 4-bit); got config.layout={config.layout!r}")
+                             f"for it (or by a config whose experts stay 4-bit); got "
+                             f"config.layout={config.layout!r}")
         if mesh is not None and not isinstance(mesh, Mesh):
             raise TypeError(f"mesh: expected jax.sharding.Mesh or None, got {type(mesh).__name__}")
         ep_default, tp_default = _default_axes(parallel, mesh)

@@ -572,7 +572,8 @@ def _widen_cases():
         return f
 
     return [Case("widen_w4a8_weights", name, make(n, k, order, gran), _exact)
-            for name, n, k, order, gran in (("columns_n200", 200, 384, "columns", 0), ("w4a8_n200", 200, 384, "w4a8", 0),
+            for name, n, k, order, gran in (("columns_n200", 200, 384, "columns", 0),
+                                            ("w4a8_n200", 200, 384, "w4a8", 0),
                                             ("w13_interleaved_n512", 512, 256, "columns", 8))]
 
 

@@ -269,15 +269,17 @@ def test_layer_fused_layout_widens_4bit_experts(tokens, hashed, fused_op_choices
     from custom_calls.backends import record_resolutions
     from moe_jax import MoEConfig, init_params, moe_forward, prepare_params
 
-    cfg4 = MoEConfig.deepseek_v4(hash_routing=hashed, arch=90, layout="fused", vocab_size=1000,
-                                 mxfp4_sm90_form="w4a8").scaled(num_experts=16, hidden_size=1024, intermediate_size=512)
+    cfg4 = MoEConfig.deepseek_v4(hash_routing=hashed, arch=90, layout="fused", vocab_size=1000, mxfp4_sm90_form="w4a8")
+    cfg4 = cfg4.scaled(num_experts=16, hidden_size=1024, intermediate_size=512)
     cfg8 = cfg4.scaled(mxfp4_sm90_form="fp8")
     raw = init_params(jax.random.PRNGKey(tokens), cfg4)
     raw = dataclasses.replace(raw, gate_weight=raw.gate_weight.astype(jnp.bfloat16))
     p4, p8 = prepare_params(raw, cfg4), prepare_params(raw, cfg8)
     assert p4.kept_4bit and p4.w13_interleave == 0
     x = jax.random.normal(jax.random.PRNGKey(1), (tokens, cfg4.hidden_size), jnp.bfloat16)
-    token_ids = jax.random.randint(jax.random.PRNGKey(2), (tokens,), 0, cfg4.vocab_size, jnp.int32) if hashed else None
+    token_ids = None
+    if hashed:
+        token_ids = jax.random.randint(jax.random.PRNGKey(2), (tokens,), 0, cfg4.vocab_size, jnp.int32)
     fwd = jax.jit(moe_forward, static_argnames=("config", "backend"))
     jax.clear_caches()  # a trace jax holds (another test's FP8 layer) would skip the ops' resolution
     with record_resolutions() as log:

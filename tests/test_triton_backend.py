@@ -298,8 +298,8 @@ def test_w4a8_expand_kernel_compiles_for_sm90():
 
     # the contig op's form (W4A8 column order) and the fused layout's (column order, w13's rows interleaved)
     for extra in (dict(COLUMNS=False, GATE_UP=0), dict(COLUMNS=True, GATE_UP=8)):
-        c = _compile(w4a8_expand_kernel, {"w_ptr": "*i8", "sw_ptr": "*i32", "out_ptr": "*fp8e4nv", "sf_ptr": "*fp32"},
-                     dict(N=4096, K=4096, TILE_N=TILE, PRMT=True, **extra), 90)
+        sig = {"w_ptr": "*i8", "sw_ptr": "*i32", "out_ptr": "*fp8e4nv", "sf_ptr": "*fp32"}
+        c = _compile(w4a8_expand_kernel, sig, dict(N=4096, K=4096, TILE_N=TILE, PRMT=True, **extra), 90)
         ptx = c.asm["ptx"]
         assert "prmt.b32" in ptx and re.search(r"st\.global(?:\.\w+)*\.v4\.", ptx) and c.asm["cubin"], extra
         assert _resources(c)["stack"] == 0, extra

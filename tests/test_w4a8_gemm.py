@@ -414,7 +414,8 @@ def test_expansion_checks_its_operands_by_name():
     with pytest.raises(ValueError, match=r"widen: expected one of \('prmt', 'shifts'\), got 'ptx'"):
         w4a8_expand(values, scales, widen="ptx")
     cases = [((values[0], scales), {}, r"values: expected \(G, N, K/2\) int8, got \(64, 128\) int8"),
-             ((values.astype(jnp.uint8), scales), {}, r"values: expected \(G, N, K/2\) int8, got \(2, 64, 128\) uint8"),
+             ((values.astype(jnp.uint8), scales), {},
+              r"values: expected \(G, N, K/2\) int8, got \(2, 64, 128\) uint8"),
              ((values[..., :96], scales), {}, r"values: K = 2 x 96 = 192 must be a positive multiple of 128"),
              ((values, scales[..., :1]), {}, r"scales: expected \(2, 64, 2\) int32 \(one word per row and 128 "
                                              r"columns of values \(2, 64, 128\)\), got \(2, 64, 1\) int32"),

@@ -16,6 +16,9 @@ contig op runs it where `KernelSettings.w4a8_prefill` says (`custom_calls.w4a8_b
 One program widens a 128-row x 128-column tile (`w4a8_gemm_kernel._widen_tile`, the same byte
 permutes as the GEMMs; widen="shifts" under Triton's interpreter) and writes its block scale, the
 UE8M0 byte of the tile's first row's scale word (every row of a 128-row tile holds the same).
+
+The same kernel widens whole experts for the fused layout (`custom_calls.w4a8_widen`, the "w4a8" backend):
+in column order (the fused op quantizes its own tokens) and w13's rows [gate; up] written interleaved.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ import triton
 import triton.language as tl
 
 from custom_calls.triton.launch import triton_call
-from custom_calls.w4a8_widen import check_widen_args
 from custom_calls.triton.w4a8_gemm_kernel import WIDEN_MODES, _widen_tile
+from custom_calls.w4a8_widen import check_widen_args
 from layouts.checks import ceil_div
 
 TILE = 128  # weight rows and columns a program widens: one block scale

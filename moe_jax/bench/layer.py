@@ -107,9 +107,9 @@ def run(args: argparse.Namespace) -> int:
     # 4-bit experts are widened to FP8 at each fused call: measured at the contig (prefill) shapes only
     fused = {(model, layout): args.fused and (layout == "contig" or not model.endswith("w4a8"))
              for model in models for _, _, layout in plan}
-    progress = Progress("layer", total=1 + sum(1 + int(error) + (STEPS_PER_BACKEND + FUSED_STEPS * f) * len(backends)
-                                               for model in models for _, _, layout in plan
-                                               for f in [int(fused[model, layout])]))
+    steps = sum(1 + error + (STEPS_PER_BACKEND + FUSED_STEPS * fused[model, layout]) * len(backends)
+                for model in models for _, _, layout in plan)
+    progress = Progress("layer", total=steps + 1)
     results = [bench_shape(name, m, layout, backends, args.reps, small=small, error=error, progress=progress,
                            fused=fused[model, layout], model=model)
                for model in models for name, m, layout in plan]
