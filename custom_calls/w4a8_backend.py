@@ -111,9 +111,9 @@ def grouped_gemm_contig(lhs: jax.Array, rhs: jax.Array, m_indices: jax.Array, *,
     form = contig_form(m_cap=lhs.shape[0], n=n, k=lhs.shape[1], num_groups=g, alignment=alignment, settings=settings)
     if form == "expand":
         from custom_calls.grouped_gemm import m_grouped_gemm_contig
-        from custom_calls.triton.w4a8_expand_kernel import w4a8_expand
 
-        wide, wide_scale = w4a8_expand(rhs, rhs_scale, widen=_widen())
+        # the lhs is in the W4A8 column order (the layer's producers write it so): the weights follow
+        wide, wide_scale = widen_weights(rhs, rhs_scale, column_order="w4a8", gate_up_interleave=0)
         # the reference GEMM under the interpreter: the CPU tests' stand-in for DeepGEMM
         return m_grouped_gemm_contig(lhs, wide, m_indices, lhs_scale=lhs_scale, rhs_scale=wide_scale,
                                      recipe="fp8_block", arch=90, alignment=alignment, assume_canonical=True,

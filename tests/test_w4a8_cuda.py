@@ -438,7 +438,8 @@ def test_registry_contig_runs_the_form_the_settings_and_alignment_ask_for(monkey
     monkeypatch.setattr(w4a8_contig_rs, "w4a8_contig_rs", lambda *a, alignment: calls.append(("persistent", alignment)))
     monkeypatch.setattr(cw, "w4a8_contig_cuda", lambda *a, alignment: calls.append(("per-block", alignment)))
     monkeypatch.setattr(w4a8_expand_kernel, "w4a8_expand",
-                        lambda w, s, *, widen: calls.append(("expand", widen)) or ("wide", "wide_scale"))
+                        lambda w, s, *, widen, column_order, gate_up_interleave:
+                        calls.append(("expand", widen, column_order, gate_up_interleave)) or ("wide", "wide_scale"))
     monkeypatch.setattr(grouped_gemm, "m_grouped_gemm_contig",
                         lambda a, w, mi, *, rhs_scale, recipe, backend, **kw: calls.append((w, rhs_scale, recipe, backend)))
     lhs = jax.ShapeDtypeStruct((256, 128), jnp.float8_e4m3fn)
@@ -450,4 +451,4 @@ def test_registry_contig_runs_the_form_the_settings_and_alignment_ask_for(monkey
     calls.clear()
     w4a8_backend.grouped_gemm_contig(lhs, rhs, None, lhs_scale=None, rhs_scale=None, recipe="mxfp4", arch=90,
                                      alignment=128, settings=KernelSettings(w4a8_prefill="expand"))
-    assert calls == [("expand", "prmt"), ("wide", "wide_scale", "fp8_block", "deep_gemm")]
+    assert calls == [("expand", "prmt", "w4a8", 0), ("wide", "wide_scale", "fp8_block", "deep_gemm")]

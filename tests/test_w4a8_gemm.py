@@ -246,8 +246,8 @@ def test_contig_by_expansion_gives_the_w4a8_gemm(monkeypatch):
 
     expanded = []
 
-    def expand(w, s, *, widen):
-        expanded.append(w.shape)
+    def expand(w, s, *, widen, column_order, gate_up_interleave):
+        expanded.append((w.shape, column_order, gate_up_interleave))
         return w4a8_to_fp8_block_lhs_order(w, s)
 
     monkeypatch.setattr(backend, "_interpreting", lambda: True)
@@ -263,7 +263,7 @@ def test_contig_by_expansion_gives_the_w4a8_gemm(monkeypatch):
     kw = dict(lhs_scale=sa, rhs_scale=sw, recipe="mxfp4", arch=90, alignment=128)
     got = np.asarray(backend.grouped_gemm_contig(a, w, jnp.asarray(m_indices), **kw,
                                                  settings=KernelSettings(w4a8_prefill="expand")), np.float32)
-    assert expanded == [(g, n, k // 2)]
+    assert expanded == [((g, n, k // 2), "w4a8", 0)]  # the lhs's column order, w13's rows as stored
     want = np.asarray(m_grouped_gemm_contig(a, w, jnp.asarray(m_indices), **kw, lhs_order="w4a8", backend="reference"),
                       np.float32)
     rows = m_indices >= 0
